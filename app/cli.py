@@ -1,0 +1,179 @@
+"""The `kvchat` command."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvchat.app.errors import FriendlyGroup
+
+
+@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvchat")
+def main() -> None:
+    """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read."""
+
+
+def _model_option(f):
+    return click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
+                        help="GGUF model file (llama or qwen2 architecture).")(f)
+
+
+@main.command()
+@_model_option
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0 means greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 means no limit.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
+@click.option("--seed", default=None, type=int, help="Seed for sampling (same seed, same text).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the tokens and text instead.")
+@click.argument("prompt")
+def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as_json, prompt) -> None:
+    """Complete a raw PROMPT (no chat template), streaming the text. PROMPT '-' reads standard input."""
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
+    engine = Engine(model_path, device=_device(device))
+    tokens = engine.encode_prompt(prompt)
+
+    def stream(_token: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = engine.complete(tokens, max_tokens, sampling, on_token=None if as_json else stream)
+    if as_json:
+        click.echo(json.dumps({
+            "tokens": result.tokens, "text": result.text, "stop_reason": result.stop_reason,
+            "prompt_tokens": len(tokens), "prefill_seconds": round(result.prefill_seconds, 6),
+            "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
+        }))
+    else:
+        click.echo()
+
+
+@main.command()
+@_model_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(model_path, as_json) -> None:
+    """Print a model's architecture and KV size without loading its weights."""
+    from kvchat.engine.engine import ModelInfo
+
+    mi = ModelInfo.read(model_path)
+    cfg = mi.config
+    facts = {
+        "name": mi.name, "architecture": cfg.arch, "layers": cfg.n_layers, "heads": cfg.n_heads,
+        "kv_heads": cfg.n_kv_heads, "head_size": cfg.head_dim, "embedding": cfg.d_model, "ffn": cfg.ffn_dim,
+        "vocab": cfg.vocab_size, "context_length": cfg.context_length,
+        "kv_bytes_per_token_f16": cfg.kv_bytes_per_token(2), "kv_bytes_per_token_f32": cfg.kv_bytes_per_token(4),
+        "rope": ("neox" if cfg.rope_neox else "norm") + (", llama3 factors" if cfg.llama3_rope else ""),
+        "tied_output": cfg.tied_output, "tensor_types": mi.tensor_types,
+    }
+    if as_json:
+        click.echo(json.dumps(facts))
+        return
+    width = max(len(k) for k in facts)
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}×{v}" for k, v in sorted(value.items()))
+        click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print numbers (record them in docs/benchmarks.md with device and date)."""
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}") from None
+    if not items or any(v < 1 for v in items):
+        raise click.BadParameter(f"expected positive whole numbers, got {value!r}")
+    return items
+
+
+@bench.command("engine")
+@click.option("--shape", "shapes", multiple=True, default=["llama-3.2-1b", "llama-3.1-8b"], show_default=True,
+              help="Random-weight model shaped like a public one (repeatable).")
+@click.option("--context", "contexts", default="1024,8192", show_default=True, callback=_int_list,
+              help="Context lengths for prefill and decode.")
+@click.option("--qtype", default="BF16", show_default=True, type=click.Choice(["BF16", "Q4_K_M"]))
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def bench_engine(shapes, contexts, qtype, device, cache_dir, json_path) -> None:
+    """Load time, prefill and decode tokens/s of the bare engine on random models of real shapes."""
+    from pathlib import Path
+
+    from kvchat.engine.bench import as_dict, bench_shape
+    from kvchat.engine.synthetic import SHAPES
+    from kvchat.errors import KvchatError
+    from kvchat.paths import data_dir
+
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise KvchatError(f"unknown shape {unknown[0]!r} (accepted: {', '.join(SHAPES)})")
+    folder = Path(cache_dir) if cache_dir else data_dir() / "bench-models"
+    results = [as_dict(bench_shape(folder, s, contexts, qtype, _device(device), log=click.echo)) for s in shapes]
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
+
+
+@bench.command("parity")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Engine dtype (default: float32 on cpu, bfloat16 on cuda).")
+@click.option("--numerics", default=None, type=click.Choice(["llama.cpp", "exact"]),
+              help="Round activations as llama.cpp does (default on cpu/float32) or not.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def bench_parity(device, dtype, numerics, json_path) -> None:
+    """Our engine against llama.cpp on the reference models: logit error and agreeing greedy tokens."""
+    import tempfile
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torch
+
+    from kvchat.engine.parity import compare, self_consistency
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT, make_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in REFERENCE_MODELS.items():
+            path = make_model(Path(tmp) / f"{name}.gguf", **spec)
+            p = compare(path, REFERENCE_PROMPT, device=_device(device), dtype=getattr(torch, dtype) if dtype else None,
+                        numerics=numerics)
+            own = self_consistency(path, Engine(path, device="cpu").encode_prompt(REFERENCE_PROMPT), p.greedy_steps)
+            rows.append({"model": name, **asdict(p), "llama_cpp_decode_vs_batch": own})
+            click.echo(f"{name:<24} {p.device:<6} {p.dtype:<9} {p.numerics:<9} rel. error {p.relative_error:.2e}  "
+                       f"greedy {p.greedy_agreeing}/{p.greedy_steps}  llama.cpp decode vs its batch {own:.1e}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+
+
+def _device(name: str | None):
+    if name is None:
+        return None
+    import torch
+
+    from kvchat.errors import KvchatError
+
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise KvchatError(f"unknown device {name!r} (accepted: cpu, cuda, cuda:N)")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise KvchatError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Engine-level speed figures: load time, prefill and decode tokens/s at given context lengths, peak GPU memory.
+
+Models are random-weight GGUF files shaped like public ones (engine.synthetic.SHAPES), built once and kept in a
+cache folder, so the figures need no download and measure exactly the code a user runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvchat.engine.engine import Engine
+from kvchat.engine.synthetic import SHAPES, LLAMA_FTYPE_Q4_K_M, llama_quantize, make_shaped_model
+
+
+@dataclass
+class ContextFigures:
+    context: int
+    prefill_tokens_per_s: float
+    prefill_seconds: float
+    decode_tokens_per_s: float
+    decode_ms_per_token: float
+
+
+@dataclass
+class ShapeFigures:
+    shape: str
+    qtype: str
+    device: str
+    dtype: str
+    file_bytes: int
+    load_seconds: float
+    weights_gib: float
+    peak_gpu_gib: float | None = None
+    contexts: list[ContextFigures] = field(default_factory=list)
+
+
+def model_file(cache_dir: Path, shape: str, qtype: str = "BF16") -> Path:
+    """The random model for `shape` in `qtype` (BF16 or Q4_K_M), built on first use."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{shape}-{qtype}.gguf"
+    if path.exists():
+        return path
+    if qtype == "BF16":
+        make_shaped_model(path.with_suffix(".tmp"), shape, Q.BF16).rename(path)
+    elif qtype == "Q4_K_M":
+        src = model_file(cache_dir, shape, "BF16")
+        llama_quantize(src, path.with_suffix(".tmp"), LLAMA_FTYPE_Q4_K_M, keep_output_f32=False, pure=False)
+        path.with_suffix(".tmp").rename(path)
+    else:
+        raise ValueError(f"unknown benchmark type {qtype!r} (accepted: BF16, Q4_K_M)")
+    return path
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeats: int = 3) -> ContextFigures:
+    model, device = engine.model, engine.device
+    gen = torch.Generator().manual_seed(context)
+    tokens = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
+
+    def prefill_once():
+        cache = model.new_cache(context + decode_steps + 1)
+        h = model.run_layers(model.embed(tokens), torch.arange(context), cache, 0)
+        model.head(h[-1:])
+
+    prefill_once()  # warm-up (kernels, allocator)
+    prefill_s = _median_seconds(prefill_once, device, repeats)
+
+    cache = model.new_cache(context + decode_steps + 1)
+    model(tokens, cache)
+    next_token = torch.tensor([1])
+
+    def decode_run():
+        cache.length = context
+        for _ in range(decode_steps):
+            logits = model(next_token, cache)
+            next_token.fill_(int(torch.argmax(logits[-1])))  # the same host sync a real decode loop has
+
+    decode_run()
+    decode_s = _median_seconds(decode_run, device, repeats)
+    return ContextFigures(context, context / prefill_s, prefill_s, decode_steps / decode_s, 1000 * decode_s / decode_steps)
+
+
+def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "BF16",
+                device: str | None = None, log: Callable[[str], None] = print) -> ShapeFigures:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
+    path = model_file(cache_dir, shape, qtype)
+    engine = Engine(path, device=device)
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    figures = ShapeFigures(shape, qtype, _device_name(dev), str(engine.dtype).removeprefix("torch."),
+                           path.stat().st_size, engine.load_seconds, weights / 2**30)
+    log(f"{shape} {qtype}: loaded in {engine.load_seconds:.2f} s ({figures.weights_gib:.2f} GiB of weights)")
+    for ctx in contexts:
+        c = measure_context(engine, ctx)
+        figures.contexts.append(c)
+        log(f"  ctx {ctx}: prefill {c.prefill_tokens_per_s:,.0f} tok/s, decode {c.decode_tokens_per_s:,.1f} tok/s")
+    if dev.type == "cuda":
+        figures.peak_gpu_gib = torch.cuda.max_memory_allocated(dev) / 2**30
+    del engine
+    return figures
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def as_dict(figures: ShapeFigures) -> dict:
+    return asdict(figures)

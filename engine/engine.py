@@ -1,0 +1,77 @@
+"""The engine a caller holds: model weights, tokenizer and chat format of one GGUF file."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvchat.engine.chat_format import ChatFormat
+from kvchat.engine.config import ModelConfig
+from kvchat.engine.generate import GenerationResult, TokenCallback, generate
+from kvchat.engine.gguf_file import GGUFFile
+from kvchat.engine.loader import load_model
+from kvchat.engine.model import KVCache, Transformer
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.tokenizer import Tokenizer
+from kvchat.errors import ContextOverflowError
+
+
+@dataclass
+class ModelInfo:
+    """What `kvchat info` prints; needs only the metadata, not the weights."""
+
+    path: str
+    config: ModelConfig
+    name: str
+    tensor_types: dict[str, int]
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> "ModelInfo":
+        gf = GGUFFile(path)
+        cfg = ModelConfig.from_gguf(gf)
+        types: dict[str, int] = {}
+        for t in gf.tensors.values():
+            types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
+        return cls(os.fspath(path), cfg, str(gf.metadata.get("general.name", "")), types)
+
+
+class Engine:
+    def __init__(self, path: str | os.PathLike[str], device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, numerics: str | None = None):
+        loaded = load_model(path, device, dtype, numerics)
+        self.numerics = loaded.numerics
+        self.path = os.fspath(path)
+        self.config: ModelConfig = loaded.config
+        self.model: Transformer = loaded.model
+        self.load_seconds = loaded.load_seconds
+        self.tokenizer = Tokenizer(path)
+        self.chat = ChatFormat(self.tokenizer, loaded.gguf.metadata.get("tokenizer.chat_template"))
+        self.metadata = loaded.gguf.metadata
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return self.model.new_cache(capacity)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        tokens = self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos, special=True)
+        if not tokens:
+            raise ContextOverflowError("the prompt is empty")
+        return tokens
+
+    def complete(self, prompt: list[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
+                 cache: KVCache | None = None, stop_strings: tuple[str, ...] = ()) -> GenerationResult:
+        cache = cache if cache is not None else self.new_cache(len(prompt) + max_tokens)
+        return generate(self.model, cache, prompt, decoder=self.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                        sampling=sampling, stop_tokens=self.tokenizer.eog_ids, stop_strings=stop_strings,
+                        on_token=on_token, cancel=cancel)

@@ -1,0 +1,115 @@
+"""Prefill, then incremental decode: one token at a time into the KV cache, streamed to a callback, stopping on an
+end-of-generation token, a stop string, the token limit, the context limit, or a cancel from another thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvchat.engine.model import KVCache, Transformer
+from kvchat.engine.sampling import Sampler, SamplingParams
+from kvchat.errors import ContextOverflowError
+
+# What the callback receives for each token: the token id and the text it completes (may be "" mid-character).
+TokenCallback = Callable[[int, str], None]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = ""  # "eog" | "stop_string" | "max_tokens" | "context" | "cancelled"
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # from the call to the first sampled token
+    decode_seconds: float = 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = max(len(self.tokens) - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 4096) -> torch.Tensor:
+    """Append tokens to the cache in chunks (bounded activation memory) and return the last token's logits [V]."""
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    ids = torch.tensor(tokens, dtype=torch.long)
+    logits = None
+    for i in range(0, len(tokens), chunk):
+        logits = model(ids[i : i + chunk], cache)
+    return logits[-1]
+
+
+def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, max_tokens: int,
+             sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
+             stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
+             cancel: threading.Event | None = None, context_length: int | None = None) -> GenerationResult:
+    """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
+    StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
+    generated token but the last (nothing has attended to it yet)."""
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    limit = context_length or model.cfg.context_length
+    if cache.length + len(prompt) > limit:
+        raise ContextOverflowError(
+            f"the prompt needs {cache.length + len(prompt)} tokens of context; the model has {limit}")
+    sampler = Sampler(sampling, model.device)
+    result = GenerationResult(prefill_tokens=len(prompt))
+    started = time.perf_counter()
+    logits = prefill(model, cache, prompt)
+    token = sampler(logits)
+    result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
+    decode_started = time.perf_counter()
+    pieces: list[str] = []
+    while True:
+        result.tokens.append(token)
+        if token in stop_tokens:
+            result.stop_reason = "eog"
+            break
+        piece = decoder.feed(token)
+        pieces.append(piece)
+        if on_token is not None:
+            on_token(token, piece)
+        if stop_strings and _ends_with_stop(pieces, stop_strings):
+            result.stop_reason = "stop_string"
+            break
+        if len(result.tokens) >= max_tokens:
+            result.stop_reason = "max_tokens"
+            break
+        if cancel is not None and cancel.is_set():
+            result.stop_reason = "cancelled"
+            break
+        if cache.length + 1 > limit:
+            result.stop_reason = "context"
+            break
+        logits = model(torch.tensor([token]), cache)[-1]
+        token = sampler(logits)
+    tail = decoder.flush()
+    if tail and on_token is not None:
+        on_token(-1, tail)
+    result.text = _strip_stop("".join(pieces) + tail, stop_strings)
+    result.decode_seconds = time.perf_counter() - decode_started
+    return result
+
+
+def _ends_with_stop(pieces: list[str], stops: tuple[str, ...]) -> bool:
+    tail, need = "", max(len(s) for s in stops) + 16
+    for piece in reversed(pieces):  # only the recent text can newly contain a stop string
+        tail = piece + tail
+        if len(tail) >= need:
+            break
+    return any(s in tail for s in stops)
+
+
+def _strip_stop(text: str, stops: tuple[str, ...]) -> str:
+    for s in stops:
+        at = text.find(s)
+        if at >= 0:
+            text = text[:at]
+    return text

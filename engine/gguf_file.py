@@ -1,0 +1,122 @@
+"""Opening GGUF files: header sanity checks first, then gguf's memory-mapped reader, with every failure turned into
+one GGUFError sentence.
+
+gguf.GGUFReader trusts the file: a truncated or garbled file surfaces as IndexError, ValueError, KeyError or
+struct errors deep inside it, and absurd counts would make it loop. We check what is cheap to check before it runs
+and translate whatever it raises afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
+
+from kvchat.errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+# Far beyond any real model (Llama-3.1-405B has ~1,100 tensors and ~40 metadata keys besides the vocab arrays).
+MAX_TENSORS = 100_000
+MAX_KV = 100_000
+# Arrays we never need to turn into Python lists: the tokenizer reads them itself through llama.cpp.
+_LAZY_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: (rows..., row_length), the reverse of GGUF's ne[]
+    data: np.ndarray  # the raw bytes as stored (uint8 view into the memory map, or typed for float types)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class GGUFFile:
+    """A GGUF file's metadata (plain Python values) and tensors (memory-mapped, not yet dequantized)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        _check_header(self.path)
+        try:
+            reader = GGUFReader(self.path, "r")
+        except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on corrupt input; all mean the same
+            raise GGUFError(f"{self.path}: not a readable GGUF file ({_describe(exc)})") from None
+        self._reader = reader
+        self.metadata: dict[str, Any] = {}
+        try:
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key in _LAZY_ARRAYS:
+                    continue
+                self.metadata[key] = _field_value(field)
+            self.tensors: dict[str, TensorInfo] = {t.name: _tensor_info(t) for t in reader.tensors}
+        except GGUFError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise GGUFError(f"{self.path}: garbled GGUF metadata ({_describe(exc)})") from None
+        self._check_tensor_bounds()
+
+    def array_length(self, key: str) -> int:
+        """Length of a metadata array without converting it (vocabulary arrays hold 100k+ strings)."""
+        field = self._reader.fields.get(key)
+        return 0 if field is None else len(field.data)
+
+    def _check_tensor_bounds(self) -> None:
+        file_size = self.path.stat().st_size
+        for t in self.tensors.values():
+            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            if t.shape[-1] % block:
+                raise GGUFError(f"{self.path}: tensor {t.name} has rows of {t.shape[-1]}, not a multiple of {block}")
+            needed = t.n_elements // block * type_size
+            if t.data.nbytes != needed or t.data.ctypes.data == 0:
+                raise GGUFError(f"{self.path}: tensor {t.name} is truncated (the file holds {file_size} bytes)")
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists():
+        raise GGUFError(f"{path}: no such file")
+    if not path.is_file():
+        raise GGUFError(f"{path}: not a file")
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (bad magic or too short)")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        raise GGUFError(f"{path}: garbled GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+
+
+def _field_value(field) -> Any:
+    main = field.types[0] if field.types else None
+    if main == GGUFValueType.ARRAY:
+        return field.contents()
+    value = field.contents()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _tensor_info(t) -> TensorInfo:
+    try:
+        qtype = GGMLQuantizationType(int(t.tensor_type))
+    except ValueError:
+        raise GGUFError(f"tensor {t.name} has unknown type id {int(t.tensor_type)}") from None
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if any(d <= 0 for d in shape):
+        raise GGUFError(f"tensor {t.name} has an empty dimension {shape}")
+    return TensorInfo(name=t.name, qtype=qtype, shape=shape, data=t.data)
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__

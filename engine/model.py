@@ -1,0 +1,299 @@
+"""A compact Llama/Qwen2 decoder in the spirit of gpt-fast's model.py, built to be driven layer by layer.
+
+Everything the KV techniques need is a public method: run any contiguous range of layers on given hidden states,
+at explicit absolute positions, attending over all or a chosen subset of the cached tokens; and the KV cache
+reads out / writes back any token span for any range of layers.
+
+Shapes (batch is always 1: one chat at a time):
+    T  new tokens,  S  attended keys,  d  model width,  H / Hkv  query / KV heads,  D  head size,  L  layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvchat.engine.config import ModelConfig
+
+
+class KVCache(nn.Module):
+    """K and V of every layer in one tensor [L, 2, Hkv, capacity, D]; K is stored after RoPE, as llama.cpp does.
+
+    Slots are storage places, not positions: the positions used for RoPE are whatever the caller passed when the
+    token was computed, so a restored or reordered chat keeps its original positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 256):
+        super().__init__()
+        self.cfg = cfg
+        self.length = 0  # slots [0, length) hold valid K/V
+        self.register_buffer(
+            "kv", torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
+            persistent=False,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3]
+
+    def reserve(self, n_slots: int) -> None:
+        """Grow (by doubling) so that slots [0, n_slots) exist; every existing slot is kept, valid or not yet
+        (a restore writes spans before it sets `length`)."""
+        if n_slots <= self.capacity:
+            return
+        new_cap = max(n_slots, 2 * self.capacity)
+        grown = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
+        grown[:, :, :, : self.capacity] = self.kv
+        self.kv = grown
+
+    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        """k, v: [Hkv, T, D] written to slots [start, start + T) of one layer."""
+        end = start + k.shape[1]
+        self.kv[layer, 0, :, start:end] = k
+        self.kv[layer, 1, :, start:end] = v
+
+    def read(self, layers: range, start: int, end: int) -> Tensor:
+        """A copy of the K/V of slots [start, end) for `layers`: [len(layers), 2, Hkv, end - start, D]."""
+        self._check_span(layers, start, end)
+        return self.kv[layers.start : layers.stop, :, :, start:end].clone()
+
+    def write(self, layers: range, start: int, kv: Tensor) -> None:
+        """Write back K/V as returned by `read` (any device/dtype) into slots starting at `start`."""
+        end = start + kv.shape[3]
+        if layers.step != 1 or kv.shape[0] != len(layers):
+            raise ValueError(f"K/V for {kv.shape[0]} layers cannot fill {layers}")
+        self.reserve(end)
+        self.kv[layers.start : layers.stop, :, :, start:end] = kv.to(self.kv.device, self.kv.dtype)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def nbytes(self) -> int:
+        return self.length * self.cfg.kv_bytes_per_token(self.kv.element_size())
+
+    def _check_span(self, layers: range, start: int, end: int) -> None:
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= self.cfg.n_layers:
+            raise ValueError(f"layers {layers} outside [0, {self.cfg.n_layers})")
+        if not 0 <= start <= end <= self.capacity:
+            raise ValueError(f"slots [{start}, {end}) outside the cache's {self.capacity}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Statistics in fp32 even when activations are bf16/fp16, as llama.cpp does.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """RoPE as ggml applies it, for explicit positions.
+
+    Each rotated pair (x_a, x_b) becomes (x_a c - x_b s, x_a s + x_b c). We precompute per position C and S over the
+    whole head (C = cos, S = -sin on a pair's first member and +sin on its second; 1 and 0 past rope_dim) so one
+    rotation is x * C + partner(x) * S over queries and keys together: a handful of kernels, which matters in decode.
+    """
+
+    def __init__(self, cfg: ModelConfig, freq_factors: Tensor | None, device: torch.device):
+        super().__init__()
+        half = cfg.rope_dim // 2
+        # theta_i = pos * freq_scale * base^(-2i / rope_dim) / freq_factor_i, the same formula as ggml's rope.
+        inv_freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim)
+        inv_freq = inv_freq * cfg.rope_freq_scale
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double().cpu()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("c_table", torch.empty(0, cfg.head_dim, device=device), persistent=False)
+        self.register_buffer("s_table", torch.empty(0, cfg.head_dim, device=device), persistent=False)
+        self.neox = cfg.rope_neox
+        self.rope_dim, self.head_dim = cfg.rope_dim, cfg.head_dim
+
+    def _grow(self, n_pos: int) -> None:
+        n_pos = max(n_pos, 2 * self.c_table.shape[0], 1024)
+        angles = torch.arange(n_pos, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos().float(), angles.sin().float()
+        if self.neox:  # pairs (i, i + rope_dim/2)
+            c, s = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        else:  # pairs (2i, 2i + 1)
+            c, s = cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+        rest = self.head_dim - self.rope_dim
+        self.c_table = F.pad(c, (0, rest), value=1.0).to(self.c_table.device)
+        self.s_table = F.pad(s, (0, rest), value=0.0).to(self.s_table.device)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T] (best on the CPU: reading their maximum then costs no device sync) -> C, S [T, 1, D]."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self.c_table.shape[0]:
+            self._grow(top)
+        index = positions.to(self.c_table.device)
+        return self.c_table[index][:, None, :], self.s_table[index][:, None, :]
+
+    def _partner(self, x: Tensor) -> Tensor:
+        """For each rotated element, the other member of its pair."""
+        r = self.rope_dim
+        if not self.neox:
+            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        if r == self.head_dim:
+            return x.roll(r // 2, dims=-1)
+        return torch.cat([x[..., :r].roll(r // 2, dims=-1), x[..., r:]], dim=-1)
+
+    def apply(self, x: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+        """x [T, heads, D] -> rotated, computed in fp32."""
+        c, s = rot
+        xf = x.float()
+        # mul, mul, add (not a fused multiply-add): the same roundings as ggml's x_a*cos - x_b*sin
+        return (xf * c + self._partner(xf) * s).to(x.dtype)
+
+
+def identity(x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [d]
+    wqkv: Tensor  # [(H + 2 Hkv) D, d]  q, k, v fused so one matmul serves all three
+    bqkv: Tensor | None  # [(H + 2 Hkv) D]  qwen2 only
+    wo: Tensor  # [d, H D]
+    ffn_norm: Tensor  # [d]
+    w_gate_up: Tensor  # [2 F, d]  gate and up fused
+    w_down: Tensor  # [d, F]
+    # Activation rounding before each matrix (engine.numerics): llama.cpp's CPU numerics, or identity.
+    round_qkv: Callable[[Tensor], Tensor] = identity
+    round_wo: Callable[[Tensor], Tensor] = identity
+    round_gate_up: Callable[[Tensor], Tensor] = identity
+    round_down: Callable[[Tensor], Tensor] = identity
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: LayerWeights, rope: RotaryTable):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(w.attn_norm, cfg.rms_eps)
+        self.ffn_norm = RMSNorm(w.ffn_norm, cfg.rms_eps)
+        self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
+        self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
+        self.wo = nn.Parameter(w.wo, requires_grad=False)
+        self.w_gate_up = nn.Parameter(w.w_gate_up, requires_grad=False)
+        self.w_down = nn.Parameter(w.w_down, requires_grad=False)
+        self.rope = rope  # shared by all layers, not a child module
+        self.round_qkv, self.round_wo = w.round_qkv, w.round_wo
+        self.round_gate_up, self.round_down = w.round_gate_up, w.round_down
+
+    def forward(self, h: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
+                attend: Tensor | None) -> Tensor:
+        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend)
+        x = self.ffn_norm(h)
+        gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(self.round_down(F.silu(gate) * up), self.w_down)
+
+    def _attention(self, x: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
+                   attend: Tensor | None) -> Tensor:
+        cfg, n_new = self.cfg, x.shape[0]
+        qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
+        qk = self.rope.apply(qkv[:, : cfg.n_heads + cfg.n_kv_heads], rot)  # queries and keys in one rotation
+        q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, cfg.n_heads + cfg.n_kv_heads :]  # [T, Hkv, D]
+        cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values, mask, causal = _attended_kv(cache, layer, start, n_new, attend)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+            scale=1.0 / math.sqrt(cfg.head_dim), enable_gqa=cfg.n_rep > 1,
+        )  # [1, H, T, D]
+        return F.linear(self.round_wo(out[0].transpose(0, 1).reshape(n_new, cfg.n_heads * cfg.head_dim)), self.wo)
+
+
+def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None):
+    """Keys/values [Hkv, S, D] for new tokens in slots [start, start+T), and how to mask them.
+
+    Without `attend` the new tokens see every slot before them (a contiguous prefix, sliced, no copy); with it they
+    see exactly the slots listed (all of which precede them) plus the new tokens causally.
+    """
+    end = start + n_new
+    if attend is None:
+        keys, values = cache.kv[layer, 0, :, :end], cache.kv[layer, 1, :, :end]
+        if n_new == 1:
+            return keys, values, None, False
+        if start == 0:
+            return keys, values, None, True
+        n_prev = start
+    else:
+        index = torch.cat([attend.to(cache.kv.device), torch.arange(start, end, device=cache.kv.device)])
+        keys = cache.kv[layer, 0].index_select(1, index)
+        values = cache.kv[layer, 1].index_select(1, index)
+        n_prev = attend.numel()
+        if n_new == 1:
+            return keys, values, None, False
+    # Bottom-right causal: new token i sees every earlier slot and new tokens 0..i.
+    cols = torch.arange(n_prev + n_new, device=cache.kv.device)
+    rows = torch.arange(n_new, device=cache.kv.device)
+    return keys, values, cols[None, :] <= (n_prev + rows)[:, None], False
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tok_embeddings: Tensor, layers: list[LayerWeights], output_norm: Tensor,
+                 output: Tensor | None, freq_factors: Tensor | None,
+                 round_output: Callable[[Tensor], Tensor] = identity):
+        super().__init__()
+        self.cfg = cfg
+        device = tok_embeddings.device
+        self.tok_embeddings = nn.Parameter(tok_embeddings, requires_grad=False)  # [V, d]
+        self.rope = RotaryTable(cfg, freq_factors, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, self.rope) for w in layers)
+        self.output_norm = RMSNorm(output_norm, cfg.rms_eps)
+        # Tied models reuse the embedding matrix as the output projection.
+        self.output = None if output is None else nn.Parameter(output, requires_grad=False)  # [V, d]
+        self.round_output = round_output
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.dtype
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.cfg, self.device, self.dtype, capacity)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [T] -> hidden states [T, d]."""
+        return F.embedding(tokens.to(self.device), self.tok_embeddings)
+
+    def run_layers(self, h: Tensor, positions: Tensor, cache: KVCache, start: int, layers: range | None = None,
+                   attend: Tensor | None = None) -> Tensor:
+        """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
+
+        Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
+        restricts what the new tokens see; the default is every slot before `start`. Does not move cache.length.
+        """
+        layers = range(self.cfg.n_layers) if layers is None else layers
+        cache.reserve(start + h.shape[0])
+        rot = self.rope(positions)
+        for i in layers:
+            h = self.layers[i](h, i, rot, cache, start, attend)
+        return h
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm and output projection: [T, d] -> logits [T, V] in fp32."""
+        weight = self.tok_embeddings if self.output is None else self.output
+        return F.linear(self.round_output(self.output_norm(h)), weight).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, attend: Tensor | None = None,
+                all_logits: bool = False) -> Tensor:
+        """Append `tokens` [T] to the cache and return logits [T, V] (or [1, V] for the last token only)."""
+        start, n_new = cache.length, tokens.shape[0]
+        if positions is None:
+            positions = torch.arange(start, start + n_new)
+        h = self.run_layers(self.embed(tokens), positions, cache, start, attend=attend)
+        cache.length = start + n_new
+        return self.head(h if all_logits else h[-1:])

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvchat.engine.synthetic import make_model
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def kvchat_home(tmp_path, monkeypatch):
+    """All user data goes to a temporary folder: no test touches the real one."""
+    home = tmp_path / "kvchat-home"
+    monkeypatch.setenv("KVCHAT_HOME", str(home))
+    return home
+
+
+class ModelFiles:
+    """Random GGUF models built once per session and shared by every test that asks for the same spec."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[tuple, Path] = {}
+
+    def get(self, **spec) -> Path:
+        key = tuple(sorted((k, str(v)) for k, v in spec.items()))
+        if key not in self._built:
+            name = "-".join(f"{k}={v}" for k, v in key).replace("/", "_").replace(".", "_") or "default"
+            self._built[key] = make_model(self.root / f"{name}.gguf", **spec)
+        return self._built[key]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> ModelFiles:
+    return ModelFiles(tmp_path_factory.mktemp("models"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,51 @@
+"""The project's own promises: the README's test command is CI's, the layering holds, and the install claims only
+the `kvchat` name in site-packages."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"^\s*(\./install\.sh.*)$", (ROOT / "README.md").read_text(), flags=re.M)
+
+
+def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line.startswith("./install.sh")]
+    assert ci == [commands[1]]
+
+
+def test_engine_storage_kernels_do_not_import_textual():
+    code = ("import sys, kvchat.engine.engine, kvchat.engine.synthetic, kvchat.storage, kvchat.kernels\n"
+            "assert not any(m == 'textual' or m.startswith('textual.') for m in sys.modules), 'textual imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_generic_top_level_modules_are_installed():
+    code = ("import importlib.util as u\n"
+            "print([n for n in ('app','engine','storage','kernels','assets','tests') if u.find_spec(n)])\n"
+            "import kvchat.engine.model, kvchat.app.cli\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_every_dependency_says_why():
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = tomllib.loads(text)["project"]["dependencies"]
+    names = {re.split(r"[<>=;\s\[]", d)[0] for d in deps}
+    assert {"torch", "numpy", "gguf", "llama-cpp-python", "triton", "zstandard", "sqlite-utils", "textual",
+            "platformdirs", "click"} <= names
+    lines = text.splitlines()
+    for dep in deps:
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f'"{dep}"'))
+        assert lines[at - 1].strip().startswith("#"), f"{dep} has no comment saying why"
