@@ -109,8 +109,9 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
+@click.option("--cold", is_flag=True, help="Drop the OS page cache before each load (Linux, root).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
-def bench_engine(shapes, contexts, qtype, device, cache_dir, json_path) -> None:
+def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path) -> None:
     """Load time, prefill and decode tokens/s of the bare engine on random models of real shapes."""
     from pathlib import Path
 
@@ -123,7 +124,8 @@ def bench_engine(shapes, contexts, qtype, device, cache_dir, json_path) -> None:
     if unknown:
         raise KvchatError(f"unknown shape {unknown[0]!r} (accepted: {', '.join(SHAPES)})")
     folder = Path(cache_dir) if cache_dir else data_dir() / "bench-models"
-    results = [as_dict(bench_shape(folder, s, contexts, qtype, _device(device), log=click.echo)) for s in shapes]
+    results = [as_dict(bench_shape(folder, s, contexts, qtype, _device(device), log=click.echo, cold=cold))
+               for s in shapes]
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2))
 

@@ -6,6 +6,7 @@ cache folder, so the figures need no download and measure exactly the code a use
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.engine import Engine
+from kvchat.engine.generate import decoder_step
 from kvchat.engine.synthetic import SHAPES, LLAMA_FTYPE_Q4_K_M, llama_quantize, make_shaped_model
 
 
@@ -26,6 +28,7 @@ class ContextFigures:
     prefill_seconds: float
     decode_tokens_per_s: float
     decode_ms_per_token: float
+    eager_decode_tokens_per_s: float | None = None
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ShapeFigures:
     file_bytes: int
     load_seconds: float
     weights_gib: float
+    cold_load: bool = False
     peak_gpu_gib: float | None = None
     contexts: list[ContextFigures] = field(default_factory=list)
 
@@ -75,7 +79,8 @@ def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) 
 
 
 @torch.inference_mode()
-def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeats: int = 3) -> ContextFigures:
+def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeats: int = 3,
+                    cuda_graph: bool | None = None) -> ContextFigures:
     model, device = engine.model, engine.device
     gen = torch.Generator().manual_seed(context)
     tokens = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
@@ -90,36 +95,54 @@ def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeat
 
     cache = model.new_cache(context + decode_steps + 1)
     model(tokens, cache)
-    next_token = torch.tensor([1])
+    step = decoder_step(model, cache, context + decode_steps + 1, cuda_graph)
 
     def decode_run():
         cache.length = context
+        token = 1
         for _ in range(decode_steps):
-            logits = model(next_token, cache)
-            next_token.fill_(int(torch.argmax(logits[-1])))  # the same host sync a real decode loop has
+            token = int(torch.argmax(step(token)))  # the same host sync a real decode loop has
 
     decode_run()
     decode_s = _median_seconds(decode_run, device, repeats)
     return ContextFigures(context, context / prefill_s, prefill_s, decode_steps / decode_s, 1000 * decode_s / decode_steps)
 
 
+def drop_page_cache() -> bool:
+    """Ask Linux to forget cached file pages, so the next load reads the disk (needs root; False if refused)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "BF16",
-                device: str | None = None, log: Callable[[str], None] = print) -> ShapeFigures:
+                device: str | None = None, log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
     path = model_file(cache_dir, shape, qtype)
+    dropped = drop_page_cache() if cold else False
     engine = Engine(path, device=device)
     dev = engine.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     figures = ShapeFigures(shape, qtype, _device_name(dev), str(engine.dtype).removeprefix("torch."),
-                           path.stat().st_size, engine.load_seconds, weights / 2**30)
-    log(f"{shape} {qtype}: loaded in {engine.load_seconds:.2f} s ({figures.weights_gib:.2f} GiB of weights)")
+                           path.stat().st_size, engine.load_seconds, weights / 2**30, cold_load=dropped)
+    log(f"{shape} {qtype}: loaded in {engine.load_seconds:.2f} s {'(page cache dropped first) ' if dropped else ''}"
+        f"({figures.file_bytes / 2**30:.2f} GiB file, {figures.weights_gib:.2f} GiB of weights)")
     for ctx in contexts:
         c = measure_context(engine, ctx)
         figures.contexts.append(c)
-        log(f"  ctx {ctx}: prefill {c.prefill_tokens_per_s:,.0f} tok/s, decode {c.decode_tokens_per_s:,.1f} tok/s")
+        line = f"  ctx {ctx}: prefill {c.prefill_tokens_per_s:,.0f} tok/s, decode {c.decode_tokens_per_s:,.1f} tok/s"
+        if dev.type == "cuda":
+            eager = measure_context(engine, ctx, cuda_graph=False)
+            c.eager_decode_tokens_per_s = eager.decode_tokens_per_s
+            line += f" (eager, no CUDA graph: {eager.decode_tokens_per_s:,.1f})"
+        log(line)
     if dev.type == "cuda":
         figures.peak_gpu_gib = torch.cuda.max_memory_allocated(dev) / 2**30
     del engine

@@ -49,7 +49,8 @@ def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 
 def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, max_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
-             cancel: threading.Event | None = None, context_length: int | None = None) -> GenerationResult:
+             cancel: threading.Event | None = None, context_length: int | None = None,
+             cuda_graph: bool | None = None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
     generated token but the last (nothing has attended to it yet)."""
@@ -65,6 +66,7 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, 
     logits = prefill(model, cache, prompt)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
+    step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
     decode_started = time.perf_counter()
     pieces: list[str] = []
     while True:
@@ -88,14 +90,24 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, 
         if cache.length + 1 > limit:
             result.stop_reason = "context"
             break
-        logits = model(torch.tensor([token]), cache)[-1]
-        token = sampler(logits)
+        token = sampler(step(token))
     tail = decoder.flush()
     if tail and on_token is not None:
         on_token(-1, tail)
     result.text = _strip_stop("".join(pieces) + tail, stop_strings)
     result.decode_seconds = time.perf_counter() - decode_started
     return result
+
+
+def decoder_step(model: Transformer, cache: KVCache, capacity: int, cuda_graph: bool | None):
+    """One decode step as a function token -> logits [V]: replayed from a CUDA graph on CUDA, eager otherwise."""
+    if cuda_graph is None:
+        cuda_graph = model.device.type == "cuda"
+    if cuda_graph:
+        from kvchat.engine.cuda_graph import GraphedDecode
+
+        return GraphedDecode(model, cache, capacity)
+    return lambda token: model(torch.tensor([token]), cache)[-1]
 
 
 def _ends_with_stop(pieces: list[str], stops: tuple[str, ...]) -> bool:

@@ -128,13 +128,18 @@ class RotaryTable(nn.Module):
         self.c_table = F.pad(c, (0, rest), value=1.0).to(self.c_table.device)
         self.s_table = F.pad(s, (0, rest), value=0.0).to(self.s_table.device)
 
+    def reserve(self, n_pos: int) -> None:
+        if n_pos > self.c_table.shape[0]:
+            self._grow(n_pos)
+
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [T] (best on the CPU: reading their maximum then costs no device sync) -> C, S [T, 1, D]."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
-        if top > self.c_table.shape[0]:
-            self._grow(top)
-        index = positions.to(self.c_table.device)
-        return self.c_table[index][:, None, :], self.s_table[index][:, None, :]
+        self.reserve(int(positions.max()) + 1 if positions.numel() else 0)
+        return self.gather(positions.to(self.c_table.device))
+
+    def gather(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Like forward, for positions already on the device and within the table (no host sync: graph-safe)."""
+        return self.c_table[positions][:, None, :], self.s_table[positions][:, None, :]
 
     def _partner(self, x: Tensor) -> Tensor:
         """For each rotated element, the other member of its pair."""
@@ -189,26 +194,44 @@ class DecoderLayer(nn.Module):
         self.round_gate_up, self.round_down = w.round_gate_up, w.round_down
 
     def forward(self, h: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
-                attend: Tensor | None) -> Tensor:
-        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend)
+                attend: Tensor | None, step: "DecodeStep | None" = None) -> Tensor:
+        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step)
         x = self.ffn_norm(h)
         gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
         return h + F.linear(self.round_down(F.silu(gate) * up), self.w_down)
 
     def _attention(self, x: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
-                   attend: Tensor | None) -> Tensor:
+                   attend: Tensor | None, step: "DecodeStep | None") -> Tensor:
         cfg, n_new = self.cfg, x.shape[0]
         qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
         qk = self.rope.apply(qkv[:, : cfg.n_heads + cfg.n_kv_heads], rot)  # queries and keys in one rotation
         q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, cfg.n_heads + cfg.n_kv_heads :]  # [T, Hkv, D]
-        cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-        keys, values, mask, causal = _attended_kv(cache, layer, start, n_new, attend)
+        if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
+            cache.kv[layer, 0].index_copy_(1, step.slot, k.transpose(0, 1))
+            cache.kv[layer, 1].index_copy_(1, step.slot, v.transpose(0, 1))
+            keys, values, mask, causal = cache.kv[layer, 0], cache.kv[layer, 1], step.visible, False
+        else:
+            cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
+            keys, values, mask, causal = _attended_kv(cache, layer, start, n_new, attend)
+        return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
+
+    def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """q [T, H, D], keys/values [Hkv, S, D], mask broadcastable to [T, S] -> [T, H * D]."""
+        cfg, n_new = self.cfg, q.shape[0]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        if n_new == 1 and cfg.n_rep > 1:
+            # One query token: the n_rep query heads sharing a KV head become n_rep query rows of that head, so K/V
+            # are never repeated and every SDPA backend applies (decode's hot path).
+            grouped = q.view(cfg.n_kv_heads, cfg.n_rep, cfg.head_dim)[None]
+            m = None if mask is None else mask.view(1, 1, 1, -1)
+            out = F.scaled_dot_product_attention(grouped, keys[None], values[None], attn_mask=m, scale=scale)
+            return out.reshape(1, cfg.n_heads * cfg.head_dim)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-            scale=1.0 / math.sqrt(cfg.head_dim), enable_gqa=cfg.n_rep > 1,
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=cfg.n_rep > 1,
         )  # [1, H, T, D]
-        return F.linear(self.round_wo(out[0].transpose(0, 1).reshape(n_new, cfg.n_heads * cfg.head_dim)), self.wo)
+        return out[0].transpose(0, 1).reshape(n_new, cfg.n_heads * cfg.head_dim)
 
 
 def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None):
@@ -236,6 +259,16 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
     cols = torch.arange(n_prev + n_new, device=cache.kv.device)
     rows = torch.arange(n_new, device=cache.kv.device)
     return keys, values, cols[None, :] <= (n_prev + rows)[:, None], False
+
+
+@dataclass
+class DecodeStep:
+    """One decode token whose cache slot, visible slots and rotation are device tensors, so the step can be
+    captured once in a CUDA graph and replayed for every token (engine.cuda_graph)."""
+
+    slot: Tensor  # [1] long: where the token's K/V go
+    visible: Tensor  # [capacity] bool: the slots it attends to (itself included)
+    rot: tuple[Tensor, Tensor]  # C, S [1, 1, D] for its position
 
 
 class Transformer(nn.Module):
@@ -268,18 +301,22 @@ class Transformer(nn.Module):
         """tokens [T] -> hidden states [T, d]."""
         return F.embedding(tokens.to(self.device), self.tok_embeddings)
 
-    def run_layers(self, h: Tensor, positions: Tensor, cache: KVCache, start: int, layers: range | None = None,
-                   attend: Tensor | None = None) -> Tensor:
+    def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
+                   layers: range | None = None, attend: Tensor | None = None, step: DecodeStep | None = None) -> Tensor:
         """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
 
         Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
         restricts what the new tokens see; the default is every slot before `start`. Does not move cache.length.
+        With `step` (one token, CUDA-graph decode) positions, slot and visibility come from its device tensors.
         """
         layers = range(self.cfg.n_layers) if layers is None else layers
-        cache.reserve(start + h.shape[0])
-        rot = self.rope(positions)
+        if step is None:
+            cache.reserve(start + h.shape[0])
+            rot = self.rope(positions)
+        else:
+            rot = step.rot
         for i in layers:
-            h = self.layers[i](h, i, rot, cache, start, attend)
+            h = self.layers[i](h, i, rot, cache, start, attend, step)
         return h
 
     def head(self, h: Tensor) -> Tensor:
