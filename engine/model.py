@@ -210,7 +210,7 @@ class DecoderLayer(nn.Module):
         if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
             cache.kv[layer, 0].index_copy_(1, step.slot, k.transpose(0, 1))
             cache.kv[layer, 1].index_copy_(1, step.slot, v.transpose(0, 1))
-            keys, values, mask, causal = cache.kv[layer, 0], cache.kv[layer, 1], step.visible, False
+            keys, values, mask, causal = cache.kv[layer, 0], cache.kv[layer, 1], step.visible[None, :], False
         else:
             cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
             keys, values, mask, causal = _attended_kv(cache, layer, start, n_new, attend)

@@ -12,7 +12,8 @@ from kvchat.engine.parity import compare, ours_logits, relative_error
 from kvchat.engine.synthetic import REFERENCE_PROMPT
 
 pytestmark = pytest.mark.gpu
-SPECS = [dict(qtype=Q.F16), dict(qtype=Q.Q4_K), dict(arch="qwen2", style="chatml"), dict(llama3_factor=8.0)]
+SPECS = [dict(qtype=Q.F16), dict(qtype=Q.Q4_K), dict(arch="qwen2", style="chatml"), dict(llama3_factor=8.0),
+         dict(n_kv_heads=4), dict(arch="qwen2", style="chatml", n_kv_heads=1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
