@@ -12,8 +12,8 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "${pip[@]}" install torch                      # PyPI's Linux build is the CUDA one
-  elif "${pip[@]}" install -q --no-index torch==2.13.0 2>/dev/null; then
-    :                                              # a CPU wheel kept on this machine (find-links)
+  elif "${pip[@]}" install -q --no-index --no-deps torch==2.13.0 2>/dev/null; then
+    "${pip[@]}" install -q torch==2.13.0           # a CPU wheel kept on this machine (find-links); deps from PyPI
   else
     "${pip[@]}" install torch --index-url https://download.pytorch.org/whl/cpu
   fi
