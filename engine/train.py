@@ -194,7 +194,18 @@ class TrainModel(nn.Module):
 def save_checkpoint(model: TrainModel, step: int, cfg: TrainConfig, vocab: ByteBPEVocab, folder: Path,
                     history: list) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "weights.npz", **{k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()})
+    for old in folder.glob("weights-*.npz"):
+        old.unlink()
+    # Shards of at most ~12 MB, so a checkpoint travels between machines whose file transfers are capped.
+    shard, size, index = {}, 0, 0
+    for name, tensor in model.state_dict().items():
+        shard[name] = tensor.detach().float().cpu().numpy()
+        size += shard[name].nbytes
+        if size > 12 * 2**20:
+            np.savez(folder / f"weights-{index}.npz", **shard)
+            shard, size, index = {}, 0, index + 1
+    if shard:
+        np.savez(folder / f"weights-{index}.npz", **shard)
     (folder / "state.json").write_text(json.dumps({
         "step": step, "config": asdict(cfg), "history": history,
         "vocab": {"tokens": vocab.tokens, "token_types": vocab.token_types, "merges": vocab.merges,
@@ -203,8 +214,11 @@ def save_checkpoint(model: TrainModel, step: int, cfg: TrainConfig, vocab: ByteB
 
 
 def load_checkpoint(folder: Path, model: TrainModel) -> dict:
-    with np.load(folder / "weights.npz", allow_pickle=False) as z:
-        model.load_state_dict({k: torch.from_numpy(z[k]) for k in z.files})
+    weights = {}
+    for shard in sorted(folder.glob("weights-*.npz")):
+        with np.load(shard, allow_pickle=False) as z:
+            weights.update({k: torch.from_numpy(z[k]) for k in z.files})
+    model.load_state_dict(weights)
     return json.loads((folder / "state.json").read_text())
 
 
@@ -238,7 +252,7 @@ def _batches(corpus, batch: int, max_tokens: int, rng: random.Random):
 
 
 def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers: int, log=print,
-          device: str = "cuda") -> Path:
+          device: str = "cuda", minutes: float | None = None) -> Path:
     torch.manual_seed(cfg.seed)
     device = torch.device(device)
     if resume is not None:
@@ -266,7 +280,12 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
     history = state["history"]
     batches = _batches(corpus, cfg.batch, cfg.max_tokens, random.Random(cfg.seed + start))
     t0, tokens_seen = time.time(), 0
-    for step in range(start, min(start + steps, total)):
+    end = min(start + steps, total)
+    for step in range(start, end):
+        if minutes is not None and time.time() - t0 > 60 * minutes:
+            end = step
+            log(f"time limit: stopping at step {step}")
+            break
         warm = min(1.0, (step - start + 1) / cfg.warmup)
         lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
         for g in opt.param_groups:
@@ -286,7 +305,6 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
             rate = tokens_seen / (time.time() - t0)
             history.append({"step": step + 1, "loss": round(loss.item(), 4), "lr": lr})
             log(f"step {step + 1}/{total}  loss {loss.item():.4f}  lr {lr:.2e}  {rate / 1e3:.0f}k tok/s")
-    end = min(start + steps, total)
     save_checkpoint(model, end, cfg, vocab, out / "checkpoint", history)
     return export_gguf(model, vocab, out / "kvchat-memory-demo.gguf", Q.F16)
 
@@ -300,6 +318,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=max(1, mp.cpu_count() - 1))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--minutes", type=float, default=None, help="stop (and save) after this many minutes of steps")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a TrainConfig field for a new run (e.g. --set batch=8)")
     args = ap.parse_args()
@@ -309,7 +328,8 @@ def main() -> None:
         setattr(cfg, field, type(getattr(cfg, field))(value))
     if args.total_steps:
         cfg.steps = args.total_steps
-    path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device)
+    path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device,
+                 minutes=args.minutes)
     print(f"exported {path}")
 
 
