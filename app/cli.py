@@ -17,8 +17,20 @@ def main() -> None:
 
 
 def _model_option(f):
-    return click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
-                        help="GGUF model file (llama or qwen2 architecture).")(f)
+    return click.option("--model", "model_path", default=None, type=click.Path(dir_okay=False),
+                        callback=_resolve_model,
+                        help="GGUF model file (llama or qwen2 architecture); default: the embedded demo model.")(f)
+
+
+def _resolve_model(ctx, param, value):
+    if value is not None:
+        return value
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.errors import KvchatError
+
+    if not DEFAULT_MODEL.exists():
+        raise KvchatError(f"the embedded model is missing from this install ({DEFAULT_MODEL}); pass --model PATH")
+    return str(DEFAULT_MODEL)
 
 
 @main.command()
@@ -83,6 +95,49 @@ def info(model_path, as_json) -> None:
         if isinstance(value, dict):
             value = ", ".join(f"{k}×{v}" for k, v in sorted(value.items()))
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+
+
+@main.command("eval")
+@_model_option
+@click.option("--kv-policy", "policy_name", default="full", show_default=True,
+              type=click.Choice(sorted(__import__("kvchat.engine.policies", fromlist=["POLICIES"]).POLICIES)),
+              help="Which KV cache the questions are answered from.")
+@click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
+@click.option("--min-rounds", default=36, show_default=True, type=click.IntRange(min=2))
+@click.option("--max-rounds", default=48, show_default=True, type=click.IntRange(min=2))
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
+def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, device, as_json) -> None:
+    """Recall accuracy on held-out memory chats, per question kind and distance in rounds."""
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.evaluate import evaluate, heldout_chats
+    from kvchat.engine.policies import make_policy
+    from kvchat.errors import KvchatError
+
+    if max_rounds < min_rounds:
+        raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
+    policy = make_policy(policy_name)
+    engine = Engine(model_path, device=_device(device))
+    dialogues = heldout_chats(chats, seed, min_rounds, max_rounds)
+
+    def progress(done: int, total: int) -> None:
+        if not as_json:
+            click.echo(f"\r{done}/{total} chats", nl=False, err=True)
+
+    result = evaluate(engine, policy, dialogues, progress=progress)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    click.echo("", err=True)
+    d = result.as_dict()
+    click.echo(f"model {model_path}  policy {policy_name}  device {result.device}")
+    click.echo(f"accuracy {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over {d['chats']} chats of "
+               f">= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
+               f"(mean {d['mean_chat_tokens']:.0f}); {d['tokens_per_second']:.0f} tokens/s")
+    for title in ("by_kind", "by_position", "by_distance"):
+        cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in d[title].items())
+        click.echo(f"{title.replace('_', ' ')}: {cells}")
 
 
 @main.group()

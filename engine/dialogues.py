@@ -46,7 +46,7 @@ _FILLER = [
     "I had a long day at work and the weather was grey all afternoon.",
     "My train was late again, so I read a few pages of my book on the platform.",
     "We are planning a small dinner for the weekend and I still need to buy groceries.",
-    "The neighbors are renovating their kitchen and it has been noisy since Monday.",
+    "The neighbors are renovating their kitchen and it has been noisy all week.",
     "I finally cleaned the garage and found a box of old letters and photos.",
     "Yesterday I tried a new recipe, but I think it needed more salt.",
     "The park near my home has new benches and a small fountain.",
@@ -155,13 +155,16 @@ class Question:
     position: str  # where the question sits in the user message: alone | begin | middle | end
     distance: int  # rounds between the question and the oldest round it needs
     keys: tuple[str, ...]
+    values: tuple[str, ...]  # the latest value of each key: what the answer must contain
 
     @property
     def distance_bucket(self) -> str:
+        low = 1
         for top in (4, 8, 16, 32):
             if self.distance <= top:
-                return f"<={top}"
-        return ">32"
+                return f"{low}-{top}"
+            low = top + 1
+        return "33+"
 
 
 @dataclass
@@ -243,7 +246,7 @@ def _question_round(rng, dlg, i, known, slots, askable) -> Round:
     reply = answers[0] if len(answers) == 1 else f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
     position = rng.choice(POSITIONS)
     distance = i - min(known[k][1] if kind != "corrected" else known[k][2] for k in keys)
-    dlg.questions.append(Question(i, kind, position, distance, keys))
+    dlg.questions.append(Question(i, kind, position, distance, keys, tuple(known[k][0] for k in keys)))
     return Round(_ask(question, position, rng), reply)
 
 

@@ -35,22 +35,31 @@ class GenerationResult:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 4096) -> torch.Tensor:
-    """Append tokens to the cache in chunks (bounded activation memory) and return the last token's logits [V]."""
+def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 4096,
+            attend: torch.Tensor | None = None) -> torch.Tensor:
+    """Append tokens to the cache in chunks (bounded activation memory) and return the last token's logits [V].
+    `attend` restricts what the tokens see of the cache as it was before them (they always see each other)."""
     if not tokens:
         raise ValueError("prefill needs at least one token")
     ids = torch.tensor(tokens, dtype=torch.long)
-    logits = None
+    first, logits = cache.length, None
     for i in range(0, len(tokens), chunk):
-        logits = model(ids[i : i + chunk], cache)
+        logits = model(ids[i : i + chunk], cache, attend=_with_own_slots(attend, first, cache.length))
     return logits[-1]
+
+
+def _with_own_slots(attend: torch.Tensor | None, first: int, end: int) -> torch.Tensor | None:
+    """A restricted view of the old cache plus every slot this generation has added so far."""
+    if attend is None:
+        return None
+    return torch.cat([attend.to(torch.long).cpu(), torch.arange(first, end)])
 
 
 def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, max_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
-             cuda_graph: bool | None = None) -> GenerationResult:
+             cuda_graph: bool | None = None, attend: torch.Tensor | None = None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
     generated token but the last (nothing has attended to it yet)."""
@@ -63,10 +72,16 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, 
     sampler = Sampler(sampling, model.device)
     result = GenerationResult(prefill_tokens=len(prompt))
     started = time.perf_counter()
-    logits = prefill(model, cache, prompt)
+    first = cache.length
+    logits = prefill(model, cache, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
-    step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
+    if attend is None:
+        step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
+    else:  # a restricted view: eager steps that see the chosen slots and everything generated since
+        def step(tok: int) -> torch.Tensor:
+            visible = _with_own_slots(attend, first, cache.length)
+            return model(torch.tensor([tok]), cache, attend=visible)[-1]
     decode_started = time.perf_counter()
     pieces: list[str] = []
     while True:

@@ -1,0 +1,137 @@
+"""Recall accuracy on held-out memory dialogues: the same chats, the same questions, for every KV policy.
+
+Each chat is fed round by round into one KV cache. At a question round the open round (user message and the
+assistant header) is prefilled under the policy and the reply generated greedily; it is correct when it equals the
+expected reply exactly. The cache is then rolled back and the round appended with its expected reply, so every
+policy sees the identical chat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.dialogues import Dialogue, dialogues
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate, prefill
+from kvchat.engine.policies import KVPolicy
+
+
+@dataclass
+class Tally:
+    questions: int = 0
+    correct: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.questions if self.questions else 0.0
+
+    def add(self, ok: bool) -> None:
+        self.questions += 1
+        self.correct += int(ok)
+
+
+@dataclass
+class EvalResult:
+    model: str
+    policy: str
+    device: str
+    chats: int
+    overall: Tally = field(default_factory=Tally)
+    by_kind: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    by_position: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    by_distance: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    tokens: int = 0
+    seconds: float = 0.0
+    min_chat_rounds: int = 0
+    min_chat_tokens: int = 0
+    mean_chat_tokens: float = 0.0
+    failures: list[dict] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return self.overall.accuracy
+
+    def as_dict(self) -> dict:
+        def table(t: dict[str, Tally]) -> dict:
+            return {k: {"questions": v.questions, "correct": v.correct, "accuracy": round(v.accuracy, 4)}
+                    for k, v in sorted(t.items(), key=lambda kv: _sort_key(kv[0]))}
+
+        plain = ("model", "policy", "device", "chats", "tokens", "seconds", "min_chat_rounds", "min_chat_tokens",
+                 "mean_chat_tokens", "failures")
+        d = {k: getattr(self, k) for k in plain}
+        return {"accuracy": round(self.accuracy, 4), "questions": self.overall.questions,
+                "correct": self.overall.correct, **d, "tokens_per_second": round(self.tokens_per_second, 1),
+                "by_kind": table(self.by_kind), "by_position": table(self.by_position),
+                "by_distance": table(self.by_distance)}
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _sort_key(label: str) -> tuple:
+    digits = "".join(c for c in label.split("-")[0] if c.isdigit())
+    return (int(digits), label) if digits else (0, label)
+
+
+def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int) -> list[Dialogue]:
+    return dialogues("heldout", count, seed, min_rounds, max_rounds)
+
+
+def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_tokens: int = 48,
+             progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    result = EvalResult(engine.path, policy.name, str(engine.device), len(chats))
+    lengths, started = [], time.perf_counter()
+    for n, dlg in enumerate(chats):
+        lengths.append(_run_chat(engine, policy, dlg, max_new_tokens, result))
+        if progress:
+            progress(n + 1, len(chats))
+    result.seconds = time.perf_counter() - started
+    result.min_chat_rounds = min((len(d.rounds) for d in chats), default=0)
+    result.min_chat_tokens = min(lengths, default=0)
+    result.mean_chat_tokens = sum(lengths) / len(lengths) if lengths else 0.0
+    return result
+
+
+def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, result: EvalResult) -> int:
+    chat, cache = engine.chat, engine.new_cache(4096)
+    closed = chat.round_spans(Conversation(dlg.rounds, dlg.system))
+    questions = {q.round_index: q for q in dlg.questions}
+    round_starts: list[int] = []
+    for i, rnd in enumerate(dlg.rounds):
+        start = cache.length
+        q = questions.get(i)
+        if q is not None:
+            prompt = _open_round_tokens(engine, dlg, i)
+            visible = policy.visible_slots(cache, round_starts, prompt)
+            out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
+                           max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
+                           stop_strings=chat.stop_strings, attend=visible)
+            ok = out.text.strip() == rnd.assistant.strip()
+            for table, key in ((result.by_kind, q.kind), (result.by_position, q.position),
+                               (result.by_distance, q.distance_bucket)):
+                table[key].add(ok)
+            result.overall.add(ok)
+            result.tokens += len(prompt) + len(out.tokens)
+            if not ok and len(result.failures) < 20:
+                result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})
+            cache.truncate(start)
+        round_starts.append(start)
+        prefill(engine.model, cache, closed[i])
+        result.tokens += len(closed[i])
+    return cache.length
+
+
+def _open_round_tokens(engine: Engine, dlg: Dialogue, i: int) -> list[int]:
+    """Tokens of round i with its user message and the assistant header, before the reply."""
+    chat = engine.chat
+    before = chat.render(Conversation(dlg.rounds[:i], dlg.system).messages(), add_generation_prompt=False) if i else ""
+    opened = chat.render(Conversation(dlg.rounds[:i] + [Round(dlg.rounds[i].user)], dlg.system).messages(),
+                         add_generation_prompt=True)
+    text = opened[len(before):]
+    add_bos = i == 0 and engine.tokenizer.add_bos and not (chat.bos_text and text.startswith(chat.bos_text))
+    return engine.tokenizer.encode(text, add_bos=add_bos, special=True)

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from torch import Tensor
+
+from kvchat.engine.model import KVCache
+from kvchat.engine.policies.base import KVPolicy
+
+
+class FullKV(KVPolicy):
+    """The whole KV cache: every earlier round at every layer (the reference every other policy is scored against)."""
+
+    name = "full"
+
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int]) -> Tensor | None:
+        return None
