@@ -218,6 +218,38 @@ def bench_parity(device, dtype, numerics, json_path) -> None:
         Path(json_path).write_text(json.dumps(rows, indent=2))
 
 
+@bench.command("first-token")
+@_model_option
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(min=1))
+def bench_first_token(model_path, device, repeats) -> None:
+    """Time to the first reply token of a short chat, from a cold start of the engine and with it loaded."""
+    import statistics
+    import time
+
+    from kvchat.engine.chat_format import Conversation, Round
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.generate import generate
+
+    started = time.perf_counter()
+    engine = Engine(model_path, device=_device(device))
+    load = time.perf_counter() - started
+    conv = Conversation([Round("My name is Ada and I live in Lisbon.", "Nice to meet you, Ada."),
+                         Round("Where do I live?")], system="You are a helpful assistant.")
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        prompt = sum(engine.chat.round_spans(conv), [])
+        out = generate(engine.model, engine.new_cache(), prompt, decoder=engine.tokenizer.stream_decoder(),
+                       max_tokens=1)
+        times.append(time.perf_counter() - t0)
+        assert out.tokens
+    warm = statistics.median(times[1:])
+    click.echo(f"model {model_path} on {engine.device}: load {load:.3f} s; short chat ({len(prompt)} tokens): "
+               f"first reply token {times[0] * 1000:.1f} ms right after load, {warm * 1000:.1f} ms warm (median of "
+               f"{repeats}); cold start to first token {(load + times[0]) * 1000:.0f} ms")
+
+
 def _device(name: str | None):
     if name is None:
         return None

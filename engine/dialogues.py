@@ -30,7 +30,7 @@ Belfast Bergen Berlin Bern Bilbao Bologna Bordeaux Boston Bremen Brno Bruges Bru
 Cardiff Chicago Cologne Cork Dakar Dallas Delft Denver Dijon Dublin Dundee Durban Edinburgh Florence Geneva Genoa
 Ghent Glasgow Granada Graz Hamburg Hanoi Havana Helsinki Hobart Houston Innsbruck Istanbul Jakarta Kyoto Lagos Leeds
 Leipzig Lille Lima Lisbon Ljubljana Lyon Madrid Malmo Manila Marseille Melbourne Milan Montreal Mumbai Munich Nairobi
-Nantes Naples Nice Oslo Osaka Ottawa Oxford Padua Palermo Paris Perth Porto Prague Quebec Riga Rome Rotterdam
+Nantes Naples Oslo Osaka Ottawa Oxford Padua Palermo Paris Perth Porto Prague Quebec Riga Rome Rotterdam
 Salzburg Santiago Seattle Seoul Seville Sofia Split Stockholm Sydney Tallinn Tampere Tokyo Toronto Toulouse Turin
 Utrecht Valencia Venice Verona Vienna Vilnius Warsaw Zagreb Zurich""".split()
 _COLORS = "amber azure beige black blue bronze coral crimson cyan gold gray green indigo ivory lavender lilac magenta maroon mint navy olive orange pink plum purple red rose ruby salmon silver teal turquoise violet white yellow".split()
@@ -40,7 +40,7 @@ _MONTHS = "January February March April May June July August September October N
 _WEEKDAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
 _RELATIONS = ["sister", "brother", "best friend", "boss", "neighbor", "cousin", "dentist", "teacher"]
 _TOPICS = ["the ocean", "volcanoes", "bread baking", "chess openings", "the moon", "jazz", "bicycles", "rain forests",
-           "ancient Rome", "honey bees", "glaciers", "origami", "lighthouses", "coffee", "the desert", "kites",
+           "ancient ruins", "honey bees", "glaciers", "origami", "lighthouses", "coffee", "the desert", "kites",
            "trains", "mushrooms", "tea", "deep sea fish", "windmills", "the northern lights", "sourdough", "tulips"]
 _FILLER = [
     "I had a long day at work and the weather was grey all afternoon.",
@@ -56,28 +56,52 @@ _FILLER = [
 ]
 
 
+_ONSETS = "b c d f g h j k l m n p r s t v w z br dr fl gr kl pr sk st tr".split()
+_VOWELS = "a e i o u ai ea io ou".split()
+_CODAS = ["", "", "", "n", "r", "l", "s", "m", "nd", "rt"]
+_REAL_WORDS = {w.lower() for w in _FIRST + _CITIES + _COLORS + _FOODS + _ANIMALS}
+
+
+def pseudo_word(rng: random.Random) -> str:
+    """A pronounceable made-up word (never one of the real held-out words)."""
+    while True:
+        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                       for _ in range(rng.choice((2, 2, 3))))
+        if word not in _REAL_WORDS and 4 <= len(word) <= 12:
+            return word
+
+
 @dataclass(frozen=True)
 class Pools:
-    names: tuple[str, ...]
-    cities: tuple[str, ...]
-    colors: tuple[str, ...]
-    foods: tuple[str, ...]
-    animals: tuple[str, ...]
-    numbers: tuple[int, ...]
+    """Where values come from. Training chats use made-up words, so the model can only answer by copying from the
+    chat; held-out chats use real names, cities, colors, foods and animals that training never shows, and numbers
+    from a disjoint residue class."""
 
+    synthetic: bool
+    names: tuple[str, ...] = ()
+    cities: tuple[str, ...] = ()
+    colors: tuple[str, ...] = ()
+    foods: tuple[str, ...] = ()
+    animals: tuple[str, ...] = ()
+    numbers: tuple[int, ...] = ()
 
-def _split(items: list, held_out: bool) -> tuple:
-    """Every fourth item is held out: disjoint pools by construction."""
-    return tuple(x for i, x in enumerate(items) if (i % 4 == 3) == held_out)
+    def pick(self, field: str, rng: random.Random) -> str:
+        if field == "numbers":
+            return str(rng.choice(self.numbers))
+        if self.synthetic:
+            word = pseudo_word(rng)
+            return word.capitalize() if field in ("names", "cities") else word
+        return rng.choice(getattr(self, field))
 
 
 def pools(split: str) -> Pools:
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r} (accepted: train, heldout)")
-    h = split == "heldout"
-    numbers = [n for n in range(10, 1000)]
-    return Pools(_split(_FIRST, h), _split(_CITIES, h), _split(_COLORS, h), _split(_FOODS, h), _split(_ANIMALS, h),
-                 tuple(n for n in numbers if (n % 7 == 3) == h))
+    held = split == "heldout"
+    numbers = tuple(n for n in range(10, 1000) if (n % 7 == 3) == held)
+    if not held:
+        return Pools(True, numbers=numbers)
+    return Pools(False, tuple(_FIRST), tuple(_CITIES), tuple(_COLORS), tuple(_FOODS), tuple(_ANIMALS), numbers)
 
 
 @dataclass(frozen=True)
@@ -131,21 +155,14 @@ POSITIONS = ("alone", "begin", "middle", "end")
 
 
 def _value(slot: Slot, p: Pools, rng: random.Random) -> str:
-    if slot.key == "city":
-        return rng.choice(p.cities)
-    if slot.key == "color":
-        return rng.choice(p.colors)
-    if slot.key == "food":
-        return rng.choice(p.foods)
-    if slot.key == "animal":
-        return rng.choice(p.animals)
     if slot.key == "birthday":
-        return f"{rng.choice(_MONTHS)} {rng.choice([d for d in p.numbers if d < 29] or [1 + rng.randrange(28)])}"
+        return f"{rng.choice(_MONTHS)} {1 + rng.randrange(28)}"
     if slot.key == "locker":
-        return str(rng.choice(p.numbers))
+        return p.pick("numbers", rng)
     if slot.key == "meeting":
         return rng.choice(_WEEKDAYS)
-    return rng.choice(p.names)
+    field = {"city": "cities", "color": "colors", "food": "foods", "animal": "animals"}.get(slot.key, "names")
+    return p.pick(field, rng)
 
 
 @dataclass

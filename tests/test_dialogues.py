@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvchat.engine.chat_format import ChatFormat, Conversation
 from kvchat.engine.dialogues import POSITIONS, QUESTION_KINDS, dialogues, pools
 from kvchat.engine.train import CHAT_TEMPLATE, round_text
@@ -17,9 +19,15 @@ def test_deterministic_from_the_seed():
 
 def test_training_and_heldout_values_are_disjoint():
     train, held = pools("train"), pools("heldout")
-    for field in ("names", "cities", "colors", "foods", "animals", "numbers"):
-        assert not set(getattr(train, field)) & set(getattr(held, field)), field
-        assert getattr(held, field)
+    assert not set(train.numbers) & set(held.numbers)
+    rng = random.Random(0)
+    real = {w.lower() for f in ("names", "cities", "colors", "foods", "animals") for w in getattr(held, f)}
+    made_up = {train.pick(f, rng).lower() for f in ("names", "cities", "colors", "foods", "animals") for _ in range(3000)}
+    assert real and not made_up & real
+    # and the chats themselves: no held-out value ever appears in a training chat
+    text = " ".join(r.user + " " + r.assistant for d in dialogues("train", 300, 0, 10, 30) for r in d.rounds).lower()
+    words = {w.strip(".,?!'s") for w in text.split()}
+    assert not {w for w in real if w in words}
 
 
 def test_every_question_is_answered_by_earlier_rounds():
