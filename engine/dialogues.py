@@ -56,18 +56,23 @@ _FILLER = [
 ]
 
 
-_ONSETS = "b c d f g h j k l m n p r s t v w z br dr fl gr kl pr sk st tr".split()
-_VOWELS = "a e i o u ai ea io ou".split()
-_CODAS = ["", "", "", "n", "r", "l", "s", "m", "nd", "rt"]
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_ONSETS = list("bcdfghjklmnpqrstvwxyz") + "br ch cl dr fl gr kl pr sh sk st th tr".split() + [""] * 6
+_VOWELS = list("aeiouy") + "ai ea ee io oa ou".split()
+_CODAS = [""] * 6 + list("bcdfgklmnpqrstxz") + "ck ng nd rt sh th".split()
 _REAL_WORDS = {w.lower() for w in _FIRST + _CITIES + _COLORS + _FOODS + _ANIMALS}
 
 
 def pseudo_word(rng: random.Random) -> str:
-    """A pronounceable made-up word (never one of the real held-out words)."""
+    """A made-up word (never one of the real held-out words). Mostly syllables, which may start with a vowel and use
+    every letter; sometimes plain random letters, so that copying, not guessing, is what answers a question."""
     while True:
-        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                       for _ in range(rng.choice((2, 2, 3))))
-        if word not in _REAL_WORDS and 4 <= len(word) <= 12:
+        if rng.random() < 0.2:
+            word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 9)))
+        else:
+            word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                           for _ in range(rng.choice((1, 2, 2, 3))))
+        if word not in _REAL_WORDS and 3 <= len(word) <= 12:
             return word
 
 

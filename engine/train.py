@@ -44,7 +44,7 @@ class TrainConfig:
     ffn_dim: int = 768
     context_length: int = 4096
     n_merges: int = 900
-    steps: int = 4000
+    steps: int = 4400
     batch: int = 32
     max_tokens: int = 3072
     lr: float = 2e-3
