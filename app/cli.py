@@ -104,8 +104,8 @@ def info(model_path, as_json) -> None:
               help="Which KV cache the questions are answered from.")
 @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
-@click.option("--min-rounds", default=36, show_default=True, type=click.IntRange(min=2))
-@click.option("--max-rounds", default=48, show_default=True, type=click.IntRange(min=2))
+@click.option("--min-rounds", default=44, show_default=True, type=click.IntRange(min=2))
+@click.option("--max-rounds", default=52, show_default=True, type=click.IntRange(min=2))
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
 def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, device, as_json) -> None:
