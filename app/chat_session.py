@@ -1,0 +1,228 @@
+"""A stored chat driven by the engine: restore its KV from disk, answer a new message, save the round.
+
+The round's text is committed the moment the reply ends; its K/V (all layers) is written to a segment file by a
+background thread, and its database row only once the file is durable. Restoring loads every round's stored K/V
+into the cache at its original slots and recomputes from text any round whose K/V is missing, corrupt, or from
+another model, saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
+from kvchat.engine.model import KVCache
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import ContextOverflowError
+from kvchat.storage.codec import StorageError
+from kvchat.storage.db import RoundRow, Store, now
+from kvchat.storage.fingerprint import model_fingerprint
+from kvchat.storage.segments import read_segment, write_segment
+
+log = logging.getLogger("kvchat.session")
+
+
+@dataclass
+class RestoreStats:
+    tokens_loaded: int = 0
+    tokens_recomputed: int = 0
+    restore_ms: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+class KVWriter:
+    """Writes finished rounds' K/V in the background, so saving never stalls decoding or input."""
+
+    def __init__(self, store: Store, fingerprint: str):
+        self.store, self.fingerprint = store, fingerprint
+        self.errors: list[str] = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
+        self._jobs.put((sid, round_idx, kv, layers, tokens))
+
+    def drain(self) -> None:
+        """Wait until every submitted round is on disk (or has failed, with the reason in `errors`)."""
+        self._jobs.join()
+
+    def _run(self) -> None:
+        while True:
+            sid, round_idx, kv, layers, tokens = self._jobs.get()
+            try:
+                self._save(sid, round_idx, kv, layers, tokens)
+            except StorageError as exc:
+                # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
+                self.errors.append(f"round {round_idx}: {exc}")
+                log.warning("KV of round %d not saved: %s", round_idx, exc)
+            finally:
+                self._jobs.task_done()
+
+    def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
+        ref = write_segment(self.store.kv_dir, kv.cpu(), fingerprint=self.fingerprint, layers=layers, tokens=tokens)
+        self.store.add_segment(sid, round_idx=round_idx, layer_start=layers.start, layer_end=layers.stop,
+                               token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
+                               dtype=str(kv.dtype).removeprefix("torch."), byte_size=ref.byte_size,
+                               raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
+                               model_fingerprint=self.fingerprint)
+
+
+class ChatSession:
+    def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None):
+        self.store, self.engine, self.sid = store, engine, sid
+        self.info = store.session(sid)
+        self.fingerprint = model_fingerprint(Path(engine.path), store)
+        self.writer = writer or KVWriter(store, self.fingerprint)
+        self.rounds: list[RoundRow] = store.rounds(sid)
+        self.cache: KVCache = engine.new_cache()
+        self.restored: RestoreStats | None = None
+
+    @property
+    def system(self) -> str | None:
+        return self.info["system_prompt"]
+
+    def conversation(self, extra: Round | None = None) -> Conversation:
+        rounds = [Round(r.user_text, r.assistant_text) for r in self.rounds]
+        return Conversation(rounds + ([extra] if extra else []), self.system)
+
+    # ---- restore ----
+
+    @torch.inference_mode()
+    def restore(self) -> RestoreStats:
+        """Bring the cache to the end of the stored chat: load what is on disk, recompute the rest."""
+        started = time.perf_counter()
+        stats = RestoreStats()
+        spans = self.engine.chat.round_spans(self.conversation()) if self.rounds else []
+        total = sum(len(s) for s in spans)
+        if total > self.engine.config.context_length:
+            raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
+                                       f"{self.engine.config.context_length}")
+        self.cache = self.engine.new_cache(total + 512)
+        by_round: dict[int, list[dict]] = {}
+        for seg in self.store.segments(self.sid):
+            by_round.setdefault(seg["round_idx"], []).append(seg)
+        start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
+        for i, span in enumerate(spans):
+            end = start + len(span)
+            reason = self._load_round(i, start, end, by_round.get(i, []))
+            if reason is None:
+                self._recompute(pending, stats)
+                pending = []
+                stats.tokens_loaded += end - start
+            else:
+                stats.notes.append(f"round {i}: {reason}; recomputed")
+                log.info("round %d of %s recomputed: %s", i, self.sid, reason)
+                pending.append((start, span))
+            start = end
+        self._recompute(pending, stats)
+        self.cache.length = total
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.restore_ms = 1000 * (time.perf_counter() - started)
+        self.restored = stats
+        return stats
+
+    def _load_round(self, i: int, start: int, end: int, segments: list[dict]) -> str | None:
+        """None when round i's K/V came from disk, else why it could not."""
+        row = self.rounds[i]
+        if (row.token_start, row.token_end) != (start, end):
+            return "its tokens no longer match the stored span"
+        layers_covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
+        if not layers_covered:
+            return "no K/V stored"
+        expect = 0
+        for lo, hi in layers_covered:
+            if lo != expect:
+                return f"K/V of layers {expect}..{lo - 1} missing"
+            expect = hi
+        if expect != self.engine.config.n_layers:
+            return f"K/V of layers {expect}..{self.engine.config.n_layers - 1} missing"
+        for seg in segments:
+            if seg["model_fingerprint"] != self.fingerprint:
+                return "K/V belongs to another model"
+            try:
+                header, kv = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
+            except StorageError as exc:
+                return str(exc)
+            if (header.token_start, header.token_end) != (start, end):
+                return "segment holds another token span"
+            self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
+        return None
+
+    def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats) -> None:
+        """Prefill runs of consecutive missing rounds at their own slots and positions, attending to all before."""
+        if not pending:
+            return
+        m = self.engine.model
+        first = pending[0][0]
+        tokens = [t for _, span in pending for t in span]
+        end = first + len(tokens)
+        self.cache.reserve(end)
+        h = m.embed(torch.tensor(tokens))
+        m.run_layers(h, torch.arange(first, end), self.cache, first)
+        stats.tokens_recomputed += len(tokens)
+
+    # ---- a new round ----
+
+    def send(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = SamplingParams(),
+             on_token: TokenCallback | None = None, cancel: threading.Event | None = None) -> GenerationResult:
+        if self.restored is None:
+            self.restore()
+        idx, start = len(self.rounds), self.cache.length
+        prompt = self._open_round_tokens(text)
+        result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
+                          max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                          stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
+        closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
+        row = RoundRow(idx, text, result.text, start, start + len(closed), now())
+        self.store.add_round(self.sid, row)  # the text is safe from here on
+        self.rounds.append(row)
+        self._settle_cache(start, prompt + result.tokens[:-1], closed)
+        kv = self.cache.read(range(self.engine.config.n_layers), row.token_start, row.token_end)
+        self.writer.submit(self.sid, idx, kv, range(self.engine.config.n_layers),
+                           range(row.token_start, row.token_end))
+        if self.restored is not None:
+            self.store.record_restore(self.sid, tokens_loaded=self.restored.tokens_loaded,
+                                      tokens_recomputed=self.restored.tokens_recomputed,
+                                      restore_ms=self.restored.restore_ms,
+                                      ttft_ms=1000 * result.first_token_seconds, notes=self.restored.notes)
+            self.restored = RestoreStats(notes=[])  # recorded once per open
+        return result
+
+    def _open_round_tokens(self, text: str) -> list[int]:
+        chat = self.engine.chat
+        before = chat.render(self.conversation().messages(), add_generation_prompt=False) if self.rounds else ""
+        opened = chat.render(self.conversation(Round(text)).messages(), add_generation_prompt=True)
+        if not opened.startswith(before):
+            from kvchat.engine.chat_format import TemplateError
+
+            raise TemplateError("the model's chat template rewrites earlier rounds when a round is added")
+        add_bos = not self.rounds and self.engine.tokenizer.add_bos and not (
+            chat.bos_text and opened.startswith(chat.bos_text))
+        return self.engine.tokenizer.encode(opened[len(before):], add_bos=add_bos, special=True)
+
+    @torch.inference_mode()
+    def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> None:
+        """Make slots [start, ...) hold exactly the closed round's tokens: keep what generation already computed
+        where it agrees with the template's tokens, compute the rest (usually just the end-of-turn tail)."""
+        common = 0
+        for a, b in zip(have, closed):
+            if a != b:
+                break
+            common += 1
+        self.cache.truncate(start + common)
+        if common < len(closed):
+            prefill(self.engine.model, self.cache, closed[common:])
+
+    def close(self) -> None:
+        self.writer.drain()

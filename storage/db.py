@@ -1,0 +1,240 @@
+"""The chat store: one SQLite database (WAL) in the data folder, with named migrations each applied in one
+transaction, through sqlite-utils.
+
+Tables: models (fingerprints), sessions, rounds (the text, committed as soon as a reply ends), kv_segments (one row
+per stored K/V piece, committed only once its file is durable) and restores (what the last restores cost).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+from sqlite_utils import Database
+
+from kvchat.errors import KvchatError
+from kvchat.paths import data_dir
+
+
+class StoreError(KvchatError):
+    pass
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+# ---- migrations: append only; a name is never reused or edited once released ----
+
+def _m001_initial(db: Database) -> None:
+    db["models"].create({"fingerprint": str, "path": str, "name": str, "arch": str, "n_layers": int,
+                         "kv_bytes_per_token": int, "created": str}, pk="fingerprint")
+    db["model_files"].create({"path": str, "size": int, "mtime_ns": int, "sha256": str}, pk="path")
+    db["sessions"].create({"id": str, "title": str, "created": str, "updated": str, "model_fingerprint": str,
+                           "model_path": str, "system_prompt": str, "settings": str}, pk="id",
+                          not_null={"title", "created", "updated", "model_fingerprint", "settings"})
+    db["rounds"].create({"session_id": str, "idx": int, "user_text": str, "assistant_text": str,
+                         "token_start": int, "token_end": int, "created": str}, pk=("session_id", "idx"),
+                        not_null={"user_text", "assistant_text", "token_start", "token_end"},
+                        foreign_keys=[("session_id", "sessions", "id")])
+    db["kv_segments"].create({"session_id": str, "round_idx": int, "layer_start": int, "layer_end": int,
+                              "token_start": int, "token_end": int, "codec": str, "dtype": str, "byte_size": int,
+                              "raw_size": int, "checksum": str, "file": str, "model_fingerprint": str,
+                              "created": str}, pk=("session_id", "round_idx", "layer_start"),
+                             foreign_keys=[("session_id", "sessions", "id")])
+    db["kv_segments"].create_index(["file"])
+    db["restores"].create({"id": int, "session_id": str, "at": str, "tokens_loaded": int, "tokens_recomputed": int,
+                           "restore_ms": float, "ttft_ms": float, "notes": str}, pk="id",
+                          foreign_keys=[("session_id", "sessions", "id")])
+    db["restores"].create_index(["session_id", "at"])
+
+
+MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial)]
+
+
+@dataclass
+class RoundRow:
+    idx: int
+    user_text: str
+    assistant_text: str
+    token_start: int
+    token_end: int
+    created: str
+
+
+class Store:
+    """The database and the folder of KV segment files beside it (`kv/`)."""
+
+    def __init__(self, home: Path | None = None):
+        self.home = Path(home) if home is not None else data_dir()
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+            (self.home / "kv").mkdir(exist_ok=True)
+            conn = sqlite3.connect(self.home / "kvchat.db", isolation_level=None, check_same_thread=False,
+                                   timeout=30)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the chat store in {self.home}: {exc}") from None
+        self.db = Database(conn)
+        self._lock = threading.RLock()  # one writer at a time from this process's threads
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.home / 'kvchat.db'} is not a usable kvchat database ({exc})") from None
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.home / "kv"
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Database]:
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        known = [name for name, _ in MIGRATIONS]
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(MIGRATIONS):
+            raise StoreError(f"{self.home / 'kvchat.db'} was written by a newer kvchat (schema {version}; this "
+                             f"program knows {len(MIGRATIONS)}); upgrade kvchat to open it")
+        if "_migrations" not in self.db.table_names():
+            self.db["_migrations"].create({"name": str, "applied": str}, pk="name")
+        applied = {r["name"] for r in self.db["_migrations"].rows}
+        unknown = applied - set(known)
+        if unknown:
+            raise StoreError(f"{self.home / 'kvchat.db'} has migrations this kvchat does not know "
+                             f"({', '.join(sorted(unknown))}); upgrade kvchat to open it")
+        for i, (name, apply) in enumerate(MIGRATIONS):
+            if name in applied:
+                continue
+            with self.transaction() as db:
+                apply(db)
+                db["_migrations"].insert({"name": name, "applied": now()})
+                db.execute(f"PRAGMA user_version = {i + 1}")
+
+    # ---- models ----
+
+    def cached_file_hash(self, path: Path, size: int, mtime_ns: int) -> str | None:
+        row = self.db.execute("SELECT sha256 FROM model_files WHERE path = ? AND size = ? AND mtime_ns = ?",
+                              [str(path), size, mtime_ns]).fetchone()
+        return row[0] if row else None
+
+    def remember_file_hash(self, path: Path, size: int, mtime_ns: int, sha256: str) -> None:
+        with self.transaction() as db:
+            db["model_files"].upsert({"path": str(path), "size": size, "mtime_ns": mtime_ns, "sha256": sha256},
+                                     pk="path")
+
+    def upsert_model(self, fingerprint: str, **info) -> None:
+        with self.transaction() as db:
+            db["models"].upsert({"fingerprint": fingerprint, "created": now(), **info}, pk="fingerprint")
+
+    # ---- sessions ----
+
+    def create_session(self, *, title: str, model_fingerprint: str, model_path: str, system_prompt: str | None,
+                       settings: dict | None = None) -> str:
+        sid = uuid.uuid4().hex[:12]
+        stamp = now()
+        with self.transaction() as db:
+            db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
+                                   "model_fingerprint": model_fingerprint, "model_path": model_path,
+                                   "system_prompt": system_prompt, "settings": json.dumps(settings or {})})
+        return sid
+
+    def sessions(self) -> list[dict]:
+        return list(self.db.query(
+            "SELECT s.*, (SELECT COUNT(*) FROM rounds r WHERE r.session_id = s.id) AS n_rounds, "
+            "(SELECT COALESCE(SUM(byte_size), 0) FROM kv_segments k WHERE k.session_id = s.id) AS kv_bytes "
+            "FROM sessions s ORDER BY updated DESC"))
+
+    def session(self, ref: str) -> dict:
+        """A session by id or unique id prefix."""
+        rows = list(self.db.query("SELECT * FROM sessions WHERE id LIKE ? || '%'", [ref])) if ref else []
+        if not rows:
+            raise StoreError(f"no session {ref!r} (see `kvchat sessions`)")
+        if len(rows) > 1:
+            raise StoreError(f"session prefix {ref!r} is ambiguous ({', '.join(r['id'] for r in rows[:5])})")
+        row = rows[0]
+        row["settings"] = json.loads(row["settings"] or "{}")
+        return row
+
+    def rename_session(self, sid: str, title: str) -> None:
+        with self.transaction() as db:
+            db["sessions"].update(sid, {"title": title, "updated": now()})
+
+    def delete_session(self, sid: str) -> list[str]:
+        """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
+        with self.transaction() as db:
+            files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?", [sid])]
+            for table in ("kv_segments", "restores", "rounds"):
+                db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
+            db.execute("DELETE FROM sessions WHERE id = ?", [sid])
+        still = self.referenced_files()
+        return [f for f in files if f not in still]
+
+    # ---- rounds ----
+
+    def rounds(self, sid: str) -> list[RoundRow]:
+        return [RoundRow(r["idx"], r["user_text"], r["assistant_text"], r["token_start"], r["token_end"], r["created"])
+                for r in self.db.query("SELECT * FROM rounds WHERE session_id = ? ORDER BY idx", [sid])]
+
+    def add_round(self, sid: str, row: RoundRow) -> None:
+        with self.transaction() as db:
+            db["rounds"].insert({"session_id": sid, "idx": row.idx, "user_text": row.user_text,
+                                 "assistant_text": row.assistant_text, "token_start": row.token_start,
+                                 "token_end": row.token_end, "created": row.created})
+            db["sessions"].update(sid, {"updated": now()})
+
+    # ---- KV segments ----
+
+    def add_segment(self, sid: str, **row) -> None:
+        with self.transaction() as db:
+            db["kv_segments"].upsert({"session_id": sid, "created": now(), **row},
+                                     pk=("session_id", "round_idx", "layer_start"))
+
+    def segments(self, sid: str) -> list[dict]:
+        return list(self.db.query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, layer_start",
+                                  [sid]))
+
+    def drop_segments(self, sid: str, round_idx: int) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ?", [sid, round_idx])
+
+    def referenced_files(self) -> set[str]:
+        return {r[0] for r in self.db.execute("SELECT DISTINCT file FROM kv_segments")}
+
+    # ---- restores ----
+
+    def record_restore(self, sid: str, *, tokens_loaded: int, tokens_recomputed: int, restore_ms: float,
+                       ttft_ms: float | None, notes: list[str]) -> None:
+        with self.transaction() as db:
+            db["restores"].insert({"session_id": sid, "at": now(), "tokens_loaded": tokens_loaded,
+                                   "tokens_recomputed": tokens_recomputed, "restore_ms": restore_ms,
+                                   "ttft_ms": ttft_ms, "notes": json.dumps(notes)})
+
+    def last_restore(self, sid: str) -> dict | None:
+        rows = list(self.db.query("SELECT * FROM restores WHERE session_id = ? ORDER BY id DESC LIMIT 1", [sid]))
+        if not rows:
+            return None
+        rows[0]["notes"] = json.loads(rows[0]["notes"] or "[]")
+        return rows[0]
+
+    def integrity_ok(self) -> bool:
+        return self.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -1,0 +1,371 @@
+"""KV segment files: the K/V of one dialogue round for one group of layers, compressed, one file each.
+
+A file is a fixed little-endian header followed by the encoded payload:
+
+    magic b"KVCS" | version u16 | header length u16 | model fingerprint 32 bytes (sha256) | dtype u8 | codec u8 |
+    ndim u8 | ndim x u32 shape | layer_start u32 | layer_end u32 | token_start u32 | token_end u32 |
+    raw_size u64 | payload_size u64 | payload sha256 32 bytes | payload ...
+
+Files are named by the sha256 of their whole content, so identical K/V is stored once, a name can be shared by
+several chats, and a file that no longer hashes to its name is known to be damaged. A segment is only a cache: every
+way of reading it wrong is reported as a StorageError subclass, and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import math
+import os
+import re
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvchat.storage import codec as kvcodec
+from kvchat.storage.codec import CODECS, StorageError
+
+FORMAT_VERSION = 1
+MAGIC = b"KVCS"
+SUFFIX = ".kvs"
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".kvs.part"
+
+# Index = the code stored in the file; never reorder, only append.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# numpy has no bfloat16: its bits travel as int16. Explicit little-endian so files mean the same on every host.
+_NUMPY_BITS = {torch.float32: np.dtype("<f4"), torch.bfloat16: np.dtype("<i2"), torch.float16: np.dtype("<f2")}
+
+_PREFIX = struct.Struct("<4sHH32sBBB")  # magic .. ndim
+_DIM = struct.Struct("<I")
+_TAIL = struct.Struct("<IIIIQQ32s")  # layer_start .. payload sha256
+_U32_MAX = (1 << 32) - 1
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+class SegmentMissing(StorageError):
+    """The segment file does not exist (deleted, swept, or never written)."""
+
+
+class SegmentCorrupt(StorageError):
+    """The segment file exists but is damaged, truncated, or in a format this version cannot read."""
+
+
+class SegmentWrongModel(StorageError):
+    """The segment is intact but was computed by a different model (or model file) than the one loaded."""
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """What the database stores to find a segment again."""
+
+    file: str  # "<sha256 of the whole file>.kvs"
+    byte_size: int  # bytes on disk
+    raw_size: int  # bytes of the uncompressed tensor
+    checksum: str  # sha256 hex of the payload
+    codec: str
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    version: int
+    header_size: int
+    fingerprint: str  # sha256 hex of the model
+    dtype: torch.dtype
+    codec: str
+    shape: tuple[int, ...]
+    layer_start: int
+    layer_end: int
+    token_start: int
+    token_end: int
+    raw_size: int
+    payload_size: int
+    checksum: str  # sha256 hex of the payload
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    @property
+    def tokens(self) -> range:
+        return range(self.token_start, self.token_end)
+
+    def pack(self) -> bytes:
+        return b"".join((
+            _PREFIX.pack(MAGIC, self.version, self.header_size, bytes.fromhex(self.fingerprint),
+                         DTYPES.index(self.dtype), CODECS.index(self.codec), len(self.shape)),
+            *(_DIM.pack(d) for d in self.shape),
+            _TAIL.pack(self.layer_start, self.layer_end, self.token_start, self.token_end,
+                       self.raw_size, self.payload_size, bytes.fromhex(self.checksum)),
+        ))
+
+
+def header_size(ndim: int) -> int:
+    return _PREFIX.size + ndim * _DIM.size + _TAIL.size
+
+
+# ----------------------------------------------------------------------------------------------------------- write
+
+
+def write_segment(folder: Path, kv: torch.Tensor, *, fingerprint: str, layers: range, tokens: range,
+                  codec: str = "planes+zstd") -> SegmentRef:
+    """Save `kv` ([len(layers), 2, Hkv, len(tokens), D], any device, fp32/bf16/fp16) durably under `folder`.
+
+    When this returns, the file is on disk and survives a crash; when it raises StorageError, nothing new is left
+    in `folder`.
+    """
+    _check_fingerprint(fingerprint)
+    _check_kv(kv, layers, tokens)
+    raw = _tensor_bytes(kv)
+    payload = kvcodec.encode(raw, kv.element_size(), codec)
+    header = SegmentHeader(
+        version=FORMAT_VERSION, header_size=header_size(kv.dim()), fingerprint=fingerprint.lower(), dtype=kv.dtype,
+        codec=codec, shape=tuple(kv.shape), layer_start=layers.start, layer_end=layers.stop,
+        token_start=tokens.start, token_end=tokens.stop, raw_size=len(raw), payload_size=len(payload),
+        checksum=hashlib.sha256(payload).hexdigest(),
+    )
+    head = header.pack()
+    name = _whole_file_hash(head, payload) + SUFFIX
+    ref = SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=len(raw), checksum=header.checksum,
+                     codec=codec)
+    folder = Path(folder)
+    try:
+        _ensure_folder(folder)
+        # Content addressing: an intact file of that name already holds exactly these bytes. A damaged one is
+        # replaced, so recomputing after a SegmentCorrupt actually repairs the store.
+        if not _intact(folder / name):
+            _write_atomically(folder, name, (head, payload))
+    except OSError as e:
+        raise StorageError(f"cannot save KV segment in {folder}: {_reason(e)}.") from e
+    return ref
+
+
+def _check_fingerprint(fingerprint: str) -> None:
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", fingerprint):
+        raise ValueError(f"model fingerprint must be a sha256 hex string (64 hex digits), not {fingerprint!r}")
+
+
+def _check_kv(kv: torch.Tensor, layers: range, tokens: range) -> None:
+    if kv.dtype not in DTYPES:
+        raise ValueError(f"K/V of dtype {kv.dtype} cannot be saved; supported: {', '.join(map(str, DTYPES))}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"K/V must be [layers, 2, kv_heads, tokens, head_dim], not {list(kv.shape)}")
+    for what, r, n in (("layers", layers, kv.shape[0]), ("tokens", tokens, kv.shape[3])):
+        if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
+            raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
+        if len(r) != n:
+            raise ValueError(f"K/V holds {n} {what} but {what} {r} has {len(r)}")
+    if any(d > _U32_MAX for d in kv.shape):
+        raise ValueError(f"K/V shape {list(kv.shape)} does not fit the segment format")
+
+
+def _tensor_bytes(kv: torch.Tensor) -> bytes:
+    cpu = kv.detach().to("cpu").contiguous()
+    bits = cpu.view(torch.int16) if cpu.dtype == torch.bfloat16 else cpu
+    return bits.numpy().astype(_NUMPY_BITS[kv.dtype], copy=False).tobytes()
+
+
+def _whole_file_hash(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def _ensure_folder(folder: Path) -> None:
+    if folder.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    # The new folder's own entry must reach the disk too, or a crash could lose every segment inside it.
+    _fsync_dir(folder.parent)
+
+
+def _intact(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except FileNotFoundError:
+        return False
+    return h.hexdigest() + SUFFIX == path.name
+
+
+def _write_atomically(folder: Path, name: str, parts: tuple[bytes, ...]) -> None:
+    """Temp file, fsync, rename, fsync the folder: readers see the whole file or none, even after a power cut."""
+    tmp = folder / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    final = folder / name
+    renamed = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                _write_all(fd, part)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        renamed = True
+        _fsync_dir(folder)
+    except BaseException:
+        # Unlinking both is safe: the caller found no intact file of this name, so none of it predates this call.
+        _unlink_quietly(tmp)
+        if renamed:
+            _unlink_quietly(final)
+        raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # a write that makes no progress would loop forever
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        view = view[n:]
+
+
+def _fsync_dir(folder: Path) -> None:
+    flag = getattr(os, "O_DIRECTORY", None)
+    if flag is None:  # Windows cannot open (nor fsync) a directory; its renames are durable enough without it
+        return
+    fd = os.open(folder, os.O_RDONLY | flag)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _reason(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno else (e.strerror or str(e))
+
+
+# ------------------------------------------------------------------------------------------------------------ read
+
+
+def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, torch.Tensor]:
+    """The header and the tensor of a segment, on the CPU in the stored dtype, bit for bit as written.
+
+    Raises SegmentMissing, SegmentCorrupt or SegmentWrongModel (all StorageError) instead of returning anything
+    that was not verified.
+    """
+    _check_fingerprint(fingerprint)
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            header, head = _read_header(f, path, file_size, max_raw_size)
+            payload = f.read(header.payload_size)
+    except FileNotFoundError:
+        raise SegmentMissing(f"KV segment {path.name} is missing.") from None
+    except OSError as e:
+        raise StorageError(f"cannot read KV segment {path.name}: {_reason(e)}.") from e
+    _verify(path, header, head, payload)
+    if header.fingerprint != fingerprint.lower():
+        raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
+    try:
+        raw = kvcodec.decode(payload, header.dtype.itemsize, header.codec, header.raw_size)
+    except StorageError as e:
+        raise SegmentCorrupt(f"KV segment {path.name} cannot be decoded: {e}") from None
+    return header, _tensor_from_bytes(raw, header.dtype, header.shape)
+
+
+def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
+    """The parsed header and its bytes, after checking that every size in it is consistent and affordable."""
+    def corrupt(why: str) -> SegmentCorrupt:
+        return SegmentCorrupt(f"KV segment {path.name} is corrupt: {why}.")
+
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size:
+        raise corrupt("it is shorter than a header")
+    magic, version, size, fp, dtype_code, codec_code, ndim = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise corrupt("it is not a KV segment file")
+    if version != FORMAT_VERSION:
+        raise corrupt(f"format version {version} is not {FORMAT_VERSION}")
+    if size != header_size(ndim):
+        raise corrupt(f"its header length {size} does not match its {ndim} dimensions")
+    rest = f.read(size - _PREFIX.size)
+    if len(rest) < size - _PREFIX.size:
+        raise corrupt("it is shorter than its header")
+    if dtype_code >= len(DTYPES):
+        raise corrupt(f"dtype code {dtype_code} is unknown")
+    if codec_code >= len(CODECS):
+        raise corrupt(f"codec code {codec_code} is unknown")
+    shape = struct.unpack_from(f"<{ndim}I", rest)
+    l0, l1, t0, t1, raw_size, payload_size, checksum = _TAIL.unpack_from(rest, ndim * _DIM.size)
+    header = SegmentHeader(
+        version=version, header_size=size, fingerprint=fp.hex(), dtype=DTYPES[dtype_code], codec=CODECS[codec_code],
+        shape=shape, layer_start=l0, layer_end=l1, token_start=t0, token_end=t1, raw_size=raw_size,
+        payload_size=payload_size, checksum=checksum.hex(),
+    )
+    # Every size is checked against the others and the file before a byte is read or decompressed, so a damaged
+    # or hostile header cannot make us allocate more than max_raw_size.
+    if size + payload_size != file_size:
+        raise corrupt(f"it is {file_size} bytes but its header accounts for {size + payload_size}")
+    if raw_size > max_raw_size:
+        raise corrupt(f"it declares {raw_size} raw bytes, more than the {max_raw_size} allowed")
+    if math.prod(shape) * header.dtype.itemsize != raw_size:
+        raise corrupt(f"shape {list(shape)} of {header.dtype} does not make {raw_size} bytes")
+    if ndim != 5 or shape[1] != 2 or l0 > l1 or t0 > t1 or shape[0] != l1 - l0 or shape[3] != t1 - t0:
+        raise corrupt(f"shape {list(shape)} does not match layers [{l0}, {l1}) and tokens [{t0}, {t1})")
+    return header, prefix + rest
+
+
+def _verify(path: Path, header: SegmentHeader, head: bytes, payload: bytes) -> None:
+    if hashlib.sha256(payload).hexdigest() != header.checksum:
+        raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its payload checksum does not match.")
+    # The payload checksum cannot see a damaged header (a flipped fingerprint or range would go unnoticed); the
+    # content-addressed name can. Files renamed by hand are still readable, with the payload check only.
+    stem = path.name.removesuffix(SUFFIX)
+    if path.name.endswith(SUFFIX) and _SHA256_NAME.fullmatch(stem):
+        if _whole_file_hash(head, payload) != stem:
+            raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its content does not match its name.")
+
+
+def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    bits = np.frombuffer(raw, dtype=_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="))
+    t = torch.from_numpy(bits)
+    return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------- sweep
+
+
+def sweep(folder: Path, referenced: set[str]) -> list[str]:
+    """Delete every segment file whose name is not in `referenced`, and every temp file; return the names removed.
+
+    Run it when no write is in flight (at start-up, or under the store's lock): a segment being written, or written
+    but not yet recorded by the caller, looks exactly like an orphan.
+    """
+    folder = Path(folder)
+    removed = []
+    try:
+        entries = sorted(e.name for e in os.scandir(folder) if e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return removed
+    except OSError as e:
+        raise StorageError(f"cannot list KV segments in {folder}: {_reason(e)}.") from e
+    for name in entries:
+        is_temp = name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
+        is_orphan = name.endswith(SUFFIX) and name not in referenced
+        if not (is_temp or is_orphan):
+            continue
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:  # someone else swept it first
+            continue
+        except OSError as e:
+            raise StorageError(f"cannot delete KV segment {name} in {folder}: {_reason(e)}.") from e
+        removed.append(name)
+    return removed
