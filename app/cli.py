@@ -264,5 +264,18 @@ def _device(name: str | None):
     return torch.device(name)
 
 
+def _device_option(f):
+    return click.option("--device", default=None, callback=lambda ctx, param, value: _device(value),
+                        help="cpu or cuda (default: cuda when available).")(f)
+
+
+def _register_chats() -> None:
+    from kvchat.app.chats import register
+
+    register(main, _model_option, _device_option)
+
+
+_register_chats()
+
 if __name__ == "__main__":
     main()

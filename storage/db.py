@@ -158,6 +158,20 @@ class Store:
                                    "system_prompt": system_prompt, "settings": json.dumps(settings or {})})
         return sid
 
+    def insert_session(self, *, title: str, model_fingerprint: str, model_path: str, system_prompt: str | None,
+                       settings: dict, rounds: list[RoundRow], segments: list[dict]) -> str:
+        """A whole chat in one transaction (imports): it is there completely or not at all."""
+        sid, stamp = uuid.uuid4().hex[:12], now()
+        with self.transaction() as db:
+            db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
+                                   "model_fingerprint": model_fingerprint, "model_path": model_path,
+                                   "system_prompt": system_prompt, "settings": json.dumps(settings)})
+            db["rounds"].insert_all({"session_id": sid, "idx": r.idx, "user_text": r.user_text,
+                                     "assistant_text": r.assistant_text, "token_start": r.token_start,
+                                     "token_end": r.token_end, "created": r.created} for r in rounds)
+            db["kv_segments"].insert_all({"session_id": sid, "created": stamp, **seg} for seg in segments)
+        return sid
+
     def sessions(self) -> list[dict]:
         return list(self.db.query(
             "SELECT s.*, (SELECT COUNT(*) FROM rounds r WHERE r.session_id = s.id) AS n_rounds, "

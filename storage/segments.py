@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import math
 import os
 import re
@@ -369,3 +370,32 @@ def sweep(folder: Path, referenced: set[str]) -> list[str]:
             raise StorageError(f"cannot delete KV segment {name} in {folder}: {_reason(e)}.") from e
         removed.append(name)
     return removed
+
+
+# ------------------------------------------------------------------------------------------- segments in memory
+
+
+def parse_segment(data: bytes, name: str, *, fingerprint: str | None,
+                  max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, torch.Tensor]:
+    """Like read_segment, for a segment held in memory (a state file's blob): every check, nothing written.
+    With fingerprint None the model is not checked (the importer decides what a foreign model's K/V means)."""
+    if fingerprint is not None:
+        _check_fingerprint(fingerprint)
+    path = Path(name)
+    header, head = _read_header(io.BytesIO(data), path, len(data), max_raw_size)
+    payload = data[len(head):]
+    _verify(path, header, head, payload)
+    if fingerprint is not None and header.fingerprint != fingerprint.lower():
+        raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
+    try:
+        raw = kvcodec.decode(payload, header.dtype.itemsize, header.codec, header.raw_size)
+    except StorageError as e:
+        raise SegmentCorrupt(f"KV segment {path.name} cannot be decoded: {e}") from None
+    return header, _tensor_from_bytes(raw, header.dtype, header.shape)
+
+
+def store_segment_bytes(folder: Path, name: str, data: bytes) -> None:
+    """Durably place an already verified segment file (content-addressed `name`) in `folder`."""
+    _ensure_folder(folder)
+    if not _intact(folder / name):
+        _write_atomically(folder, name, (data,))

@@ -1,0 +1,172 @@
+"""`kvchat new / send / sessions / show / rm / export / import`: the chat store from the command line.
+
+A stable contract that tests and scripts rely on: ids on stdout, replies streamed to stdout, `--json` for machines,
+one-line errors on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvchat.errors import KvchatError
+
+
+def _store():
+    from kvchat.storage.db import Store
+    from kvchat.storage.segments import sweep
+
+    store = Store()
+    # A crash can leave a segment file whose row was never committed, or a temp file: both are orphans.
+    sweep(store.kv_dir, store.referenced_files())
+    return store
+
+
+def register(main: click.Group, model_option, device_option) -> None:
+    @main.command()
+    @click.option("--title", default=None, help="Title (default: the first message).")
+    @model_option
+    @click.option("--system", "system_prompt", default=None, help="System prompt for this chat.")
+    def new(title, model_path, system_prompt):
+        """Start a chat; prints its id."""
+        from kvchat.engine.engine import ModelInfo
+        from kvchat.storage.fingerprint import model_fingerprint
+
+        store = _store()
+        info = ModelInfo.read(model_path)  # refuse a bad model now, not at the first message
+        fp = model_fingerprint(Path(model_path), store)
+        store.upsert_model(fp, path=str(Path(model_path).resolve()), name=info.name, arch=info.config.arch,
+                           n_layers=info.config.n_layers, kv_bytes_per_token=info.config.kv_bytes_per_token(2))
+        sid = store.create_session(title=title or "", model_fingerprint=fp, model_path=str(Path(model_path).resolve()),
+                                   system_prompt=system_prompt)
+        click.echo(sid)
+
+    @main.command()
+    @click.argument("session")
+    @click.argument("message")
+    @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+    @device_option
+    def send(session, message, max_tokens, device):
+        """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
+        from kvchat.app.chat_session import ChatSession
+        from kvchat.engine.engine import Engine
+
+        if message == "-":
+            message = sys.stdin.read()
+        if not message.strip():
+            raise KvchatError("the message is empty")
+        store = _store()
+        info = store.session(session)
+        model_path = info["model_path"]
+        if not Path(model_path).exists():
+            raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
+        engine = Engine(model_path, device=device)
+        chat = ChatSession(store, engine, info["id"])
+        chat.restore()
+
+        def stream(_tok: int, piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        try:
+            chat.send(message, max_tokens=max_tokens, on_token=stream)
+        finally:
+            chat.close()  # the round's K/V reaches the disk before the process ends
+        click.echo()
+        if not info["title"]:
+            store.rename_session(info["id"], " ".join(message.split())[:48])
+        for problem in chat.writer.errors:
+            click.echo(f"kvchat: warning: {problem}", err=True)
+
+    @main.command()
+    @click.option("--json", "as_json", is_flag=True)
+    def sessions(as_json):
+        """List chats, most recent first."""
+        rows = _store().sessions()
+        if as_json:
+            click.echo(json.dumps([{k: r[k] for k in ("id", "title", "created", "updated", "n_rounds", "kv_bytes",
+                                                      "model_path")} for r in rows]))
+            return
+        for r in rows:
+            click.echo(f"{r['id']}  {r['updated'][:16].replace('T', ' ')}  {r['n_rounds']:>4} rounds  "
+                       f"{r['kv_bytes'] / 2**20:8.2f} MiB  {r['title'] or '(untitled)'}")
+
+    @main.command()
+    @click.argument("session")
+    @click.option("--json", "as_json", is_flag=True)
+    def show(session, as_json):
+        """Transcript, each round's KV status and size, and the last restore."""
+        store = _store()
+        info = store.session(session)
+        segs: dict[int, list[dict]] = {}
+        for s in store.segments(info["id"]):
+            segs.setdefault(s["round_idx"], []).append(s)
+        rounds = []
+        for r in store.rounds(info["id"]):
+            mine = segs.get(r.idx, [])
+            rounds.append({"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text,
+                           "tokens": [r.token_start, r.token_end],
+                           "kv": "on disk" if mine and (store.kv_dir / mine[0]["file"]).exists() else "text only",
+                           "kv_bytes": sum(s["byte_size"] for s in mine), "kv_raw_bytes": sum(s["raw_size"] for s in mine)})
+        out = {"id": info["id"], "title": info["title"], "model": info["model_path"],
+               "system_prompt": info["system_prompt"], "rounds": rounds,
+               "kv_bytes": sum(r["kv_bytes"] for r in rounds), "kv_raw_bytes": sum(r["kv_raw_bytes"] for r in rounds),
+               "last_restore": store.last_restore(info["id"])}
+        if as_json:
+            click.echo(json.dumps(out))
+            return
+        click.echo(f"{out['id']}  {out['title'] or '(untitled)'}  [{out['model']}]")
+        if out["system_prompt"]:
+            click.echo(f"system: {out['system_prompt']}")
+        for r in rounds:
+            click.echo(f"\n[{r['idx']}] tokens {r['tokens'][0]}-{r['tokens'][1]}  KV {r['kv']} "
+                       f"({r['kv_bytes']:,} bytes)")
+            click.echo(f"user: {r['user']}")
+            click.echo(f"assistant: {r['assistant']}")
+        click.echo(f"\nKV on disk: {out['kv_bytes']:,} bytes ({out['kv_raw_bytes']:,} raw)")
+        lr = out["last_restore"]
+        if lr:
+            click.echo(f"last restore: {lr['tokens_loaded']} tokens loaded, {lr['tokens_recomputed']} recomputed, "
+                       f"{lr['restore_ms']:.1f} ms; first token {lr['ttft_ms']:.1f} ms"
+                       + (f"; {'; '.join(lr['notes'])}" if lr["notes"] else ""))
+
+    @main.command()
+    @click.argument("session")
+    def rm(session):
+        """Delete a chat and the KV files only it used."""
+        store = _store()
+        info = store.session(session)
+        for name in store.delete_session(info["id"]):  # committed first, files after
+            (store.kv_dir / name).unlink(missing_ok=True)
+        click.echo(f"deleted {info['id']}")
+
+    @main.command("export")
+    @click.argument("session")
+    @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="State file to write.")
+    @click.option("--text-only", is_flag=True, help="Leave the KV cache out (smaller; recomputed on import).")
+    def export_(session, output, text_only):
+        """Write a chat to one state file."""
+        from kvchat.storage.statefile import export_session
+
+        store = _store()
+        info = store.session(session)
+        path = export_session(store, info["id"], Path(output), text_only=text_only)
+        click.echo(str(path))
+
+    @main.command("import")
+    @click.argument("file", type=click.Path(dir_okay=False))
+    @model_option
+    def import_(file, model_path):
+        """Import a state file as a new chat; prints its id."""
+        from kvchat.storage.fingerprint import model_fingerprint
+        from kvchat.storage.statefile import import_state
+
+        store = _store()
+        fp = model_fingerprint(Path(model_path), store)
+        result = import_state(store, Path(file), current_fingerprint=fp, model_path=str(Path(model_path).resolve()))
+        for notice in result.notices:
+            click.echo(f"kvchat: notice: {notice}", err=True)
+        click.echo(result.session_id)

@@ -1,0 +1,211 @@
+"""State files: one chat exported as a single zip file — a JSON manifest and the chat's KV segment files as blobs.
+
+Importing treats the file as hostile: only members the manifest names are read, each into memory and never past a
+size cap (the zip's own size fields are not trusted), names must be content hashes (no paths, so nothing can land
+outside the store), every blob's hash and every segment's checksums and sizes are verified before anything is
+decompressed or written, and nothing is written unless the whole file is valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvchat.storage.codec import StorageError
+from kvchat.storage.db import RoundRow, Store, now
+from kvchat.storage.segments import SUFFIX, parse_segment, store_segment_bytes
+
+FORMAT = "kvchat-state"
+VERSION = 1
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 32 << 20
+MAX_BLOB_BYTES = 4 << 30
+MAX_TOTAL_BYTES = 64 << 30
+MAX_ROUNDS = 100_000
+_BLOB_NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
+
+
+class StateFileError(StorageError):
+    pass
+
+
+@dataclass
+class ImportResult:
+    session_id: str
+    rounds: int
+    segments: int
+    notices: list[str] = field(default_factory=list)
+
+
+def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False, model_name: str = "") -> Path:
+    """Write the chat to `out` atomically (temp file, fsync, rename): a reader never sees half a state file."""
+    info = store.session(sid)
+    rounds = store.rounds(sid)
+    segments = [] if text_only else store.segments(sid)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "exported": now(),
+        "model": {"fingerprint": info["model_fingerprint"], "name": model_name,
+                  "file": Path(info["model_path"]).name},
+        "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"]},
+        "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
+                    "token_end": r.token_end} for r in rounds],
+        "segments": [{k: s[k] for k in ("round_idx", "layer_start", "layer_end", "token_start", "token_end", "codec",
+                                        "dtype", "byte_size", "raw_size", "checksum", "file")} for s in segments],
+    }
+    out = Path(out)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
+            zf.writestr(MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
+            for name in sorted({s["file"] for s in segments}):
+                zf.write(store.kv_dir / name, f"blobs/{name}")
+            zf.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, out)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise StateFileError(f"cannot write {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def import_state(store: Store, path: Path, *, current_fingerprint: str, model_path: str) -> ImportResult:
+    """Validate the whole state file in memory, then create a new session from it."""
+    path = Path(path)
+    manifest, blobs = _read_state(path)
+    notices = []
+    segments = manifest["segments"]
+    if manifest["model"]["fingerprint"] != current_fingerprint and segments:
+        notices.append("the chat's KV cache was computed by another model; imported as text, it will be "
+                       "recomputed on first use")
+        segments, blobs = [], {}
+    for seg in segments:
+        header, _ = parse_segment(blobs[seg["file"]], seg["file"], fingerprint=manifest["model"]["fingerprint"])
+        if (header.layer_start, header.layer_end, header.token_start, header.token_end, header.checksum) != (
+                seg["layer_start"], seg["layer_end"], seg["token_start"], seg["token_end"], seg["checksum"]):
+            raise StateFileError(f"{path.name}: blob {seg['file'][:12]}… does not hold what the manifest says")
+    # Everything is valid: write the blobs first (content-addressed, so harmless if we stop here), then the rows.
+    for name, data in blobs.items():
+        store_segment_bytes(store.kv_dir, name, data)
+    s = manifest["session"]
+    rows = [RoundRow(r["idx"], r["user"], r["assistant"], r["token_start"], r["token_end"], now())
+            for r in manifest["rounds"]]
+    sid = store.insert_session(title=s["title"], model_fingerprint=current_fingerprint, model_path=model_path,
+                               system_prompt=s["system_prompt"], settings=s["settings"], rounds=rows,
+                               segments=[{**seg, "model_fingerprint": current_fingerprint} for seg in segments])
+    return ImportResult(sid, len(rows), len(segments), notices)
+
+
+def _read_state(path: Path) -> tuple[dict, dict[str, bytes]]:
+    def bad(why: str) -> StateFileError:
+        return StateFileError(f"{path.name} is not a valid kvchat state file: {why}")
+
+    try:
+        if path.stat().st_size > MAX_TOTAL_BYTES:
+            raise bad(f"it is larger than {MAX_TOTAL_BYTES >> 30} GiB")
+        with zipfile.ZipFile(path) as zf:
+            members = {}
+            for info in zf.infolist():
+                if info.filename in members:
+                    raise bad(f"member {info.filename[:60]!r} appears twice")
+                members[info.filename] = info
+            manifest = _validate_manifest(json.loads(_read_member(zf, members, MANIFEST, MAX_MANIFEST_BYTES, bad)), bad)
+            blobs, total = {}, 0
+            for seg in manifest["segments"]:
+                name = seg["file"]
+                if name in blobs:
+                    continue
+                data = _read_member(zf, members, f"blobs/{name}", min(seg["byte_size"], MAX_BLOB_BYTES), bad)
+                if len(data) != seg["byte_size"]:
+                    raise bad(f"blob {name[:12]}… is {len(data)} bytes, the manifest says {seg['byte_size']}")
+                if hashlib.sha256(data).hexdigest() + SUFFIX != name:
+                    raise bad(f"blob {name[:12]}… does not match its checksum")
+                total += len(data)
+                if total > MAX_TOTAL_BYTES:
+                    raise bad("its blobs add up to more than the size cap")
+                blobs[name] = data
+            return manifest, blobs
+    except StateFileError:
+        raise
+    except FileNotFoundError:
+        raise StateFileError(f"{path}: no such file") from None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+        raise bad(f"damaged or not a zip archive ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise bad(f"its manifest is not JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise bad("its manifest is not UTF-8") from None
+    except OSError as exc:
+        raise StateFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (NotImplementedError, RuntimeError, ValueError) as exc:  # unsupported compression, encryption, ...
+        raise bad(str(exc)[:120]) from None
+
+
+def _read_member(zf: zipfile.ZipFile, members: dict, name: str, cap: int, bad) -> bytes:
+    info = members.get(name)
+    if info is None:
+        raise bad(f"member {name[:60]!r} is missing")
+    if info.file_size > cap:
+        raise bad(f"member {name[:60]!r} declares {info.file_size} bytes, more than the {cap} allowed")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise bad(f"member {name[:60]!r} uses an unsupported compression")
+    with zf.open(info) as f:
+        data = f.read(cap + 1)  # the zip's size field can lie; never read past the cap
+    if len(data) > cap:
+        raise bad(f"member {name[:60]!r} is larger than it declares")
+    return data
+
+
+def _validate_manifest(m, bad) -> dict:
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise bad("the manifest is not a kvchat state manifest")
+    if m.get("version") != VERSION:
+        raise bad(f"format version {m.get('version')!r} is not supported (this kvchat reads version {VERSION})")
+    model, session, rounds, segments = (m.get(k) for k in ("model", "session", "rounds", "segments"))
+    if not (isinstance(model, dict) and _is_hex64(model.get("fingerprint"))):
+        raise bad("the model fingerprint is missing")
+    if not (isinstance(session, dict) and isinstance(session.get("title"), str)
+            and isinstance(session.get("system_prompt"), (str, type(None)))
+            and isinstance(session.get("settings"), dict)):
+        raise bad("the session entry is malformed")
+    if not isinstance(rounds, list) or len(rounds) > MAX_ROUNDS:
+        raise bad("the rounds list is malformed")
+    expect_start = 0
+    for i, r in enumerate(rounds):
+        ok = (isinstance(r, dict) and r.get("idx") == i and isinstance(r.get("user"), str)
+              and isinstance(r.get("assistant"), str) and _is_int(r.get("token_start"))
+              and _is_int(r.get("token_end")) and r["token_start"] == expect_start
+              and r["token_end"] > r["token_start"])
+        if not ok:
+            raise bad(f"round {i} is malformed")
+        expect_start = r["token_end"]
+    if not isinstance(segments, list):
+        raise bad("the segments list is malformed")
+    ints = ("round_idx", "layer_start", "layer_end", "token_start", "token_end", "byte_size", "raw_size")
+    for j, s in enumerate(segments):
+        ok = (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ints)
+              and isinstance(s.get("file"), str) and _BLOB_NAME.fullmatch(s["file"])
+              and _is_hex64(s.get("checksum")) and isinstance(s.get("codec"), str) and isinstance(s.get("dtype"), str)
+              and 0 <= s["round_idx"] < len(rounds) and 0 < s["byte_size"] <= MAX_BLOB_BYTES
+              and (s["token_start"], s["token_end"]) == (rounds[s["round_idx"]]["token_start"],
+                                                         rounds[s["round_idx"]]["token_end"]))
+        if not ok:
+            raise bad(f"segment {j} is malformed")
+    return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 48
+
+
+def _is_hex64(v) -> bool:
+    return isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None

@@ -1,0 +1,49 @@
+"""The shipped model: small, the default of every command, remembers, and runs the same in our engine and llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.engine import Engine, ModelInfo
+from kvchat.engine.evaluate import evaluate, heldout_chats
+from kvchat.engine.parity import ours_greedy, reference_greedy
+from kvchat.engine.policies import make_policy
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def test_shipped_model_is_a_small_llama_with_gqa():
+    assert DEFAULT_MODEL.stat().st_size <= 30 * 2**20
+    cfg = ModelInfo.read(DEFAULT_MODEL).config
+    assert cfg.arch == "llama" and cfg.n_layers >= 8 and cfg.n_kv_heads < cfg.n_heads
+
+
+def test_every_command_defaults_to_it():
+    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "info", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["name"] == "kvchat-memory-demo"
+
+
+def test_it_remembers_across_rounds(engine):
+    result = evaluate(engine, make_policy("full"), heldout_chats(2, 7, 24, 28))
+    assert result.accuracy >= 0.8, result.failures[:3]
+
+
+def test_same_greedy_answers_as_llama_cpp(engine):
+    chat = heldout_chats(1, 3, 20, 20)[0]
+    for q in chat.questions[:3]:
+        rounds = chat.rounds[: q.round_index] + [Round(chat.rounds[q.round_index].user)]
+        prompt = sum(engine.chat.round_spans(Conversation(rounds, chat.system)), [])
+        ours = ours_greedy(engine, prompt, 40)
+        end = next((i + 1 for i, t in enumerate(ours) if t in engine.tokenizer.eog_ids), len(ours))
+        assert ours[:end] == reference_greedy(DEFAULT_MODEL, prompt, end)
