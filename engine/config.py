@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict
 from typing import Any
 
-from kvchat.engine.gguf_file import GGUFFile
+from kvchat.engine.gguf_file import SUPPORTED_ARCHS, GGUFFile
 from kvchat.errors import GGUFError
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+
 # llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) for `llama` (its converter permutes Q/K to match) and the two
 # halves (x[i], x[i + d/2]) for `qwen2`: LLAMA_ROPE_TYPE_NORM vs LLAMA_ROPE_TYPE_NEOX.
 _NEOX_ROPE = {"llama": False, "qwen2": True}

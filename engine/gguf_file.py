@@ -21,6 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from kvchat.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama", "qwen2")
 # Far beyond any real model (Llama-3.1-405B has ~1,100 tensors and ~40 metadata keys besides the vocab arrays).
 MAX_TENSORS = 100_000
 MAX_KV = 100_000
@@ -88,7 +89,8 @@ def _check_header(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(24)
     if len(head) < 24 or head[:4] != GGUF_MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (bad magic or too short)")
+        raise GGUFError(f"{path}: not a GGUF file (bad magic or too short); kvchat reads GGUF models of the "
+                        f"{', '.join(SUPPORTED_ARCHS)} architectures")
     version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
     if version not in (2, 3):
         raise GGUFError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
