@@ -25,6 +25,7 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import RoundRow, Store, now
+from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.segments import read_segment, write_segment
 
@@ -70,11 +71,13 @@ class KVWriter:
 
     def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
         ref = write_segment(self.store.kv_dir, kv.cpu(), fingerprint=self.fingerprint, layers=layers, tokens=tokens)
+        crash_point("segment-durable")
         self.store.add_segment(sid, round_idx=round_idx, layer_start=layers.start, layer_end=layers.stop,
                                token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
                                dtype=str(kv.dtype).removeprefix("torch."), byte_size=ref.byte_size,
                                raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
                                model_fingerprint=self.fingerprint)
+        crash_point("segment-row-committed")
 
 
 class ChatSession:
@@ -185,7 +188,9 @@ class ChatSession:
                           stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
         row = RoundRow(idx, text, result.text, start, start + len(closed), now())
+        crash_point("round-text")
         self.store.add_round(self.sid, row)  # the text is safe from here on
+        crash_point("round-committed")
         self.rounds.append(row)
         self._settle_cache(start, prompt + result.tokens[:-1], closed)
         kv = self.cache.read(range(self.engine.config.n_layers), row.token_start, row.token_end)

@@ -17,12 +17,8 @@ from kvchat.errors import KvchatError
 
 def _store():
     from kvchat.storage.db import Store
-    from kvchat.storage.segments import sweep
 
-    store = Store()
-    # A crash can leave a segment file whose row was never committed, or a temp file: both are orphans.
-    sweep(store.kv_dir, store.referenced_files())
-    return store
+    return Store()  # opening sweeps what interrupted saves left behind
 
 
 def register(main: click.Group, model_option, device_option) -> None:

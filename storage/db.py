@@ -88,8 +88,15 @@ class Store:
             self.db.execute("PRAGMA foreign_keys=ON")
             self.db.execute("PRAGMA synchronous=FULL")
             self._migrate()
+            self.sweep()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.home / 'kvchat.db'} is not a usable kvchat database ({exc})") from None
+
+    def sweep(self, orphan_age_s: float = 300.0) -> list[str]:
+        """Remove what interrupted saves left in kv/ (at start-up; safe beside other running kvchat processes)."""
+        from kvchat.storage.segments import sweep
+
+        return sweep(self.kv_dir, self.referenced_files(), orphan_age_s)
 
     @property
     def kv_dir(self) -> Path:

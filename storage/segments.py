@@ -21,12 +21,14 @@ import os
 import re
 import secrets
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvchat.storage.failpoints import crash_point
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
 
@@ -206,11 +208,14 @@ def _write_atomically(folder: Path, name: str, parts: tuple[bytes, ...]) -> None
         try:
             for part in parts:
                 _write_all(fd, part)
+            crash_point("segment-written")
             os.fsync(fd)
+            crash_point("segment-fsynced")
         finally:
             os.close(fd)
         os.replace(tmp, final)
         renamed = True
+        crash_point("segment-renamed")
         _fsync_dir(folder)
     except BaseException:
         # Unlinking both is safe: the caller found no intact file of this name, so none of it predates this call.
@@ -343,11 +348,12 @@ def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -
 # ----------------------------------------------------------------------------------------------------------- sweep
 
 
-def sweep(folder: Path, referenced: set[str]) -> list[str]:
-    """Delete every segment file whose name is not in `referenced`, and every temp file; return the names removed.
+def sweep(folder: Path, referenced: set[str], orphan_age_s: float = 300.0) -> list[str]:
+    """Delete the leftovers of interrupted saves; return the names removed.
 
-    Run it when no write is in flight (at start-up, or under the store's lock): a segment being written, or written
-    but not yet recorded by the caller, looks exactly like an orphan.
+    Another kvchat process may be saving right now, and its files look exactly like leftovers until it commits.
+    So a temp file goes only when the process that wrote it (its pid is in the name) is gone, and a segment file no
+    row references only when it is older than `orphan_age_s` (a save commits its row within moments).
     """
     folder = Path(folder)
     removed = []
@@ -357,9 +363,10 @@ def sweep(folder: Path, referenced: set[str]) -> list[str]:
         return removed
     except OSError as e:
         raise StorageError(f"cannot list KV segments in {folder}: {_reason(e)}.") from e
+    now = time.time()
     for name in entries:
-        is_temp = name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
-        is_orphan = name.endswith(SUFFIX) and name not in referenced
+        is_temp = name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX) and not _writer_alive(name)
+        is_orphan = name.endswith(SUFFIX) and name not in referenced and _age(folder / name, now) >= orphan_age_s
         if not (is_temp or is_orphan):
             continue
         try:
@@ -370,6 +377,29 @@ def sweep(folder: Path, referenced: set[str]) -> list[str]:
             raise StorageError(f"cannot delete KV segment {name} in {folder}: {_reason(e)}.") from e
         removed.append(name)
     return removed
+
+
+def _writer_alive(temp_name: str) -> bool:
+    try:
+        pid = int(temp_name[len(TEMP_PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def _age(path: Path, now: float) -> float:
+    try:
+        return now - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 # ------------------------------------------------------------------------------------------- segments in memory

@@ -3,6 +3,9 @@ no debris after a failed write, and sweeping of orphans."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import errno
 import hashlib
 import os
@@ -341,17 +344,31 @@ def test_folder_that_cannot_be_created(tmp_path):
 # ----------------------------------------------------------------------------------------------------------- sweep
 
 
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_sweep(tmp_path):
     refs = [write_segment(tmp_path, random_kv(seed=s), fingerprint=FP, layers=range(2), tokens=range(5))
             for s in range(3)]
-    temp = tmp_path / ".tmp-123-abcdef.kvs.part"
+    temp = tmp_path / f".tmp-{dead_pid()}-abcdef.kvs.part"
     temp.write_bytes(b"half a segment")
     (tmp_path / "notes.txt").write_text("not ours")
-    removed = sweep(tmp_path, {refs[0].file, refs[2].file, "gone.kvs"})
-    assert sorted(removed) == sorted([refs[1].file, temp.name])
+    # A fresh unreferenced segment may be another process's save about to commit: kept until it is old.
+    assert sweep(tmp_path, {refs[0].file, refs[2].file, "gone.kvs"}) == [temp.name]
+    removed = sweep(tmp_path, {refs[0].file, refs[2].file, "gone.kvs"}, orphan_age_s=0)
+    assert removed == [refs[1].file]
     assert debris(tmp_path) == sorted([refs[0].file, refs[2].file, "notes.txt"])
-    assert sweep(tmp_path, {refs[0].file, refs[2].file}) == []
+    assert sweep(tmp_path, {refs[0].file, refs[2].file}, orphan_age_s=0) == []
     assert sweep(tmp_path / "never-made", set()) == []
+
+
+def test_sweep_keeps_a_live_writers_temp_file(tmp_path):
+    temp = tmp_path / f".tmp-{os.getpid()}-abcdef.kvs.part"
+    temp.write_bytes(b"being written")
+    assert sweep(tmp_path, set(), orphan_age_s=0) == [] and temp.exists()
 
 
 def test_ref_is_plain_data():
