@@ -9,9 +9,11 @@ another model, saying why.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,10 @@ class KVWriter:
         self._jobs.join()
 
     def _run(self) -> None:
+        try:  # Linux: a thread can lower its own priority, so compressing K/V yields the CPU to decoding
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         while True:
             sid, round_idx, kv, layers, tokens = self._jobs.get()
             try:
@@ -114,10 +120,13 @@ class ChatSession:
         by_round: dict[int, list[dict]] = {}
         for seg in self.store.segments(self.sid):
             by_round.setdefault(seg["round_idx"], []).append(seg)
+        # Disk reads and decoding run ahead in a thread pool while earlier rounds are copied into the cache.
+        pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
+        fetches = [pool.submit(self._fetch, by_round.get(i, [])) for i in range(len(spans))]
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
         for i, span in enumerate(spans):
             end = start + len(span)
-            reason = self._load_round(i, start, end, by_round.get(i, []))
+            reason = self._load_round(i, start, end, by_round.get(i, []), fetches[i])
             if reason is None:
                 self._recompute(pending, stats)
                 pending = []
@@ -128,6 +137,7 @@ class ChatSession:
                 pending.append((start, span))
             start = end
         self._recompute(pending, stats)
+        pool.shutdown()
         self.cache.length = total
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -135,7 +145,7 @@ class ChatSession:
         self.restored = stats
         return stats
 
-    def _load_round(self, i: int, start: int, end: int, segments: list[dict]) -> str | None:
+    def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetched) -> str | None:
         """None when round i's K/V came from disk, else why it could not."""
         row = self.rounds[i]
         if (row.token_start, row.token_end) != (start, end):
@@ -150,17 +160,24 @@ class ChatSession:
             expect = hi
         if expect != self.engine.config.n_layers:
             return f"K/V of layers {expect}..{self.engine.config.n_layers - 1} missing"
-        for seg in segments:
-            if seg["model_fingerprint"] != self.fingerprint:
-                return "K/V belongs to another model"
-            try:
-                header, kv = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
-            except StorageError as exc:
-                return str(exc)
+        if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
+            return "K/V belongs to another model"
+        loaded = fetched.result()
+        if isinstance(loaded, str):
+            return loaded
+        for seg, (header, kv) in zip(segments, loaded):
             if (header.token_start, header.token_end) != (start, end):
                 return "segment holds another token span"
+        for seg, (header, kv) in zip(segments, loaded):
             self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
         return None
+
+    def _fetch(self, segments: list[dict]):
+        """Read and verify a round's segment files (in a worker thread: hashing and zstd release the GIL)."""
+        try:
+            return [read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint) for seg in segments]
+        except StorageError as exc:
+            return str(exc)
 
     def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats) -> None:
         """Prefill runs of consecutive missing rounds at their own slots and positions, attending to all before."""

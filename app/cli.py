@@ -218,6 +218,34 @@ def bench_parity(device, dtype, numerics, json_path) -> None:
         Path(json_path).write_text(json.dumps(rows, indent=2))
 
 
+@bench.command("storage")
+@_model_option
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=64),
+              help="Chat length (capped by the model's context).")
+@click.option("--shape", default=None, help="Use a random-weight model of this shape instead (see bench engine).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where random models are kept (default: $KVCHAT_HOME/bench-models).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def bench_storage(model_path, device, tokens, shape, cache_dir, json_path) -> None:
+    """Bytes on disk per token, decode stall while saving, and restore time against the disk's bandwidth."""
+    from pathlib import Path
+
+    from kvchat.app.bench_storage import as_dict, bench_storage as run
+    from kvchat.engine.bench import model_file
+    from kvchat.engine.synthetic import SHAPES
+    from kvchat.errors import KvchatError
+    from kvchat.paths import data_dir
+
+    if shape is not None:
+        if shape not in SHAPES:
+            raise KvchatError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
+        model_path = str(model_file(Path(cache_dir) if cache_dir else data_dir() / "bench-models", shape))
+    figures = run(model_path, _device(device), tokens, log=click.echo)
+    if json_path:
+        Path(json_path).write_text(json.dumps(as_dict(figures), indent=2))
+
+
 @bench.command("first-token")
 @_model_option
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")

@@ -340,7 +340,8 @@ def _verify(path: Path, header: SegmentHeader, head: bytes, payload: bytes) -> N
 
 
 def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    bits = np.frombuffer(raw, dtype=_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="))
+    # frombuffer is a view and the bytes are already little-endian on every machine we run on: no copy here.
+    bits = np.frombuffer(raw, dtype=_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="), copy=False)
     t = torch.from_numpy(bits)
     return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).reshape(shape)
 

@@ -1,0 +1,175 @@
+"""`kvchat bench storage`: what saving and restoring a chat's KV cache costs, next to what the disk allows.
+
+A long chat is built from the held-out memory dialogues, prefilled once, and stored round by round as the app
+stores it. Then: bytes on disk per token (byte planes + zstd, and plain zstd for comparison) against the raw KV;
+decode speed while the background writer saves KV against decode speed alone; the disk's cold read bandwidth; and
+the time to restore the chat in a fresh session with the page cache dropped, against bytes read ÷ bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvchat.app.chat_session import ChatSession, KVWriter
+from kvchat.engine.bench import drop_page_cache
+from kvchat.engine.chat_format import Conversation
+from kvchat.engine.dialogues import dialogues
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import decoder_step, prefill
+from kvchat.storage import codec
+from kvchat.storage.db import RoundRow, Store, now
+from kvchat.storage.fingerprint import model_fingerprint
+
+
+@dataclass
+class StorageFigures:
+    model: str
+    device: str
+    dtype: str
+    tokens: int
+    rounds: int
+    raw_bytes: int
+    disk_bytes: int
+    plain_zstd_bytes: int
+    disk_over_raw: float
+    plain_zstd_over_raw: float
+    save_seconds: float
+    decode_tok_s_alone: float
+    decode_tok_s_while_saving: float
+    stall_percent: float
+    page_cache_dropped: bool
+    disk_read_mb_s: float
+    restore_ms: float
+    restore_floor_ms: float
+    restore_over_floor: float
+    engine_load_s: float
+
+
+def build_chat(engine: Engine, target_tokens: int) -> tuple[Conversation, list[list[int]]]:
+    rounds, system = [], None
+    for dlg in dialogues("heldout", 400, 11, 40, 60):
+        system = system or dlg.system
+        rounds += dlg.rounds
+        if len(rounds) * 45 > target_tokens * 1.3:
+            break
+    spans = engine.chat.round_spans(Conversation(rounds, system))
+    total, keep = 0, 0
+    for keep, span in enumerate(spans, 1):
+        total += len(span)
+        if total >= target_tokens:
+            break
+    return Conversation(rounds[:keep], system), spans[:keep]
+
+
+def _decode_rate(engine: Engine, cache, steps: int) -> float:
+    step = decoder_step(engine.model, cache, cache.length + steps + 2, None)
+    token, base = 1, cache.length
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = int(torch.argmax(step(token)))
+    elapsed = time.perf_counter() - t0
+    cache.length = base
+    return steps / elapsed
+
+
+def _disk_read_mb_s(folder: Path, size: int = 1 << 30) -> float:
+    path = folder / "bandwidth-probe.bin"
+    block = os.urandom(1 << 24)
+    with open(path, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    drop_page_cache()
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(1 << 24):
+            pass
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return size / elapsed / 1e6
+
+
+def bench_storage(model_path: str, device: str | None, target_tokens: int, decode_steps: int = 64,
+                  folder: Path | None = None, log=print) -> StorageFigures:
+    t0 = time.perf_counter()
+    engine = Engine(model_path, device=device)
+    load_s = time.perf_counter() - t0
+    folder = Path(folder or tempfile.mkdtemp(prefix="kvchat-bench-"))
+    store = Store(folder / "home")
+    conv, spans = build_chat(engine, min(target_tokens, engine.config.context_length - decode_steps - 8))
+    tokens = sum(len(s) for s in spans)
+    log(f"chat: {len(spans)} rounds, {tokens} tokens; model loaded in {load_s:.2f} s")
+    fp = model_fingerprint(Path(model_path), store)
+    sid = store.create_session(title="bench", model_fingerprint=fp, model_path=str(model_path),
+                               system_prompt=conv.system)
+    cache = engine.new_cache(tokens + decode_steps + 8)
+    prefill(engine.model, cache, sum(spans, []))
+    layers = range(engine.config.n_layers)
+    start = 0
+    for i, (r, span) in enumerate(zip(conv.rounds, spans)):
+        store.add_round(sid, RoundRow(i, r.user, r.assistant or "", start, start + len(span), now()))
+        start += len(span)
+
+    # Save every round's K/V as the app does, and time it.
+    writer = KVWriter(store, fp)
+    t0 = time.perf_counter()
+    start, plain = 0, 0
+    for i, span in enumerate(spans):
+        kv = cache.read(layers, start, start + len(span))
+        writer.submit(sid, i, kv, layers, range(start, start + len(span)))
+        raw = kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()  # plain zstd: the comparison
+        plain += len(codec.encode(raw, kv.element_size(), "zstd"))
+        start += len(span)
+    writer.drain()
+    save_s = time.perf_counter() - t0
+    segs = store.segments(sid)
+    raw_bytes, disk_bytes = sum(s["raw_size"] for s in segs), sum(s["byte_size"] for s in segs)
+    log(f"saved {disk_bytes / 2**20:.1f} MiB for {raw_bytes / 2**20:.1f} MiB raw ({disk_bytes / raw_bytes:.3f}); "
+        f"plain zstd {plain / raw_bytes:.3f}; {save_s:.2f} s")
+
+    # Decode alone, then decode while the writer saves the whole chat again (under another fingerprint, so the
+    # files are new and really written).
+    _decode_rate(engine, cache, 8)
+    alone = statistics.median(_decode_rate(engine, cache, decode_steps) for _ in range(3))
+    busy = KVWriter(store, "e" * 64)
+    start = 0
+    for i, span in enumerate(spans):
+        busy.submit(sid, 10_000 + i, cache.read(layers, start, start + len(span)), layers, range(start, start + len(span)))
+        start += len(span)
+    during = _decode_rate(engine, cache, decode_steps)
+    still_busy = busy._jobs.unfinished_tasks > 0
+    busy.drain()
+    stall = 100 * (1 - during / alone)
+    log(f"decode {alone:.1f} tok/s alone, {during:.1f} tok/s while saving ({stall:+.1f}% stall"
+        f"{'' if still_busy else '; the save finished before decoding did'})")
+    store.db.execute("DELETE FROM kv_segments WHERE round_idx >= 10000")
+
+    bandwidth = _disk_read_mb_s(folder)
+    dropped = drop_page_cache()
+    chat = ChatSession(store, engine, sid)
+    stats = chat.restore()
+    floor_ms = disk_bytes / (bandwidth * 1e6) * 1000
+    log(f"disk reads {bandwidth:.0f} MB/s cold; restore {stats.restore_ms:.0f} ms "
+        f"({stats.tokens_loaded} loaded, {stats.tokens_recomputed} recomputed) against a floor of {floor_ms:.0f} ms "
+        f"(x{stats.restore_ms / floor_ms:.2f}){'' if dropped else '; page cache NOT dropped (not root)'}")
+    return StorageFigures(
+        model=str(model_path), device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+        tokens=tokens, rounds=len(spans), raw_bytes=raw_bytes, disk_bytes=disk_bytes, plain_zstd_bytes=plain,
+        disk_over_raw=disk_bytes / raw_bytes, plain_zstd_over_raw=plain / raw_bytes, save_seconds=save_s,
+        decode_tok_s_alone=alone, decode_tok_s_while_saving=during, stall_percent=stall, page_cache_dropped=dropped,
+        disk_read_mb_s=bandwidth, restore_ms=stats.restore_ms, restore_floor_ms=floor_ms,
+        restore_over_floor=stats.restore_ms / floor_ms, engine_load_s=load_s)
+
+
+def as_dict(f: StorageFigures) -> dict:
+    return asdict(f)
