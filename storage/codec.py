@@ -33,7 +33,7 @@ def encode(raw: bytes, element_size: int, codec: str, level: int = 3) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(data)
 
 
-def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes:
+def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes | bytearray | np.ndarray:
     """Inverse of `encode`; `raw_size` is what the caller expects back, and nothing larger is ever allocated.
 
     Bytes after the zstd frame are ignored: the integrity of the blob as a whole is the container's job (segment
@@ -58,7 +58,8 @@ def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes:
         raise StorageError(f"compressed KV data is corrupt ({e}).") from None
     if len(out) != raw_size:
         raise StorageError(f"compressed KV data decompressed to {len(out)} bytes where {raw_size} were expected.")
-    return _from_planes(out, element_size) if codec == "planes+zstd" else out
+    # A writable buffer either way, so the tensor made from it owns writable memory.
+    return _from_planes(out, element_size) if codec == "planes+zstd" else bytearray(out)
 
 
 def _to_planes(raw: bytes, element_size: int) -> np.ndarray:
@@ -66,8 +67,9 @@ def _to_planes(raw: bytes, element_size: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).reshape(-1, element_size).T.copy()
 
 
-def _from_planes(planes: bytes, element_size: int) -> bytes:
-    return np.frombuffer(planes, dtype=np.uint8).reshape(element_size, -1).T.tobytes()
+def _from_planes(planes: bytes, element_size: int) -> np.ndarray:
+    """The interleaved bytes as a flat uint8 array: one copy, the transpose itself."""
+    return np.frombuffer(planes, dtype=np.uint8).reshape(element_size, -1).T.copy().reshape(-1)
 
 
 def _check_codec(codec: str) -> None:

@@ -339,9 +339,10 @@ def _verify(path: Path, header: SegmentHeader, head: bytes, payload: bytes) -> N
             raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its content does not match its name.")
 
 
-def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    # frombuffer is a view and the bytes are already little-endian on every machine we run on: no copy here.
-    bits = np.frombuffer(raw, dtype=_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="), copy=False)
+def _tensor_from_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # A view of the decoded buffer (writable, owned by us); the bytes are little-endian like every machine we run on.
+    flat = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+    bits = flat.view(_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="), copy=False)
     t = torch.from_numpy(bits)
     return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).reshape(shape)
 
