@@ -48,12 +48,18 @@ class KVWriter:
     def __init__(self, store: Store, fingerprint: str):
         self.store, self.fingerprint = store, fingerprint
         self.errors: list[str] = []
+        self._stream = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self._thread.start()
 
     def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
-        self._jobs.put((sid, round_idx, kv, layers, tokens))
+        """`kv` must not change afterwards (a copy, as KVCache.read returns)."""
+        ready = None
+        if kv.is_cuda:  # the writer's stream must not read the copy before the main stream has made it
+            ready = torch.cuda.Event()
+            ready.record()
+        self._jobs.put((sid, round_idx, kv, layers, tokens, ready))
 
     def drain(self) -> None:
         """Wait until every submitted round is on disk (or has failed, with the reason in `errors`)."""
@@ -65,9 +71,17 @@ class KVWriter:
         except (AttributeError, OSError):
             pass
         while True:
-            sid, round_idx, kv, layers, tokens = self._jobs.get()
+            sid, round_idx, kv, layers, tokens, ready = self._jobs.get()
             try:
-                self._save(sid, round_idx, kv, layers, tokens)
+                if ready is None:
+                    self._save(sid, round_idx, kv, layers, tokens)
+                else:
+                    # Its own CUDA stream: copying K/V to the host overlaps decoding instead of queueing behind it.
+                    stream = self._stream or torch.cuda.Stream(kv.device)
+                    self._stream = stream
+                    stream.wait_event(ready)
+                    with torch.cuda.stream(stream):
+                        self._save(sid, round_idx, kv, layers, tokens)
             except StorageError as exc:
                 # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
                 self.errors.append(f"round {round_idx}: {exc}")
@@ -76,7 +90,7 @@ class KVWriter:
                 self._jobs.task_done()
 
     def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
-        ref = write_segment(self.store.kv_dir, kv.cpu(), fingerprint=self.fingerprint, layers=layers, tokens=tokens)
+        ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens)
         crash_point("segment-durable")
         self.store.add_segment(sid, round_idx=round_idx, layer_start=layers.start, layer_end=layers.stop,
                                token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
@@ -175,7 +189,8 @@ class ChatSession:
     def _fetch(self, segments: list[dict]):
         """Read and verify a round's segment files (in a worker thread: hashing and zstd release the GIL)."""
         try:
-            return [read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint) for seg in segments]
+            return [read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint,
+                                 device=self.cache.kv.device) for seg in segments]
         except StorageError as exc:
             return str(exc)
 

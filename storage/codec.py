@@ -27,6 +27,11 @@ def encode(raw: bytes, element_size: int, codec: str, level: int = 3) -> bytes:
         # The caller's bytes, not saved data: a bug, not a storage problem.
         raise ValueError(f"{len(raw)} bytes are not a whole number of {element_size}-byte values")
     data = _to_planes(raw, element_size) if codec == "planes+zstd" else raw
+    return compress(data, level)
+
+
+def compress(data, level: int = 3) -> bytes:
+    """One zstd frame declaring its content size (`data`: any buffer, e.g. planes already split on the GPU)."""
     # Single-threaded on purpose: the output must be a pure function of the input, because segment files are named
     # by the hash of their content and identical K/V must land in the same file. The frame's own checksum (4 bytes)
     # makes damage show up as an error here rather than as plausible wrong floats, whatever the container checks.
@@ -42,6 +47,14 @@ def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes |
     _check_codec(codec)
     if not _whole_values(raw_size, element_size):
         raise StorageError(f"{raw_size} bytes of KV data are not a whole number of {element_size}-byte values.")
+    out = decompress(blob, raw_size)
+    # A writable buffer either way, so the tensor made from it owns writable memory.
+    return _from_planes(out, element_size) if codec == "planes+zstd" else out
+
+
+def decompress(blob: bytes, raw_size: int) -> bytearray:
+    """The frame's content into a fresh writable buffer, refusing any frame that does not declare exactly
+    `raw_size` bytes (planes are left as they are: the caller merges them, on the GPU when there is one)."""
     # The frame header is attacker-controlled size information: it is read, and refused, before anything is
     # allocated, so a tiny frame declaring gigabytes (a "zip bomb") costs nothing.
     try:
@@ -53,13 +66,13 @@ def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes |
     if declared != raw_size:
         raise StorageError(f"compressed KV data declares {declared} bytes where {raw_size} were expected.")
     try:
+        # One call that drops the GIL for the whole frame, so restores decode segments on many threads at once.
         out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_size)
     except zstandard.ZstdError as e:
         raise StorageError(f"compressed KV data is corrupt ({e}).") from None
     if len(out) != raw_size:
         raise StorageError(f"compressed KV data decompressed to {len(out)} bytes where {raw_size} were expected.")
-    # A writable buffer either way, so the tensor made from it owns writable memory.
-    return _from_planes(out, element_size) if codec == "planes+zstd" else bytearray(out)
+    return bytearray(out)  # writable: tensors made from it own their memory
 
 
 def _to_planes(raw: bytes, element_size: int) -> np.ndarray:

@@ -41,7 +41,6 @@ TEMP_SUFFIX = ".kvs.part"
 # Index = the code stored in the file; never reorder, only append.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # numpy has no bfloat16: its bits travel as int16. Explicit little-endian so files mean the same on every host.
-_NUMPY_BITS = {torch.float32: np.dtype("<f4"), torch.bfloat16: np.dtype("<i2"), torch.float16: np.dtype("<f2")}
 
 _PREFIX = struct.Struct("<4sHH32sBBB")  # magic .. ndim
 _DIM = struct.Struct("<I")
@@ -123,17 +122,19 @@ def write_segment(folder: Path, kv: torch.Tensor, *, fingerprint: str, layers: r
     """
     _check_fingerprint(fingerprint)
     _check_kv(kv, layers, tokens)
-    raw = _tensor_bytes(kv)
-    payload = kvcodec.encode(raw, kv.element_size(), codec)
+    if codec not in CODECS:
+        raise StorageError(f"unknown KV codec {codec!r}; accepted codecs are {', '.join(CODECS)}.")
+    raw_size = kv.numel() * kv.element_size()
+    payload = kvcodec.compress(_host_bytes(kv, split_planes=codec == "planes+zstd"))
     header = SegmentHeader(
         version=FORMAT_VERSION, header_size=header_size(kv.dim()), fingerprint=fingerprint.lower(), dtype=kv.dtype,
         codec=codec, shape=tuple(kv.shape), layer_start=layers.start, layer_end=layers.stop,
-        token_start=tokens.start, token_end=tokens.stop, raw_size=len(raw), payload_size=len(payload),
+        token_start=tokens.start, token_end=tokens.stop, raw_size=raw_size, payload_size=len(payload),
         checksum=hashlib.sha256(payload).hexdigest(),
     )
     head = header.pack()
     name = _whole_file_hash(head, payload) + SUFFIX
-    ref = SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=len(raw), checksum=header.checksum,
+    ref = SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=raw_size, checksum=header.checksum,
                      codec=codec)
     folder = Path(folder)
     try:
@@ -166,10 +167,13 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range) -> None:
         raise ValueError(f"K/V shape {list(kv.shape)} does not fit the segment format")
 
 
-def _tensor_bytes(kv: torch.Tensor) -> bytes:
-    cpu = kv.detach().to("cpu").contiguous()
-    bits = cpu.view(torch.int16) if cpu.dtype == torch.bfloat16 else cpu
-    return bits.numpy().astype(_NUMPY_BITS[kv.dtype], copy=False).tobytes()
+def _host_bytes(kv: torch.Tensor, split_planes: bool) -> np.ndarray:
+    """The tensor's little-endian bytes on the host, split into byte planes first when asked. The split runs
+    where the tensor lives, so on a GPU the host sees one plain copy and the CPU does no byte shuffling."""
+    flat = kv.detach().contiguous().view(torch.uint8).reshape(-1)
+    if split_planes and flat.numel():
+        flat = flat.view(-1, kv.element_size()).t().contiguous().reshape(-1)
+    return flat.cpu().numpy()
 
 
 def _whole_file_hash(*parts: bytes) -> str:
@@ -259,7 +263,8 @@ def _reason(e: OSError) -> str:
 # ------------------------------------------------------------------------------------------------------------ read
 
 
-def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, torch.Tensor]:
+def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34,
+                 device: torch.device | str = "cpu") -> tuple[SegmentHeader, torch.Tensor]:
     """The header and the tensor of a segment, on the CPU in the stored dtype, bit for bit as written.
 
     Raises SegmentMissing, SegmentCorrupt or SegmentWrongModel (all StorageError) instead of returning anything
@@ -279,11 +284,20 @@ def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -
     _verify(path, header, head, payload)
     if header.fingerprint != fingerprint.lower():
         raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
+    return header, _decode_tensor(payload, header, path.name, device)
+
+
+def _decode_tensor(payload: bytes, header: SegmentHeader, name: str, device) -> torch.Tensor:
     try:
-        raw = kvcodec.decode(payload, header.dtype.itemsize, header.codec, header.raw_size)
+        raw = kvcodec.decompress(payload, header.raw_size)
     except StorageError as e:
-        raise SegmentCorrupt(f"KV segment {path.name} cannot be decoded: {e}") from None
-    return header, _tensor_from_bytes(raw, header.dtype, header.shape)
+        raise SegmentCorrupt(f"KV segment {name} cannot be decoded: {e}") from None
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    flat = flat.to(device)
+    if header.codec == "planes+zstd" and flat.numel():
+        # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
+        flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
+    return flat.view(header.dtype).reshape(header.shape)
 
 
 def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
@@ -337,14 +351,6 @@ def _verify(path: Path, header: SegmentHeader, head: bytes, payload: bytes) -> N
     if path.name.endswith(SUFFIX) and _SHA256_NAME.fullmatch(stem):
         if _whole_file_hash(head, payload) != stem:
             raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its content does not match its name.")
-
-
-def _tensor_from_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    # A view of the decoded buffer (writable, owned by us); the bytes are little-endian like every machine we run on.
-    flat = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
-    bits = flat.view(_NUMPY_BITS[dtype]).astype(_NUMPY_BITS[dtype].newbyteorder("="), copy=False)
-    t = torch.from_numpy(bits)
-    return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------- sweep
@@ -419,11 +425,7 @@ def parse_segment(data: bytes, name: str, *, fingerprint: str | None,
     _verify(path, header, head, payload)
     if fingerprint is not None and header.fingerprint != fingerprint.lower():
         raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
-    try:
-        raw = kvcodec.decode(payload, header.dtype.itemsize, header.codec, header.raw_size)
-    except StorageError as e:
-        raise SegmentCorrupt(f"KV segment {path.name} cannot be decoded: {e}") from None
-    return header, _tensor_from_bytes(raw, header.dtype, header.shape)
+    return header, _decode_tensor(payload, header, path.name, "cpu")
 
 
 def store_segment_bytes(folder: Path, name: str, data: bytes) -> None:
