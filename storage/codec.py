@@ -49,11 +49,11 @@ def decode(blob: bytes, element_size: int, codec: str, raw_size: int) -> bytes |
         raise StorageError(f"{raw_size} bytes of KV data are not a whole number of {element_size}-byte values.")
     out = decompress(blob, raw_size)
     # A writable buffer either way, so the tensor made from it owns writable memory.
-    return _from_planes(out, element_size) if codec == "planes+zstd" else out
+    return _from_planes(out, element_size) if codec == "planes+zstd" else bytearray(out)
 
 
-def decompress(blob: bytes, raw_size: int) -> bytearray:
-    """The frame's content into a fresh writable buffer, refusing any frame that does not declare exactly
+def decompress(blob: bytes, raw_size: int) -> bytes:
+    """The frame's content, refusing any frame that does not declare exactly
     `raw_size` bytes (planes are left as they are: the caller merges them, on the GPU when there is one)."""
     # The frame header is attacker-controlled size information: it is read, and refused, before anything is
     # allocated, so a tiny frame declaring gigabytes (a "zip bomb") costs nothing.
@@ -72,7 +72,7 @@ def decompress(blob: bytes, raw_size: int) -> bytearray:
         raise StorageError(f"compressed KV data is corrupt ({e}).") from None
     if len(out) != raw_size:
         raise StorageError(f"compressed KV data decompressed to {len(out)} bytes where {raw_size} were expected.")
-    return bytearray(out)  # writable: tensors made from it own their memory
+    return out
 
 
 def _to_planes(raw: bytes, element_size: int) -> np.ndarray:
