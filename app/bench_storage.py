@@ -163,7 +163,8 @@ def bench_storage(model_path: str, device: str | None, target_tokens: int, decod
     floor_ms = disk_bytes / (bandwidth * 1e6) * 1000
     log(f"disk reads {bandwidth:.0f} MB/s cold; restore {stats.restore_ms:.0f} ms "
         f"({stats.tokens_loaded} loaded, {stats.tokens_recomputed} recomputed) against a floor of {floor_ms:.0f} ms "
-        f"(x{stats.restore_ms / floor_ms:.2f}); {warm_ms:.0f} ms with the files in the page cache"
+        f"(x{stats.restore_ms / floor_ms:.2f}; tokens {stats.spans_ms:.0f} ms, waiting on reads {stats.wait_ms:.0f} ms); "
+        f"{warm_ms:.0f} ms with the files in the page cache"
         f"{'' if dropped else '; page cache NOT dropped (not root)'}")
     return StorageFigures(
         model=str(model_path), device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),

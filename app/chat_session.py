@@ -29,7 +29,7 @@ from kvchat.storage.codec import StorageError
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
-from kvchat.storage.segments import read_segment, write_segment
+from kvchat.storage.segments import finish_tensor, read_segment_bytes, stage_tensor, write_segment
 
 log = logging.getLogger("kvchat.session")
 
@@ -39,6 +39,8 @@ class RestoreStats:
     tokens_loaded: int = 0
     tokens_recomputed: int = 0
     restore_ms: float = 0.0
+    spans_ms: float = 0.0  # rendering and tokenizing the chat (disk reads already running)
+    wait_ms: float = 0.0  # waiting for reads/checks/decompression the worker threads had not finished
     notes: list[str] = field(default_factory=list)
 
 
@@ -109,6 +111,7 @@ class ChatSession:
         self.rounds: list[RoundRow] = store.rounds(sid)
         self.cache: KVCache = engine.new_cache()
         self.restored: RestoreStats | None = None
+        self._waited = 0.0
 
     @property
     def system(self) -> str | None:
@@ -124,19 +127,22 @@ class ChatSession:
     def restore(self) -> RestoreStats:
         """Bring the cache to the end of the stored chat: load what is on disk, recompute the rest."""
         started = time.perf_counter()
-        stats = RestoreStats()
-        spans = self.engine.chat.round_spans(self.conversation()) if self.rounds else []
-        total = sum(len(s) for s in spans)
-        if total > self.engine.config.context_length:
-            raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
-                                       f"{self.engine.config.context_length}")
-        self.cache = self.engine.new_cache(total + 512)
+        stats, self._waited = RestoreStats(), 0.0
         by_round: dict[int, list[dict]] = {}
         for seg in self.store.segments(self.sid):
             by_round.setdefault(seg["round_idx"], []).append(seg)
-        # Disk reads and decoding run ahead in a thread pool while earlier rounds are copied into the cache.
+        # Disk reads, checks and decompression run in a thread pool from the start (they need no tokens), while
+        # this thread renders the chat's tokens and then moves each round's K/V to the device in order.
         pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
-        fetches = [pool.submit(self._fetch, by_round.get(i, [])) for i in range(len(spans))]
+        fetches = [pool.submit(self._fetch, by_round.get(i, [])) for i in range(len(self.rounds))]
+        spans = self.engine.chat.round_spans(self.conversation()) if self.rounds else []
+        total = sum(len(s) for s in spans)
+        if total > self.engine.config.context_length:
+            pool.shutdown(cancel_futures=True)
+            raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
+                                       f"{self.engine.config.context_length}")
+        self.cache = self.engine.new_cache(total + 512)
+        stats.spans_ms = 1000 * (time.perf_counter() - started)
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
         for i, span in enumerate(spans):
             end = start + len(span)
@@ -153,6 +159,7 @@ class ChatSession:
         self._recompute(pending, stats)
         pool.shutdown()
         self.cache.length = total
+        stats.wait_ms = 1000 * self._waited
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         stats.restore_ms = 1000 * (time.perf_counter() - started)
@@ -176,21 +183,27 @@ class ChatSession:
             return f"K/V of layers {expect}..{self.engine.config.n_layers - 1} missing"
         if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
             return "K/V belongs to another model"
+        t0 = time.perf_counter()
         loaded = fetched.result()
+        self._waited += time.perf_counter() - t0
         if isinstance(loaded, str):
             return loaded
-        for seg, (header, kv) in zip(segments, loaded):
+        for seg, (header, raw) in zip(segments, loaded):
             if (header.token_start, header.token_end) != (start, end):
                 return "segment holds another token span"
-        for seg, (header, kv) in zip(segments, loaded):
+        for seg, (header, staged) in zip(segments, loaded):
+            kv = finish_tensor(header, staged, self.cache.kv.device)
             self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
         return None
 
     def _fetch(self, segments: list[dict]):
         """Read and verify a round's segment files (in a worker thread: hashing and zstd release the GIL)."""
         try:
-            return [read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint,
-                                 device=self.cache.kv.device) for seg in segments]
+            out = []
+            for seg in segments:
+                header, raw = read_segment_bytes(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
+                out.append((header, stage_tensor(header, raw, self.cache.kv.device)))
+            return out
         except StorageError as exc:
             return str(exc)
 

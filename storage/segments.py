@@ -271,8 +271,12 @@ def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34,
     Raises SegmentMissing, SegmentCorrupt or SegmentWrongModel (all StorageError) instead of returning anything
     that was not verified.
     """
+    header, payload = _read_verified(Path(path), fingerprint, max_raw_size)
+    return header, _decode_tensor(payload, header, Path(path).name, device)
+
+
+def _read_verified(path: Path, fingerprint: str, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
     _check_fingerprint(fingerprint)
-    path = Path(path)
     try:
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
@@ -285,34 +289,69 @@ def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34,
     _verify(path, header, head, payload)
     if header.fingerprint != fingerprint.lower():
         raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
-    return header, _decode_tensor(payload, header, path.name, device)
+    return header, payload
 
 
-def _decode_tensor(payload: bytes, header: SegmentHeader, name: str, device) -> torch.Tensor:
-    try:
-        raw = kvcodec.decompress(payload, header.raw_size)
-    except StorageError as e:
-        raise SegmentCorrupt(f"KV segment {name} cannot be decoded: {e}") from None
-    flat = _to_device(raw, torch.device(device))
+def read_segment_bytes(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, bytes]:
+    """The host half of read_segment (read, verify, decompress: thread-friendly, no GPU work); `tensor_on` is the
+    other half."""
+    header, payload = _read_verified(Path(path), fingerprint, max_raw_size)
+    return header, _decompress(payload, header, Path(path).name)
+
+
+def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
+    return finish_tensor(header, stage_tensor(header, raw, device), device)
+
+
+def stage_tensor(header: SegmentHeader, raw: bytes, device: torch.device | str) -> torch.Tensor:
+    """Host work for a tensor bound for `device` (thread-friendly): for a GPU, the bytes in pinned memory; for the
+    CPU, the finished tensor."""
+    device = torch.device(device)
+    flat = _to_device(raw, torch.device("cpu"), pinned=device.type == "cuda")
+    return flat if device.type == "cuda" else _merge(header, flat)
+
+
+def finish_tensor(header: SegmentHeader, staged: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Device work: a DMA copy and, for planes, a byte transpose on the GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return staged
+    return _merge(header, staged.to(device, non_blocking=True))
+
+
+def _merge(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
     if header.codec == "planes+zstd" and flat.numel():
-        # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
         flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
     return flat.view(header.dtype).reshape(header.shape)
 
 
-def _to_device(raw: bytes, device: torch.device) -> torch.Tensor:
-    """The bytes as a uint8 tensor on `device` that owns its memory. For a GPU they pass through pinned memory:
+def _decompress(payload: bytes, header: SegmentHeader, name: str) -> bytes:
+    try:
+        return kvcodec.decompress(payload, header.raw_size)
+    except StorageError as e:
+        raise SegmentCorrupt(f"KV segment {name} cannot be decoded: {e}") from None
+
+
+def _decode_tensor(payload: bytes, header: SegmentHeader, name: str, device) -> torch.Tensor:
+    # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
+    return tensor_on(header, _decompress(payload, header, name), device)
+
+
+def _to_device(raw: bytes, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """The bytes as a uint8 tensor on `device` that owns its memory. Bound for a GPU they go through pinned memory:
     copies from pageable memory are staged and serialized by the driver, pinned ones go at full DMA speed."""
     if not raw:
         return torch.empty(0, dtype=torch.uint8, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a read-only view, copied from at once and never written
         view = torch.frombuffer(raw, dtype=torch.uint8)
-    if device.type != "cuda":
+    if device.type == "cuda":
+        return _to_device(raw, torch.device("cpu"), pinned=True).to(device, non_blocking=True)
+    if not pinned:
         return view.clone()
     host = torch.empty(len(raw), dtype=torch.uint8, pin_memory=True)  # from torch's caching host allocator
     host.copy_(view)
-    return host.to(device, non_blocking=True)
+    return host
 
 
 def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
