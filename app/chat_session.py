@@ -8,6 +8,7 @@ another model, saying why.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -39,7 +40,7 @@ class RestoreStats:
     tokens_loaded: int = 0
     tokens_recomputed: int = 0
     restore_ms: float = 0.0
-    spans_ms: float = 0.0  # rendering and tokenizing the chat (disk reads already running)
+    spans_ms: float = 0.0  # rendering and tokenizing the chat, needed only when some round is recomputed
     wait_ms: float = 0.0  # waiting for reads/checks/decompression the worker threads had not finished
     notes: list[str] = field(default_factory=list)
 
@@ -131,30 +132,39 @@ class ChatSession:
         by_round: dict[int, list[dict]] = {}
         for seg in self.store.segments(self.sid):
             by_round.setdefault(seg["round_idx"], []).append(seg)
-        # Disk reads, checks and decompression run in a thread pool from the start (they need no tokens), while
-        # this thread renders the chat's tokens and then moves each round's K/V to the device in order.
+        # Disk reads, checks, decompression and pinning run in a thread pool, while this thread moves each round's
+        # K/V to the device in order as soon as it is ready.
         pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
         fetches = [pool.submit(self._fetch, by_round.get(i, [])) for i in range(len(self.rounds))]
-        spans = self.engine.chat.round_spans(self.conversation()) if self.rounds else []
-        total = sum(len(s) for s in spans)
+        # The stored spans say where each round's K/V goes; tokens are only needed for rounds to recompute.
+        ends = [r.token_end for r in self.rounds]
+        total = ends[-1] if ends else 0
         if total > self.engine.config.context_length:
             pool.shutdown(cancel_futures=True)
             raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
                                        f"{self.engine.config.context_length}")
         self.cache = self.engine.new_cache(total + 512)
-        stats.spans_ms = 1000 * (time.perf_counter() - started)
+        spans = None
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
-        for i, span in enumerate(spans):
-            end = start + len(span)
+        for i, row in enumerate(self.rounds):
+            end = row.token_end
             reason = self._load_round(i, start, end, by_round.get(i, []), fetches[i])
             if reason is None:
                 self._recompute(pending, stats)
                 pending = []
                 stats.tokens_loaded += end - start
             else:
+                if spans is None:
+                    t0 = time.perf_counter()
+                    spans = self.engine.chat.round_spans(self.conversation())
+                    stats.spans_ms += 1000 * (time.perf_counter() - t0)
+                    if list(itertools.accumulate(len(s) for s in spans)) != ends:
+                        # The stored spans no longer match the text's tokens: nothing loaded so far can be trusted.
+                        pool.shutdown(cancel_futures=True)
+                        return self._recompute_all(spans, stats, started)
                 stats.notes.append(f"round {i}: {reason}; recomputed")
                 log.info("round %d of %s recomputed: %s", i, self.sid, reason)
-                pending.append((start, span))
+                pending.append((start, spans[i]))
             start = end
         self._recompute(pending, stats)
         pool.shutdown()
@@ -166,11 +176,22 @@ class ChatSession:
         self.restored = stats
         return stats
 
+    def _recompute_all(self, spans: list[list[int]], stats: RestoreStats, started: float) -> RestoreStats:
+        stats.tokens_loaded = 0
+        stats.notes = ["the chat's tokens no longer match the stored spans; recomputed from text"]
+        total = sum(len(s) for s in spans)
+        self.cache = self.engine.new_cache(total + 512)
+        self._recompute([(0, [t for s in spans for t in s])], stats)
+        self.cache.length = total
+        stats.restore_ms = 1000 * (time.perf_counter() - started)
+        self.restored = stats
+        return stats
+
     def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetched) -> str | None:
         """None when round i's K/V came from disk, else why it could not."""
         row = self.rounds[i]
-        if (row.token_start, row.token_end) != (start, end):
-            return "its tokens no longer match the stored span"
+        if (row.token_start, row.token_end) != (start, end) or end <= start:
+            return "its stored token span is inconsistent"
         layers_covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
         if not layers_covered:
             return "no K/V stored"

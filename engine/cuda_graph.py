@@ -33,7 +33,8 @@ class GraphedDecode:
             for _ in range(2):
                 self._step()
         torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.cuda.graph(self.graph):
+        # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self._logits = self._step()
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.gguf_export import LazyTensor, write_model_gguf
-from kvchat.engine.vocab import CONTROL, ByteBPEVocab
+from kvchat.engine.vocab import NORMAL, ByteBPEVocab
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. My name is Alice and I live in Paris.",
@@ -121,8 +121,9 @@ def make_vocab(style: str, n_merges: int = 160, size: int | None = None) -> tupl
         if size < len(vocab.tokens):
             raise ValueError(f"a vocabulary of {size} cannot hold the {len(vocab.tokens)} base tokens")
         extra = size - len(vocab.tokens)
+        # Plain tokens no merge produces: as control tokens, llama.cpp would scan every prompt for 100k+ of them.
         vocab.tokens += [f"<|reserved_{i}|>" for i in range(extra)]
-        vocab.token_types += [CONTROL] * extra
+        vocab.token_types += [NORMAL] * extra
     return vocab, template
 
 
