@@ -106,9 +106,11 @@ def info(model_path, as_json) -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
 @click.option("--min-rounds", default=44, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-rounds", default=52, show_default=True, type=click.IntRange(min=2))
+@click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(min=0),
+              help="Only chats at least this long in the model's tokens.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
-def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, device, as_json) -> None:
+def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind and distance in rounds."""
     from kvchat.engine.engine import Engine
     from kvchat.engine.evaluate import evaluate, heldout_chats
@@ -119,7 +121,10 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, device, 
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
     policy = make_policy(policy_name)
     engine = Engine(model_path, device=_device(device))
-    dialogues = heldout_chats(chats, seed, min_rounds, max_rounds)
+    try:
+        dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens)
+    except ValueError as exc:
+        raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
 
     def progress(done: int, total: int) -> None:
         if not as_json:

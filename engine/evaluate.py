@@ -78,8 +78,19 @@ def _sort_key(label: str) -> tuple:
     return (int(digits), label) if digits else (0, label)
 
 
-def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int) -> list[Dialogue]:
-    return dialogues("heldout", count, seed, min_rounds, max_rounds)
+def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int, engine: Engine | None = None,
+                  min_tokens: int = 0) -> list[Dialogue]:
+    """`count` held-out chats; with `engine` and `min_tokens`, only chats at least that long in its tokens
+    (drawn from one deterministic stream, so the same arguments give the same chats)."""
+    if engine is None or min_tokens <= 0:
+        return dialogues("heldout", count, seed, min_rounds, max_rounds)
+    chosen: list[Dialogue] = []
+    for dlg in dialogues("heldout", 20 * count, seed, min_rounds, max_rounds):
+        if sum(len(s) for s in engine.chat.round_spans(Conversation(dlg.rounds, dlg.system))) >= min_tokens:
+            chosen.append(dlg)
+            if len(chosen) == count:
+                return chosen
+    raise ValueError(f"too few held-out chats of {min_rounds}-{max_rounds} rounds reach {min_tokens} tokens")
 
 
 def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_tokens: int = 48,

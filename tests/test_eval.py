@@ -48,7 +48,7 @@ def test_eval_refuses_a_file_that_is_not_gguf(tmp_path):
 
 
 def test_eval_json_has_top_level_accuracy(models):
-    proc = cli("eval", "--model", str(models.get(style="chatml", arch="qwen2")), "--chats", "1", "--min-rounds", "4",
+    proc = cli("eval", "--model", str(models.get(style="chatml", arch="qwen2")), "--chats", "1", "--min-rounds", "4", "--min-tokens", "0",
                "--max-rounds", "5", "--device", "cpu", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
