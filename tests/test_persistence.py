@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cli_run import kvchat
 from kvchat.app.chat_session import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
@@ -20,14 +21,6 @@ from kvchat.storage.fingerprint import model_fingerprint
 SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
 MESSAGES = ["My name is Ada.", "My sister's name is Mira.", "I live in Lisbon.", "What is my sister's name?",
             "Where do I live?"]
-
-
-def kvchat(*args, env=None, check=True):
-    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,13 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cli_run import kvchat
 from kvchat.app.chat_session import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.statefile import StateFileError, export_session, import_state
-
-
-def kvchat(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ))
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")
