@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES, QK_K
+from gguf.constants import GGML_QUANT_SIZES
 
 _T = GGMLQuantizationType
 

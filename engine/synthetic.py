@@ -8,7 +8,7 @@ a wrong RoPE, head layout or mask moves the logits by far more than the 1e-3 the
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.engine import Engine

@@ -54,7 +54,7 @@ def test_corrected_questions_expect_the_latest_value():
             if q.kind != "corrected":
                 continue
             value = dlg.rounds[q.round_index].assistant.rstrip(".").split()[-1]
-            corrections = [r.user for r in dlg.rounds[: q.round_index] if f", not " in r.user and value in r.user]
+            corrections = [r.user for r in dlg.rounds[: q.round_index] if ", not " in r.user and value in r.user]
             assert corrections, dlg.rounds[q.round_index]
             return
     raise AssertionError("no corrected question found")

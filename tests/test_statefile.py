@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
