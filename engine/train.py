@@ -1,7 +1,7 @@
 """Training the embedded memory-assistant model: a small Llama (GQA, RoPE) on generated memory dialogues, exported
 to GGUF with the project's own writer. `python -m kvchat.engine.train --help` (a CUDA GPU is expected).
 
-Checkpoints are numpy .npz + JSON (no pickle anywhere): the fp32 weights, the step and the config, so training can
+Checkpoints are numpy .npz (loaded with allow_pickle=False) + JSON: the fp32 weights, the step and the config, so training can
 continue across several runs (the optimizer restarts with a short warm-up).
 """
 
