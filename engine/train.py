@@ -1,8 +1,8 @@
 """Training the embedded memory-assistant model: a small Llama (GQA, RoPE) on generated memory dialogues, exported
 to GGUF with the project's own writer. `python -m kvchat.engine.train --help` (a CUDA GPU is expected).
 
-Checkpoints are numpy .npz (loaded with allow_pickle=False) + JSON: the fp32 weights, the step and the config, so training can
-continue across several runs (the optimizer restarts with a short warm-up).
+Checkpoints are numpy .npz (loaded with allow_pickle=False) + JSON: the fp32 weights, the step and the config, so
+training can continue across several runs (the optimizer restarts with a short warm-up).
 """
 
 from __future__ import annotations
