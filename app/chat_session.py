@@ -85,10 +85,11 @@ class KVWriter:
                     stream.wait_event(ready)
                     with torch.cuda.stream(stream):
                         self._save(sid, round_idx, kv, layers, tokens)
-            except StorageError as exc:
+            except Exception as exc:  # noqa: BLE001 - the writer must outlive any one failed save
                 # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
-                self.errors.append(f"round {round_idx}: {exc}")
-                log.warning("KV of round %d not saved: %s", round_idx, exc)
+                reason = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
+                self.errors.append(f"round {round_idx}: {reason}")
+                log.warning("KV of round %d not saved: %s", round_idx, reason)
             finally:
                 self._jobs.task_done()
 

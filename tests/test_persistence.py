@@ -169,3 +169,20 @@ def test_newer_database_is_refused(kvchat_home):
     Store().db.execute("PRAGMA user_version = 99")
     proc = kvchat("sessions", check=False)
     assert proc.returncode == 1 and "newer kvchat" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_kv_writer_survives_an_unexpected_failure(engine, kvchat_home, monkeypatch):
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr("kvchat.app.chat_session.write_segment", broken)
+    chat.send(MESSAGES[0])
+    chat.close()  # returns: the failed save does not stop the writer
+    monkeypatch.undo()
+    chat.send(MESSAGES[1])
+    chat.close()
+    assert chat.writer.errors == ["round 0: RuntimeError: device lost"]
+    assert [s["round_idx"] for s in store.segments(chat.sid)] == [1]
