@@ -249,7 +249,7 @@ class ChatSession:
         if self.restored is None:
             self.restore()
         idx, start = len(self.rounds), self.cache.length
-        prompt = self._open_round_tokens(text)
+        prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
         result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
                           max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
                           stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
@@ -270,18 +270,6 @@ class ChatSession:
                                       ttft_ms=1000 * result.first_token_seconds, notes=self.restored.notes)
             self.restored = RestoreStats(notes=[])  # recorded once per open
         return result
-
-    def _open_round_tokens(self, text: str) -> list[int]:
-        chat = self.engine.chat
-        before = chat.render(self.conversation().messages(), add_generation_prompt=False) if self.rounds else ""
-        opened = chat.render(self.conversation(Round(text)).messages(), add_generation_prompt=True)
-        if not opened.startswith(before):
-            from kvchat.engine.chat_format import TemplateError
-
-            raise TemplateError("the model's chat template rewrites earlier rounds when a round is added")
-        add_bos = not self.rounds and self.engine.tokenizer.add_bos and not (
-            chat.bos_text and opened.startswith(chat.bos_text))
-        return self.engine.tokenizer.encode(opened[len(before):], add_bos=add_bos, special=True)
 
     @torch.inference_mode()
     def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> None:

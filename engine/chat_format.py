@@ -98,18 +98,25 @@ class ChatFormat:
 
     def round_spans(self, conv: Conversation) -> list[list[int]]:
         """Each round's tokens; their concatenation is the tokenization of the whole rendered conversation."""
-        spans = []
-        for i, text in enumerate(self.round_texts(conv)):
-            add_bos = i == 0 and self.tokenizer.add_bos and not (self.bos_text and text.startswith(self.bos_text))
-            spans.append(self.tokenizer.encode(text, add_bos=add_bos, special=True))
-        return spans
+        return [self._encode(text, first=i == 0) for i, text in enumerate(self.round_texts(conv))]
+
+    def open_round_tokens(self, conv: Conversation, user: str) -> list[int]:
+        """Tokens a new round adds after the closed rounds of `conv`: the user's message and the assistant header,
+        up to where the reply begins (two renders, however long the chat)."""
+        before = self.render(conv.messages(), add_generation_prompt=False) if conv.rounds else ""
+        opened = self.render(Conversation(conv.rounds + [Round(user)], conv.system).messages(),
+                             add_generation_prompt=True)
+        if not opened.startswith(before):
+            raise TemplateError("the model's chat template rewrites earlier rounds when a round is added, "
+                                "so a chat cannot be extended round by round")
+        return self._encode(opened[len(before):], first=not conv.rounds)
+
+    def _encode(self, text: str, first: bool) -> list[int]:
+        """The template's own BOS counts: the tokenizer adds one only to a first text that lacks it."""
+        add_bos = first and self.tokenizer.add_bos and not (self.bos_text and text.startswith(self.bos_text))
+        return self.tokenizer.encode(text, add_bos=add_bos, special=True)
 
     def conversation_tokens(self, conv: Conversation) -> list[int]:
         """The whole conversation rendered at once and tokenized (what `round_spans` must add up to)."""
         text = self.render(conv.messages(), add_generation_prompt=bool(conv.rounds) and conv.rounds[-1].assistant is None)
-        add_bos = self.tokenizer.add_bos and not (self.bos_text and text.startswith(self.bos_text))
-        return self.tokenizer.encode(text, add_bos=add_bos, special=True)
-
-    @property
-    def stop_tokens(self) -> frozenset[int]:
-        return self.tokenizer.eog_ids
+        return self._encode(text, first=True)

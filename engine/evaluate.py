@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.chat_format import Conversation
 from kvchat.engine.dialogues import Dialogue, dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
@@ -117,7 +117,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
         start = cache.length
         q = questions.get(i)
         if q is not None:
-            prompt = _open_round_tokens(engine, dlg, i)
+            prompt = chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
             visible = policy.visible_slots(cache, round_starts, prompt)
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
@@ -135,14 +135,3 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
         prefill(engine.model, cache, closed[i])
         result.tokens += len(closed[i])
     return cache.length
-
-
-def _open_round_tokens(engine: Engine, dlg: Dialogue, i: int) -> list[int]:
-    """Tokens of round i with its user message and the assistant header, before the reply."""
-    chat = engine.chat
-    before = chat.render(Conversation(dlg.rounds[:i], dlg.system).messages(), add_generation_prompt=False) if i else ""
-    opened = chat.render(Conversation(dlg.rounds[:i] + [Round(dlg.rounds[i].user)], dlg.system).messages(),
-                         add_generation_prompt=True)
-    text = opened[len(before):]
-    add_bos = i == 0 and engine.tokenizer.add_bos and not (chat.bos_text and text.startswith(chat.bos_text))
-    return engine.tokenizer.encode(text, add_bos=add_bos, special=True)
