@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import kvchat as run_kvchat
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.gguf_export import write_model_gguf
@@ -18,9 +18,8 @@ from kvchat.engine.synthetic import llama_quantize, make_vocab
 from kvchat.errors import GGUFError
 
 
-def kvchat(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvchat.app.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, input=stdin, env={**os.environ, "KVCHAT_DEBUG": ""})
+def kvchat(*args: str) -> subprocess.CompletedProcess:
+    return run_kvchat(*args, check=False)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import kvchat
 
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.chat_format import Conversation, Round
@@ -28,8 +27,7 @@ def test_shipped_model_is_a_small_llama_with_gqa():
 
 
 def test_every_command_defaults_to_it():
-    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "info", "--json"], capture_output=True, text=True,
-                          timeout=120)
+    proc = kvchat("info", "--json", check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["name"] == "kvchat-memory-demo"
 

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import kvchat
 
 from kvchat.engine.engine import Engine
 from kvchat.engine.evaluate import evaluate, heldout_chats
 from kvchat.engine.policies import POLICIES, make_policy
 from kvchat.errors import KvchatError
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvchat.app.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -36,20 +31,20 @@ def test_full_policy_sees_everything(models):
 def test_unknown_policy_is_a_one_line_error():
     with pytest.raises(KvchatError, match="accepted: full"):
         make_policy("round-robin")
-    proc = cli("eval", "--kv-policy", "round-robin", "--chats", "1")
+    proc = kvchat("eval", "--kv-policy", "round-robin", "--chats", "1", check=False)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "full" in proc.stderr
 
 
 def test_eval_refuses_a_file_that_is_not_gguf(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04 not a model")
-    proc = cli("eval", "--model", str(bad), "--chats", "1")
+    proc = kvchat("eval", "--model", str(bad), "--chats", "1", check=False)
     assert proc.returncode != 0 and proc.stderr.startswith("kvchat: error:") and "not a GGUF file" in proc.stderr
 
 
 def test_eval_json_has_top_level_accuracy(models):
-    proc = cli("eval", "--model", str(models.get(style="chatml", arch="qwen2")), "--chats", "1", "--min-rounds", "4", "--min-tokens", "0",
-               "--max-rounds", "5", "--device", "cpu", "--json")
+    proc = kvchat("eval", "--model", str(models.get(style="chatml", arch="qwen2")), "--chats", "1", "--min-rounds", "4",
+                  "--min-tokens", "0", "--max-rounds", "5", "--device", "cpu", "--json", check=False)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert 0.0 <= out["accuracy"] <= 1.0 and out["policy"] == "full" and set(out["by_kind"]) <= {"single", "corrected", "multi"}

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
+from cli_run import kvchat
 import torch
 
 from kvchat.engine.engine import Engine
@@ -95,18 +93,13 @@ def test_context_limit_stops_decoding(models):
     assert result.stop_reason == "context" and len(prompt) + len(result.tokens) <= 33
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvchat.app.cli", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ})
-
-
 def test_cli_generate_json_and_stream_agree(engine, models):
     path = str(models.get())
-    as_json = cli("generate", "--model", path, "--max-tokens", "12", "--json", PROMPT)
+    as_json = kvchat("generate", "--model", path, "--max-tokens", "12", "--json", PROMPT, check=False)
     assert as_json.returncode == 0, as_json.stderr
     out = json.loads(as_json.stdout)
     assert out["tokens"] == run(engine, max_tokens=12).tokens
-    streamed = cli("generate", "--model", path, "--max-tokens", "12", PROMPT)
+    streamed = kvchat("generate", "--model", path, "--max-tokens", "12", PROMPT, check=False)
     assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n"
 
 
@@ -114,16 +107,16 @@ def test_cli_generate_sampling_with_seed(models):
     path = str(models.get())
     args = ("generate", "--model", path, "--max-tokens", "12", "--temperature", "0.9", "--top-k", "40",
             "--top-p", "0.95", "--seed", "5", "--json", PROMPT)
-    a, b = json.loads(cli(*args).stdout), json.loads(cli(*args).stdout)
+    a, b = json.loads(kvchat(*args, check=False).stdout), json.loads(kvchat(*args, check=False).stdout)
     assert a["tokens"] == b["tokens"]
 
 
 def test_cli_info(models):
-    proc = cli("info", "--model", str(models.get(arch="qwen2", style="chatml", tied=True)), "--json")
+    proc = kvchat("info", "--model", str(models.get(arch="qwen2", style="chatml", tied=True)), "--json", check=False)
     assert proc.returncode == 0, proc.stderr
     facts = json.loads(proc.stdout)
     assert facts["architecture"] == "qwen2" and facts["layers"] == 2 and facts["heads"] == 4
     assert facts["kv_heads"] == 2 and facts["head_size"] == 64 and facts["context_length"] == 2048
     assert facts["kv_bytes_per_token_f16"] == 2 * 2 * 2 * 64 * 2
-    text = cli("info", "--model", str(models.get()))
+    text = kvchat("info", "--model", str(models.get()), check=False)
     assert "kv bytes per token" in text.stdout and "context length" in text.stdout
