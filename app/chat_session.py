@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
 from kvchat.engine.sampling import SamplingParams
-from kvchat.errors import ContextOverflowError
+from kvchat.errors import ContextOverflowError, KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
@@ -33,6 +34,12 @@ from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.segments import finish_tensor, read_segment_bytes, stage_tensor, write_segment
 
 log = logging.getLogger("kvchat.session")
+
+RestoreProgress = Callable[[int, int], None]  # (tokens restored so far, tokens in the chat)
+
+
+class RestoreCancelled(KvchatError):
+    """The restore was cancelled (the user switched to another chat); the session holds no usable cache."""
 
 
 @dataclass
@@ -43,6 +50,7 @@ class RestoreStats:
     spans_ms: float = 0.0  # rendering and tokenizing the chat, needed only when some round is recomputed
     wait_ms: float = 0.0  # waiting for reads/checks/decompression the worker threads had not finished
     notes: list[str] = field(default_factory=list)
+    recomputed_rounds: list[int] = field(default_factory=list)
 
 
 class KVWriter:
@@ -126,8 +134,19 @@ class ChatSession:
     # ---- restore ----
 
     @torch.inference_mode()
-    def restore(self) -> RestoreStats:
-        """Bring the cache to the end of the stored chat: load what is on disk, recompute the rest."""
+    def restore(self, progress: RestoreProgress | None = None,
+                cancel: threading.Event | None = None) -> RestoreStats:
+        """Bring the cache to the end of the stored chat: load what is on disk, recompute the rest.
+
+        `progress` is called after each round; setting `cancel` stops between rounds with RestoreCancelled.
+        """
+        try:
+            return self._restore(progress, cancel)
+        except RestoreCancelled:
+            self.cache, self.restored = self.engine.new_cache(), None
+            raise
+
+    def _restore(self, progress: RestoreProgress | None, cancel: threading.Event | None) -> RestoreStats:
         started = time.perf_counter()
         stats, self._waited = RestoreStats(), 0.0
         by_round: dict[int, list[dict]] = {}
@@ -148,6 +167,9 @@ class ChatSession:
         spans = None
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
         for i, row in enumerate(self.rounds):
+            if cancel is not None and cancel.is_set():
+                pool.shutdown(cancel_futures=True)
+                raise RestoreCancelled("restore cancelled")
             end = row.token_end
             reason = self._load_round(i, start, end, by_round.get(i, []), fetches[i])
             if reason is None:
@@ -166,7 +188,10 @@ class ChatSession:
                 stats.notes.append(f"round {i}: {reason}; recomputed")
                 log.info("round %d of %s recomputed: %s", i, self.sid, reason)
                 pending.append((start, spans[i]))
+                stats.recomputed_rounds.append(i)
             start = end
+            if progress is not None:
+                progress(end, total)
         self._recompute(pending, stats)
         pool.shutdown()
         self.cache.length = total
@@ -175,17 +200,33 @@ class ChatSession:
             torch.cuda.synchronize()
         stats.restore_ms = 1000 * (time.perf_counter() - started)
         self.restored = stats
+        self._save_recomputed(stats.recomputed_rounds)
         return stats
+
+    def _save_recomputed(self, rounds: list[int]) -> None:
+        """Store again the K/V of rounds that had to be recomputed, so the next open loads them."""
+        layers = range(self.engine.config.n_layers)
+        for i in rounds:
+            row = self.rounds[i]
+            kv = self.cache.read(layers, row.token_start, row.token_end)
+            self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end))
 
     def _recompute_all(self, spans: list[list[int]], stats: RestoreStats, started: float) -> RestoreStats:
         stats.tokens_loaded = 0
-        stats.notes = ["the chat's tokens no longer match the stored spans; recomputed from text"]
-        total = sum(len(s) for s in spans)
+        stats.notes = ["the chat's tokens no longer match the stored spans (a new system prompt or chat template); "
+                       "recomputed from text"]
+        ends = list(itertools.accumulate(len(s) for s in spans))
+        total = ends[-1]
         self.cache = self.engine.new_cache(total + 512)
         self._recompute([(0, [t for s in spans for t in s])], stats)
         self.cache.length = total
         stats.restore_ms = 1000 * (time.perf_counter() - started)
+        stats.recomputed_rounds = list(range(len(spans)))
+        # The text's tokens are the truth: store the new spans (and forget K/V stored for the old ones).
+        self.store.unlink_files(self.store.set_round_spans(self.sid, [e - len(s) for e, s in zip(ends, spans)], ends))
+        self.rounds = self.store.rounds(self.sid)
         self.restored = stats
+        self._save_recomputed(stats.recomputed_rounds)
         return stats
 
     def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetched) -> str | None:
@@ -283,6 +324,18 @@ class ChatSession:
         self.cache.truncate(start + common)
         if common < len(closed):
             prefill(self.engine.model, self.cache, closed[common:])
+
+    def retract_last_round(self) -> RoundRow | None:
+        """Remove the last round (text and K/V) from the store and the cache, to answer its message again."""
+        self.writer.drain()  # its K/V may still be on the way to disk
+        row, orphans = self.store.delete_last_round(self.sid)
+        self.store.unlink_files(orphans)
+        if row is None:
+            return None
+        self.rounds = self.rounds[:-1]
+        if self.restored is not None or self.cache.length:
+            self.cache.truncate(row.token_start)
+        return row
 
     def close(self) -> None:
         self.writer.drain()

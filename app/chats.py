@@ -135,8 +135,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         """Delete a chat and the KV files only it used."""
         store = _store()
         info = store.session(session)
-        for name in store.delete_session(info["id"]):  # committed first, files after
-            (store.kv_dir / name).unlink(missing_ok=True)
+        store.unlink_files(store.delete_session(info["id"]))  # committed first, files after
         click.echo(f"deleted {info['id']}")
 
     @main.command("export")

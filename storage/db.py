@@ -200,6 +200,59 @@ class Store:
         with self.transaction() as db:
             db["sessions"].update(sid, {"title": title, "updated": now()})
 
+    def fork_session(self, sid: str, rounds: int, title: str) -> str:
+        """A new session holding the first `rounds` rounds of `sid` and their K/V (the segment files are shared:
+        they are named by content, so forking copies rows, not bytes)."""
+        src = self.session(sid)
+        stamp = now()
+        new_sid = uuid.uuid4().hex[:12]
+        with self.transaction() as db:
+            db["sessions"].insert({"id": new_sid, "title": title, "created": stamp, "updated": stamp,
+                                   "model_fingerprint": src["model_fingerprint"], "model_path": src["model_path"],
+                                   "system_prompt": src["system_prompt"], "settings": json.dumps(src["settings"])})
+            db.execute("INSERT INTO rounds (session_id, idx, user_text, assistant_text, token_start, token_end, "
+                       "created) SELECT ?, idx, user_text, assistant_text, token_start, token_end, created "
+                       "FROM rounds WHERE session_id = ? AND idx < ?", [new_sid, sid, rounds])
+            columns = [c for c in db["kv_segments"].columns_dict if c not in ("session_id", "created")]
+            listed = ", ".join(columns)
+            db.execute(f"INSERT INTO kv_segments (session_id, created, {listed}) SELECT ?, ?, {listed} "
+                       f"FROM kv_segments WHERE session_id = ? AND round_idx < ?", [new_sid, stamp, sid, rounds])
+        return new_sid
+
+    def update_session(self, sid: str, *, system_prompt: str | None = None,
+                       settings: dict | None = None) -> list[str]:
+        """Change a chat's system prompt or settings. A new system prompt changes every round's tokens, so the
+        stored K/V no longer applies: it is dropped in the same transaction (the files are returned for unlinking)."""
+        changes: dict = {"updated": now()}
+        if settings is not None:
+            changes["settings"] = json.dumps(settings)
+        dropped: list[str] = []
+        with self.transaction() as db:
+            if system_prompt is not None:
+                changes["system_prompt"] = system_prompt or None
+                dropped = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?",
+                                                    [sid])]
+                db.execute("DELETE FROM kv_segments WHERE session_id = ?", [sid])
+            db["sessions"].update(sid, changes)
+        still = self.referenced_files()
+        return [f for f in dropped if f not in still]
+
+    def delete_last_round(self, sid: str) -> tuple[RoundRow | None, list[str]]:
+        """Remove a chat's last round and its K/V rows in one transaction (to regenerate the reply); returns the
+        round and the segment files no session references any more (to unlink after the commit)."""
+        with self.transaction() as db:
+            row = db.execute("SELECT idx, user_text, assistant_text, token_start, token_end, created FROM rounds "
+                             "WHERE session_id = ? ORDER BY idx DESC LIMIT 1", [sid]).fetchone()
+            if row is None:
+                return None, []
+            files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ? AND "
+                                              "round_idx = ?", [sid, row[0]])]
+            db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ?", [sid, row[0]])
+            db.execute("DELETE FROM rounds WHERE session_id = ? AND idx = ?", [sid, row[0]])
+            db["sessions"].update(sid, {"updated": now()})
+        still = self.referenced_files()
+        return RoundRow(*row), [f for f in files if f not in still]
+
     def delete_session(self, sid: str) -> list[str]:
         """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
         with self.transaction() as db:
@@ -209,6 +262,15 @@ class Store:
             db.execute("DELETE FROM sessions WHERE id = ?", [sid])
         still = self.referenced_files()
         return [f for f in files if f not in still]
+
+    def unlink_files(self, names: list[str]) -> None:
+        """Unlink segment files whose rows are already deleted and committed (a crash before this leaves orphans,
+        which the start-up sweep removes; never a row pointing at nothing)."""
+        for name in names:
+            try:
+                (self.kv_dir / name).unlink(missing_ok=True)
+            except OSError:
+                pass  # the sweep retries
 
     # ---- rounds ----
 
@@ -222,6 +284,18 @@ class Store:
                                  "assistant_text": row.assistant_text, "token_start": row.token_start,
                                  "token_end": row.token_end, "created": row.created})
             db["sessions"].update(sid, {"updated": now()})
+
+    def set_round_spans(self, sid: str, starts: list[int], ends: list[int]) -> list[str]:
+        """Give a chat's rounds new token spans (its text now tokenizes differently) and drop its K/V rows, which
+        belong to the old spans; returns the files no session references any more."""
+        with self.transaction() as db:
+            files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?", [sid])]
+            db.execute("DELETE FROM kv_segments WHERE session_id = ?", [sid])
+            for idx, (start, end) in enumerate(zip(starts, ends)):
+                db.execute("UPDATE rounds SET token_start = ?, token_end = ? WHERE session_id = ? AND idx = ?",
+                           [start, end, sid, idx])
+        still = self.referenced_files()
+        return [f for f in files if f not in still]
 
     # ---- KV segments ----
 

@@ -89,6 +89,9 @@ def test_damaged_round_kv_is_recomputed_and_said(engine, kvchat_home, damage):
     # before F16 weights, and a value on a rounding boundary can go either way).
     assert (reopened.cache.kv[:, :, :, :n] - chat.cache.kv[:, :, :, :n]).abs().max() < 1e-2
     assert reopened.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    reopened.close()
+    # The recomputed round was stored again: the next open loads everything.
+    assert ChatSession(store, engine, chat.sid).restore().tokens_recomputed == 0
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO])
@@ -186,3 +189,80 @@ def test_kv_writer_survives_an_unexpected_failure(engine, kvchat_home, monkeypat
     chat.close()
     assert chat.writer.errors == ["round 0: RuntimeError: device lost"]
     assert [s["round_idx"] for s in store.segments(chat.sid)] == [1]
+
+
+def test_fork_shares_kv_files_and_restores_from_them(engine, kvchat_home):
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    for m in MESSAGES[:3]:
+        chat.send(m)
+    chat.close()
+    fork = store.fork_session(chat.sid, 2, "fork")
+    assert [r.user_text for r in store.rounds(fork)] == MESSAGES[:2]
+    assert {s["file"] for s in store.segments(fork)} <= {s["file"] for s in store.segments(chat.sid)}
+    forked = ChatSession(store, engine, fork)
+    stats = forked.restore()
+    assert stats.tokens_recomputed == 0 and stats.tokens_loaded == store.rounds(fork)[-1].token_end
+    assert forked.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    # Deleting the original keeps every file the fork still uses.
+    store.unlink_files(store.delete_session(chat.sid))
+    assert all((store.kv_dir / s["file"]).exists() for s in store.segments(fork))
+
+
+def test_retracting_the_last_round_answers_it_again_identically(engine, kvchat_home):
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    first = [chat.send(m).text for m in MESSAGES[:4]]
+    row = chat.retract_last_round()
+    assert row.user_text == MESSAGES[3] and len(store.rounds(chat.sid)) == 3
+    assert chat.cache.length == row.token_start
+    assert chat.send(row.user_text).text == first[3]
+    chat.close()
+    reopened = ChatSession(store, engine, chat.sid)
+    assert reopened.restore().tokens_recomputed == 0
+
+
+def test_new_system_prompt_drops_stored_kv(engine, kvchat_home):
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    chat.send(MESSAGES[0])
+    chat.close()
+    orphans = store.update_session(chat.sid, system_prompt="Answer in one word.")
+    store.unlink_files(orphans)
+    assert store.segments(chat.sid) == [] and store.session(chat.sid)["system_prompt"] == "Answer in one word."
+    assert not any(store.kv_dir.glob("*.kvs"))
+    reopened = ChatSession(store, engine, chat.sid)
+    stats = reopened.restore()
+    assert stats.tokens_loaded == 0 and "no longer match" in stats.notes[0]
+    # The rounds now carry the spans of the new prompt, their K/V is stored again, and the next open loads it.
+    assert stats.tokens_recomputed == store.rounds(chat.sid)[-1].token_end == reopened.cache.length
+    reopened.close()
+    again = ChatSession(store, engine, chat.sid).restore()
+    assert again.tokens_recomputed == 0 and again.tokens_loaded == reopened.cache.length
+
+
+def test_restore_reports_progress_and_can_be_cancelled(engine, kvchat_home):
+    import threading
+
+    from kvchat.app.chat_session import RestoreCancelled
+
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    for m in MESSAGES[:3]:
+        chat.send(m)
+    chat.close()
+    seen = []
+    ChatSession(store, engine, chat.sid).restore(progress=lambda done, total: seen.append((done, total)))
+    ends = [r.token_end for r in store.rounds(chat.sid)]
+    assert seen == [(e, ends[-1]) for e in ends]
+    cancel = threading.Event()
+    reopened = ChatSession(store, engine, chat.sid)
+
+    def stop_after_first(done, total):
+        cancel.set()
+
+    with pytest.raises(RestoreCancelled):
+        reopened.restore(progress=stop_after_first, cancel=cancel)
+    assert reopened.restored is None and reopened.cache.length == 0
+    # A cancelled session restores normally afterwards.
+    assert reopened.restore().tokens_loaded == ends[-1]
