@@ -4,16 +4,40 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from kvchat.app.errors import FriendlyGroup
 
 
-@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=FriendlyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             invoke_without_command=True)
 @click.version_option(package_name="kvchat")
-def main() -> None:
-    """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read."""
+@click.option("--model", "model_path", default=None, type=click.Path(dir_okay=False),
+              help="The app only: GGUF model file for new chats (default: the settings' choice, else the embedded "
+                   "model).")
+@click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
+@click.pass_context
+def main(ctx: click.Context, model_path, device) -> None:
+    """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read.
+
+    With no command, kvchat opens the terminal app (press F1 there for its keys).
+    """
+    if ctx.invoked_subcommand is not None:
+        if model_path is not None or device is not None:
+            from kvchat.errors import KvchatError
+
+            raise KvchatError(f"--model and --device before a command apply to the app only; give them after "
+                              f"`{ctx.invoked_subcommand}`")
+        return
+    from kvchat.app.tui.app import run_app
+
+    if model_path is not None and not Path(model_path).is_file():
+        from kvchat.errors import KvchatError
+
+        raise KvchatError(f"the model file {model_path} does not exist")
+    run_app(model_path, _device(device) and device)
 
 
 def _model_option(f):
@@ -145,9 +169,77 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
         click.echo(f"{title.replace('_', ' ')}: {cells}")
 
 
-@main.group()
-def bench() -> None:
-    """Benchmarks that print numbers (record them in docs/benchmarks.md with device and date)."""
+@main.group(invoke_without_command=True)
+@click.option("--models", default="embedded,qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b", show_default=True,
+              help="Comma-separated: embedded and/or random-weight models shaped like public ones.")
+@click.option("--workloads", default="2k,8k,32k", show_default=True,
+              help="Comma-separated chat lengths (memory dialogues on the embedded model, MT-Bench chats otherwise).")
+@click.option("--methods", default=None,
+              help="Comma-separated: prefill, kv-load, llama.cpp, policy:NAME (default: all of them).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Warm runs after the cold one (the warm figure is their median).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Where this run's chat stores and state files go (default: a new temporary folder).")
+@click.option("--llama-cpp-budget", default=120.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds llama.cpp may take per workload; longer ones are skipped with the estimate.")
+@click.option("--disk-probe-mib", default=1024, show_default=True, type=click.IntRange(min=16),
+              help="Size of the file the disk read bandwidth is measured on.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results here.")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the tables here (markdown).")
+@click.pass_context
+def bench(ctx, models, workloads, methods, repeats, device, cache_dir, work_dir, llama_cpp_budget, disk_probe_mib,
+          json_path, markdown_path) -> None:
+    """Benchmarks that print numbers (record them in docs/benchmarks.md with device and date).
+
+    Without a subcommand: the resume benchmark. Time to the first token of a new message in an old chat, by
+    re-prefilling it, loading its KV from our store, llama.cpp's state file and every KV policy, each in a fresh
+    process; bytes on disk per token, decode speed, peak GPU memory, agreement with prefill, recall accuracy on
+    the embedded model, and the machine's floor (disk, host-to-device, matmul) measured in the same run.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from pathlib import Path
+
+    from kvchat.app.bench_resume import Plan, markdown, method_names, model_names, parse_names, run_benchmark
+    from kvchat.engine.workloads import parse_workloads
+
+    plan = Plan(models=parse_names(models, model_names(), "model"), workloads=parse_workloads(workloads),
+                methods=parse_names(methods, method_names(), "method") if methods else method_names(),
+                repeats=repeats, device=str(_device(device)) if device else None,
+                cache_dir=Path(cache_dir) if cache_dir else None, work_dir=Path(work_dir) if work_dir else None,
+                llama_cpp_budget_s=llama_cpp_budget, disk_probe_bytes=disk_probe_mib << 20)
+    steps = 1 + sum(1 + (1 if "llama.cpp" in plan.methods else 0) + len(plan.workloads) * len(plan.methods)
+                    for _ in plan.models)
+    with click.progressbar(length=steps, label="kvchat bench", file=sys.stderr, show_pos=True,
+                           item_show_func=lambda label: label) as bar:
+        def progress(label: str) -> None:
+            bar.update(1, label)
+
+        results = run_benchmark(plan, progress=progress, log=lambda line: click.echo(line, err=True))
+    text = markdown(results)
+    click.echo(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
+    if markdown_path:
+        Path(markdown_path).write_text(text + "\n")
+
+
+@bench.command("plot")
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--out", "out_dir", default="docs/plots", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for the PNG files.")
+def bench_plot(results, out_dir) -> None:
+    """PNG plots (matplotlib) from the JSON that `kvchat bench --json` wrote."""
+    from pathlib import Path
+
+    from kvchat.app.bench_plots import plot_results
+
+    for path in plot_results(Path(results), Path(out_dir)):
+        click.echo(str(path))
 
 
 def _int_list(ctx, param, value: str) -> list[int]:

@@ -155,6 +155,7 @@ def _slots() -> list[Slot]:
 
 
 SLOTS = _slots()
+SLOT_BY_KEY = {s.key: s for s in SLOTS}
 QUESTION_KINDS = ("single", "corrected", "multi")
 POSITIONS = ("alone", "begin", "middle", "end")
 
@@ -194,6 +195,15 @@ class Dialogue:
     system: str | None
     rounds: list[Round] = field(default_factory=list)
     questions: list[Question] = field(default_factory=list)
+    # What the user has told so far (key -> latest value) as each round begins: lets a benchmark cut the chat at any
+    # round and ask about everything known there.
+    known_before: list[dict[str, str]] = field(default_factory=list)
+
+    def recall_rounds(self, upto: int) -> list[Round]:
+        """One question per fact known before round `upto`, with the expected reply: asked at the end of the chat
+        rounds[:upto], the way a user comes back to an old chat and asks about it."""
+        return [Round(SLOT_BY_KEY[k].ask, SLOT_BY_KEY[k].answer.format(v=v))
+                for k, v in sorted(self.known_before[upto].items())]
 
 
 def _distractor(rng: random.Random) -> Round:
@@ -225,6 +235,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     known: dict[str, tuple[str, int, int, bool]] = {}  # key -> (value, first round, last round, corrected)
     slots = {s.key: s for s in SLOTS}
     for i in range(n_rounds):
+        dlg.known_before.append({k: v[0] for k, v in known.items()})
         roll = rng.random()
         askable = [k for k in known if i - known[k][1] >= 1]
         if askable and (roll < 0.3 or i >= n_rounds - 2):
@@ -250,6 +261,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
             known[slot.key] = (value, i, i, False)
         else:
             dlg.rounds.append(_distractor(rng))
+    dlg.known_before.append({k: v[0] for k, v in known.items()})
     return dlg
 
 

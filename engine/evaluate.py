@@ -73,6 +73,11 @@ class EvalResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def reply_matches(got: str, expected: str) -> bool:
+    """A recall answer counts when it is the expected reply exactly (surrounding whitespace aside)."""
+    return got.strip() == expected.strip()
+
+
 def _sort_key(label: str) -> tuple:
     digits = "".join(c for c in label.split("-")[0] if c.isdigit())
     return (int(digits), label) if digits else (0, label)
@@ -122,7 +127,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
                            stop_strings=chat.stop_strings, attend=visible)
-            ok = out.text.strip() == rnd.assistant.strip()
+            ok = reply_matches(out.text, rnd.assistant)
             for table, key in ((result.by_kind, q.kind), (result.by_position, q.position),
                                (result.by_distance, q.distance_bucket)):
                 table[key].add(ok)
