@@ -78,8 +78,10 @@ class Plan:
 
 
 def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: None,
-                  log: Callable[[str], None] = lambda line: None) -> dict:
-    """Runs every child process and returns the results (what --json writes)."""
+                  log: Callable[[str], None] = lambda line: None,
+                  checkpoint: Callable[[dict], None] = lambda results: None) -> dict:
+    """Runs every child process and returns the results (what --json writes); `checkpoint` gets them after every
+    workload, so a run stopped at a time limit keeps what it finished."""
     import torch
 
     from kvchat.app.bench_storage import _disk_read_mb_s
@@ -156,6 +158,7 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
             _compare(row)
             for m in row["methods"]:
                 log(_line(model, wl, m, row.get("floor")))
+            checkpoint(results)
     return results
 
 
@@ -366,6 +369,27 @@ def _load_workload(path: str):
     return d
 
 
+def _evict(paths: list[Path]) -> bool:
+    """Push the chat's files out of the OS page cache (flushed first), so the next read comes from the disk: the
+    cold run. posix_fadvise needs no root and leaves the rest of the cache (the model file, other processes) alone.
+    False where the OS has no such call."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def _chat_files(home: Path) -> list[Path]:
+    """The store's database and segment files: what resuming a chat reads."""
+    return [p for p in home.rglob("*") if p.is_file()]
+
+
 def _sync(device) -> None:
     import torch
 
@@ -387,7 +411,7 @@ def _run_engine(spec: dict) -> dict:
     import torch
 
     from kvchat.app.chat_session import ChatSession
-    from kvchat.engine.bench import drop_page_cache
+    from kvchat.engine.chat_format import Conversation, Round
     from kvchat.engine.generate import generate, prefill
     from kvchat.engine.policies import make_policy
     from kvchat.storage.db import Store
@@ -404,11 +428,13 @@ def _run_engine(spec: dict) -> dict:
 
     def resume():
         """The cache holding the chat, its closed rounds, and where each round starts."""
-        if method == "prefill":
-            tokens = chat.conversation_tokens(conv)
+        if method == "prefill":  # the chat's text from the store, as the app keeps it, read again from scratch
+            text = Conversation([Round(r.user_text, r.assistant_text) for r in store.rounds(wl["sid"])],
+                                store.session(wl["sid"])["system_prompt"])
+            tokens = chat.conversation_tokens(text)
             cache = engine.new_cache(len(tokens) + 256)
             prefill(model, cache, tokens)
-            return cache, conv, None
+            return cache, text, None
         session = ChatSession(store, engine, wl["sid"])
         stats = session.restore()
         if stats.tokens_recomputed:
@@ -424,7 +450,7 @@ def _run_engine(spec: dict) -> dict:
 
     runs = []
     for run in range(1 + spec["repeats"]):
-        dropped = drop_page_cache() if run == 0 else None
+        dropped = _evict(_chat_files(Path(wl["home"]))) if run == 0 else None
         _sync(engine.device)
         t0 = time.perf_counter()
         cache, closed, starts = resume()
@@ -463,7 +489,7 @@ def _summarize(runs: list[dict], wl: dict, device) -> dict:
             "ttft_cold_s": runs[0]["ttft_s"], "ttft_warm_s": statistics.median(r["ttft_s"] for r in warm),
             "ttft_runs_s": [r["ttft_s"] for r in runs], "resume_warm_s": statistics.median(r["resume_s"] for r in warm),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in warm),
-            "page_cache_dropped": bool(runs[0]["page_cache_dropped"])}
+            "cold_files_evicted": bool(runs[0]["page_cache_dropped"])}
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -512,15 +538,22 @@ def _llama_setup(spec: dict) -> dict:
     tok = Tokenizer(spec["path"])
     chat = ChatFormat(tok, GGUFFile(spec["path"]).metadata.get("tokenizer.chat_template"))
     out, result = Path(spec["out"]), {"status": "ok", "workloads": {}}
-    for name in spec["workloads"]:
-        path = out / f"{name}.json"
-        if not path.exists():
+    chats = {n: _load_workload(str(out / f"{n}.json")) for n in spec["workloads"] if (out / f"{n}.json").exists()}
+    if not chats:
+        return result
+    # One llama.cpp context for every workload of the model (loading an 8B file takes a while on the CPU build);
+    # the method runs load each state file into a context of the same size.
+    n_ctx = max(wl["n_ctx"] for wl in chats.values())
+    t0 = time.perf_counter()
+    llm = _llama(spec["path"], n_ctx)
+    load_s = time.perf_counter() - t0
+    too_long = None
+    for name, wl in sorted(chats.items(), key=lambda kv: kv[1]["tokens"]):
+        if too_long:
+            result["workloads"][name] = {"skipped": f"{too_long} already would not fit the budget"}
             continue
-        wl = _load_workload(str(path))
         tokens = chat.conversation_tokens(wl["conversation"])
-        t0 = time.perf_counter()
-        llm = _llama(spec["path"], wl["n_ctx"])
-        load_s = time.perf_counter() - t0
+        llm.n_tokens = 0
         probe = min(256, len(tokens))
         t0 = time.perf_counter()
         llm.eval(tokens[:probe])
@@ -537,7 +570,7 @@ def _llama_setup(spec: dict) -> dict:
             result["workloads"][name] = {"skipped": f"would take ~{estimate:,.0f} s on the "
                                          f"{'CUDA' if llama_cpp.llama_supports_gpu_offload() else 'CPU'} build "
                                          f"(budget {spec['budget_s']:.0f} s)"}
-            del llm
+            too_long = name
             continue
         t0 = time.perf_counter()
         llm.eval(tokens[probe:])
@@ -546,16 +579,14 @@ def _llama_setup(spec: dict) -> dict:
         ids = (llama_cpp.llama_token * len(tokens))(*tokens)
         if not llama_cpp.llama_state_save_file(llm._ctx.ctx, str(file).encode(), ids, len(tokens)):
             raise KvchatError(f"llama.cpp could not save its state to {file}")
-        result["workloads"][name] = {"file": str(file), "state_bytes": file.stat().st_size, "n_ctx": wl["n_ctx"],
+        result["workloads"][name] = {"file": str(file), "state_bytes": file.stat().st_size, "n_ctx": n_ctx,
                                      "tokens": len(tokens), "prefill_s": prefill_s + per_token * probe}
-        del llm
     return result
 
 
 def _run_llama(spec: dict) -> dict:
     import llama_cpp
 
-    from kvchat.engine.bench import drop_page_cache
     from kvchat.engine.chat_format import ChatFormat
     from kvchat.engine.gguf_file import GGUFFile
     from kvchat.engine.tokenizer import Tokenizer
@@ -581,7 +612,7 @@ def _run_llama(spec: dict) -> dict:
 
     runs = []
     for run in range(1 + spec["repeats"]):
-        dropped = drop_page_cache() if run == 0 else None
+        dropped = _evict([Path(state["file"])]) if run == 0 else None
         t0 = time.perf_counter()
         resume()
         t1 = time.perf_counter()

@@ -219,13 +219,15 @@ def bench(ctx, models, workloads, methods, repeats, device, cache_dir, work_dir,
         def progress(label: str) -> None:
             bar.update(1, label)
 
-        results = run_benchmark(plan, progress=progress, log=lambda line: click.echo(line, err=True))
-    text = markdown(results)
-    click.echo(text)
-    if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2))
-    if markdown_path:
-        Path(markdown_path).write_text(text + "\n")
+        def save(results: dict) -> None:  # after every workload too: a run stopped at a time limit keeps its rows
+            if json_path:
+                Path(json_path).write_text(json.dumps(results, indent=2))
+            if markdown_path:
+                Path(markdown_path).write_text(markdown(results) + "\n")
+
+        results = run_benchmark(plan, progress=progress, log=lambda line: click.echo(line, err=True), checkpoint=save)
+    save(results)
+    click.echo(markdown(results))
 
 
 @bench.command("plot")

@@ -7,7 +7,6 @@ min(bytes ÷ min(disk, host-to-device), recompute FLOPs ÷ matmul FLOP/s).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from kvchat.engine.config import ModelConfig
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` runs: the floor is what the machine can do, not what it did on an unlucky run."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -26,7 +26,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def host_to_device_gb_s(device: torch.device, size: int = 256 << 20, repeats: int = 5) -> float | None:

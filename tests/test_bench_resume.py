@@ -1,0 +1,135 @@
+"""`kvchat bench` (the resume benchmark): names checked up front, workloads built to their targets, the floor's
+arithmetic, and one small run of every method on the embedded model end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_run import kvchat
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.chat_format import ChatFormat
+from kvchat.engine.floor import matmul_params, recompute_flops, resume_floor
+from kvchat.engine.gguf_file import GGUFFile
+from kvchat.engine.synthetic import SHAPES
+from kvchat.engine.tokenizer import Tokenizer
+from kvchat.engine.workloads import MAX_ROUNDS, MIN_ROUNDS, WORKLOADS, build_workload
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatFormat:
+    return ChatFormat(Tokenizer(DEFAULT_MODEL), GGUFFile(DEFAULT_MODEL).metadata.get("tokenizer.chat_template"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--models", "embedded,gpt-5"], "unknown model 'gpt-5' (accepted: embedded, qwen2.5-0.5b"),
+    (["--workloads", "2k,3k"], "unknown workload '3k' (accepted: 2k, 8k, 32k)"),
+    (["--methods", "prefill,policy:nope"], "unknown method 'policy:nope' (accepted: prefill, kv-load, llama.cpp, "
+                                           "policy:full)"),
+])
+def test_unknown_names_are_one_line_errors(args, needle):
+    proc = kvchat("bench", *args, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"kvchat: error: {proc.stderr.strip().removeprefix('kvchat: error: ')}"]
+    assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_mt_bench_workloads_reach_their_target(chat, name):
+    target = WORKLOADS[name]
+    wl = build_workload(chat, name, memory=False)
+    again = build_workload(chat, name, memory=False)
+    assert wl.conversation == again.conversation and wl.new_message == again.new_message  # deterministic
+    assert abs(wl.tokens - target) <= 0.1 * target
+    assert wl.tokens == sum(len(s) for s in chat.round_spans(wl.conversation))  # measured in the model's tokens
+    assert MIN_ROUNDS <= wl.rounds <= MAX_ROUNDS
+    assert all(r.assistant for r in wl.conversation.rounds)
+    assert wl.new_message not in {r.user for r in wl.conversation.rounds}
+    other = build_workload(chat, name, memory=False, seed=1)
+    assert other.conversation != wl.conversation
+
+
+def test_memory_workload_ends_before_a_question(chat):
+    wl = build_workload(chat, "2k", memory=True)
+    assert abs(wl.tokens - 2048) <= 0.1 * 2048 and MIN_ROUNDS <= wl.rounds <= MAX_ROUNDS
+    assert wl.expected_reply and wl.new_message.rstrip().endswith("?") or "?" in wl.new_message
+    # every recall question asks a fact the chat states, with its latest value as the answer
+    text = " ".join(r.user for r in wl.conversation.rounds)
+    assert wl.recall and all(r.assistant.split()[-1].rstrip(".") in text for r in wl.recall)
+
+
+def test_floor_is_the_faster_of_loading_and_recomputing():
+    cfg_shape = SHAPES["llama-3.1-8b"]
+    from kvchat.engine.config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", n_layers=cfg_shape.n_layers, d_model=cfg_shape.d_model,
+                      n_heads=cfg_shape.n_heads, n_kv_heads=cfg_shape.n_kv_heads, head_dim=128,
+                      ffn_dim=cfg_shape.ffn_dim, vocab_size=cfg_shape.vocab_size, context_length=8192, rms_eps=1e-5,
+                      rope_base=5e5, rope_dim=128, rope_neox=False, rope_freq_scale=1.0, qkv_bias=False,
+                      tied_output=False, llama3_rope=True)
+    assert matmul_params(cfg) == pytest.approx(6.98e9, rel=0.01)  # Llama-3.1-8B without embedding and output head
+    flops = recompute_flops(cfg, 1000)
+    assert flops == 2 * matmul_params(cfg) * 1000 + 4 * 32 * 4096 * 1000**2 / 2
+    # 1 GB at min(2 GB/s disk, 20 GB/s host-to-device) = 0.5 s; recompute at 100 TFLOP/s is faster
+    f = resume_floor(10**9, flops, 2000.0, 20.0, 100.0)
+    assert f.bound == "recompute" and f.seconds == pytest.approx(flops / 1e14) and f.load_seconds == pytest.approx(0.5)
+    g = resume_floor(10**6, flops, 2000.0, None, 0.001)  # no GPU: the disk alone bounds loading
+    assert g.bound == "load" and g.seconds == pytest.approx(10**6 / 2e9)
+    h = resume_floor(10**9, 1e20, 2000.0, 1.0, 100.0)  # a slow bus bounds loading below the disk
+    assert h.load_seconds == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[dict, str, Path]:
+    folder = tmp_path_factory.mktemp("bench-resume")
+    out = folder / "results.json"
+    proc = kvchat("bench", "--models", "embedded", "--workloads", "2k,8k", "--repeats", "1", "--device", "cpu",
+                  "--disk-probe-mib", "16", "--work-dir", str(folder / "work"), "--json", str(out),
+                  "--markdown", str(folder / "results.md"), timeout=240)
+    return json.loads(out.read_text()), proc.stdout, folder
+
+
+def test_every_method_reports_every_figure(small_run):
+    results, stdout, folder = small_run
+    assert results["floor_probes"]["disk_read_mb_s"] > 0 and results["floor_probes"]["matmul_tflops"] > 0
+    assert results["floor_probes"]["host_to_device_gb_s"] is None  # CPU: no such copy, said so in the table
+    [entry] = results["models"]
+    two_k, eight_k = entry["workloads"]
+    assert 1800 <= two_k["tokens"] <= 2300 and two_k["floor"]["seconds"] > 0
+    methods = {m["method"]: m for m in two_k["methods"]}
+    assert list(methods) == ["prefill", "kv-load", "llama.cpp", "policy:full"]
+    for name, m in methods.items():
+        assert m["status"] == "ok", (name, m["status"])
+        assert m["ttft_cold_s"] > 0 and m["ttft_warm_s"] > 0 and m["decode_tok_s"] > 0
+        assert m["floor_ratio_warm"] == pytest.approx(m["ttft_warm_s"] / two_k["floor"]["seconds"])
+        assert m["recall"]["questions"] >= 2 and m["recall"]["correct"] >= 1
+        assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m
+    assert methods["prefill"]["bytes_on_disk"] == 0
+    assert methods["kv-load"]["bytes_on_disk"] == two_k["kv_disk_bytes"] > 0
+    assert methods["llama.cpp"]["bytes_on_disk"] > 0
+    # the KV restored from disk is the KV prefill computes: the same greedy reply, token for token
+    assert methods["kv-load"]["identical_to_prefill"] and methods["policy:full"]["identical_to_prefill"]
+    # a figure the run cannot reach is said in the table, not a failure
+    assert "beyond the model's 4,096-token context" in eight_k["skipped"]
+    assert all(m["status"].startswith("skipped: beyond") for m in eight_k["methods"])
+    table = (folder / "results.md").read_text()
+    assert "| 2k (" in table and "kv-load" in table and "n/a (CPU)" in table and "beyond the model's" in table
+    assert table.strip() == stdout.strip()
+
+
+def test_plot_writes_pngs(small_run):
+    pytest.importorskip("matplotlib")
+    _, _, folder = small_run
+    proc = kvchat("bench", "plot", str(folder / "results.json"), "-o", str(folder / "plots"))
+    written = [Path(line) for line in proc.stdout.split()]
+    assert {p.name for p in written} >= {"results-ttft.png", "results-bytes-per-token.png", "results-decode.png"}
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_plot_refuses_other_json(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"a": 1}')
+    proc = kvchat("bench", "plot", str(bad), check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"kvchat: error: {bad} is not the JSON of `kvchat bench --json`"
