@@ -1,0 +1,59 @@
+"""KvchatApp: the Textual application that `kvchat` with no arguments runs."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from textual.app import App
+from textual.binding import Binding
+
+from kvchat.app.tui.backend import ChatBackend
+from kvchat.app.tui.chat_screen import ChatScreen
+from kvchat.app.tui.preferences import Preferences
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class KvchatApp(App[None]):
+    CSS_PATH = "kvchat.tcss"
+    TITLE = "kvchat"
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True,
+                        tooltip="Quit (a reply being generated is stopped and saved; every round's KV reaches the "
+                                "disk before the app exits)")]
+
+    def __init__(self, *, model_path: str | None = None, device: str | None = None, home: Path | None = None,
+                 clock: Callable[[], datetime] = utc_now, show_measurements: bool = True,
+                 cursor_blink: bool = True) -> None:
+        """`clock`, `show_measurements` and `cursor_blink` exist so snapshot tests can freeze the screen: ages are
+        computed from `clock()`, timings and compressed sizes are drawn as "…" when measurements are hidden."""
+        super().__init__()
+        self.home = home
+        self.backend = ChatBackend(home, device)
+        self.preferences = Preferences.load(home)
+        if model_path:  # --model on the command line: for this run's new chats, not saved
+            self.preferences.model_path = str(Path(model_path).resolve())
+        self.clock, self.show_measurements, self.cursor_blink = clock, show_measurements, cursor_blink
+
+    def on_mount(self) -> None:
+        self.push_screen(ChatScreen())
+
+    async def action_quit(self) -> None:
+        for screen in self.screen_stack:
+            if isinstance(screen, ChatScreen):
+                screen.stop_everything()
+        self.exit()
+
+
+def run_app(model_path: str | None = None, device: str | None = None) -> None:
+    app = KvchatApp(model_path=model_path, device=device)
+    try:
+        app.run()
+    finally:
+        # A stopped reply's round is being saved, and the KV writer may still hold rounds: wait for both.
+        for problem in app.backend.close():
+            print(f"kvchat: warning: {problem}", file=sys.stderr)

@@ -1,0 +1,124 @@
+"""The open chat: user messages as text, assistant messages as Markdown, the reply streamed token by token."""
+
+from __future__ import annotations
+
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, Static
+
+from kvchat.storage.db import RoundRow
+
+WELCOME = ("**No chat open.** Type a message below to start a new chat, or pick one on the left.\n\n"
+           "Press **F1** for every key.")
+
+
+class MessageView(Vertical):
+    """One message. A click selects it (for copying)."""
+
+    def __init__(self, role: str, text: str) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role, self.text = role, text
+
+    def compose(self) -> ComposeResult:
+        yield Label("you" if self.role == "user" else "assistant", classes="role")
+        if self.role == "user":
+            yield Static(self.text, markup=False, classes="body")
+        else:
+            yield Markdown(self.text, classes="body")
+
+    def on_click(self, event: events.Click) -> None:
+        chat = self.query_ancestor(ChatView)
+        chat.select(self)
+
+
+class ReplyView(MessageView):
+    """An assistant message still being written: pieces arrive as the model produces them."""
+
+    def __init__(self) -> None:
+        super().__init__("assistant", "")
+        self._stream = None
+        self.pieces = 0  # how many updates it received (the tests check that it streamed)
+
+    async def append(self, piece: str) -> None:
+        if not piece:
+            return
+        self.text += piece
+        self.pieces += 1
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self._stream.write(piece)
+
+    async def finish(self, text: str, note: str = "") -> None:
+        """The reply as stored (the streamed pieces minus any stop string), with a note such as "stopped"."""
+        if self._stream is not None:
+            await self._stream.stop()
+        self.text = text
+        await self.query_one(Markdown).update(text)
+        if note:
+            await self.mount(Label(note, classes="note"))
+
+
+class ChatView(VerticalScroll):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.selected: MessageView | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(WELCOME, id="welcome")
+
+    async def show_welcome(self, text: str = WELCOME) -> None:
+        self.selected = None
+        await self.remove_children()
+        await self.mount(Markdown(text, id="welcome"))
+
+    async def show_rounds(self, rounds: list[RoundRow], system_prompt: str | None) -> None:
+        self.selected = None
+        await self.remove_children()
+        views = []
+        if system_prompt:
+            views.append(Static(f"system: {system_prompt}", markup=False, classes="system"))
+        for r in rounds:
+            views += [MessageView("user", r.user_text), MessageView("assistant", r.assistant_text)]
+        if not views:
+            views.append(Markdown("*An empty chat: type a message below.*", id="welcome"))
+        await self.mount_all(views)
+        self.scroll_end(animate=False)
+        self.anchor()
+
+    async def add_exchange(self, user_text: str) -> ReplyView:
+        """The user's message and the (empty) reply that will stream under it."""
+        for welcome in self.query("#welcome"):
+            await welcome.remove()
+        reply = ReplyView()
+        await self.mount_all([MessageView("user", user_text), reply])
+        self.scroll_end(animate=False)
+        self.anchor()
+        return reply
+
+    async def add_reply(self) -> ReplyView:
+        """An empty reply under the last message (regenerating)."""
+        reply = ReplyView()
+        await self.mount(reply)
+        self.scroll_end(animate=False)
+        return reply
+
+    async def drop_last_reply(self) -> None:
+        replies = [m for m in self.query(MessageView) if m.role == "assistant"]
+        if replies:
+            if self.selected is replies[-1]:
+                self.selected = None
+            await replies[-1].remove()
+
+    def select(self, message: MessageView) -> None:
+        if self.selected is not None:
+            self.selected.remove_class("selected")
+        self.selected = message
+        message.add_class("selected")
+
+    def message_to_copy(self) -> MessageView | None:
+        """The selected message, else the last reply."""
+        if self.selected is not None and self.selected.is_attached:
+            return self.selected
+        replies = [m for m in self.query(MessageView) if m.role == "assistant"]
+        return replies[-1] if replies else None

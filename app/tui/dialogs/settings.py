@@ -1,0 +1,93 @@
+"""Settings: the model file for new chats, sampling, reply length (the app's), and the chat's system prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, TextArea
+
+from kvchat.app.tui.preferences import Preferences
+from kvchat.engine.policies import POLICIES
+from kvchat.errors import KvchatError
+
+
+@dataclass
+class SettingsChoice:
+    preferences: Preferences
+    system_prompt: str | None  # None: unchanged
+
+
+class SettingsDialog(ModalScreen[SettingsChoice | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+
+    def __init__(self, preferences: Preferences, system_prompt: str | None, chat_title: str | None) -> None:
+        super().__init__(classes="dialog")
+        self.preferences, self.system_prompt, self.chat_title = preferences, system_prompt or "", chat_title
+
+    def compose(self) -> ComposeResult:
+        p = self.preferences
+        with Vertical(classes="box wide"):
+            yield Label("Settings", classes="title")
+            with VerticalScroll(id="settings-fields"):
+                yield Label("Model file for new chats (empty: the embedded model)")
+                yield Input(p.model_path, placeholder="the embedded model", id="model-path")
+                with Horizontal(classes="row"):
+                    yield self._field("temperature (0: greedy)", "temperature", p.temperature)
+                    yield self._field("top-k (0: off)", "top-k", p.top_k)
+                    yield self._field("top-p", "top-p", p.top_p)
+                with Horizontal(classes="row"):
+                    yield self._field("seed (empty: random)", "seed", "" if p.seed is None else p.seed)
+                    yield self._field("reply length (tokens)", "max-tokens", p.max_tokens)
+                if self.chat_title is not None:
+                    yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)")
+                else:
+                    yield Label("System prompt of the next new chat")
+                yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+                yield Label(f"KV policy: {', '.join(POLICIES)} (the only one chats use yet)", classes="hint")
+            with Horizontal(classes="buttons"):
+                yield Button("Save (ctrl+s)", variant="primary", id="save")
+                yield Button("Cancel (esc)", id="cancel")
+
+    @staticmethod
+    def _field(label: str, name: str, value) -> Vertical:
+        return Vertical(Label(label), Input(str(value), id=name), classes="field")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.action_cancel()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_save()
+
+    def action_save(self) -> None:
+        try:
+            prefs = self._read()
+        except KvchatError as exc:
+            self.notify(str(exc), title="Settings not saved", severity="error")
+            return
+        prompt = self.query_one("#system-prompt", TextArea).text.strip()
+        self.dismiss(SettingsChoice(prefs, prompt if prompt != self.system_prompt.strip() else None))
+
+    def _read(self) -> Preferences:
+        def number(name: str, kind):
+            raw = self.query_one(f"#{name}", Input).value.strip()
+            try:
+                return kind(raw)
+            except ValueError:
+                raise KvchatError(f"{name} must be a {'whole ' if kind is int else ''}number, not {raw!r}") from None
+
+        seed = self.query_one("#seed", Input).value.strip()
+        return replace(self.preferences, model_path=self.query_one("#model-path", Input).value.strip(),
+                       temperature=number("temperature", float), top_k=number("top-k", int),
+                       top_p=number("top-p", float), seed=number("seed", int) if seed else None,
+                       max_tokens=number("max-tokens", int)).validate()
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,55 @@
+"""The app's own settings (model file for new chats, sampling, reply length), kept as JSON in $KVCHAT_HOME.
+
+A chat's system prompt is not here: it belongs to the chat and lives in the store, as with `kvchat new --system`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import KvchatError
+from kvchat.paths import data_dir
+
+FILE_NAME = "app-settings.json"
+
+
+@dataclass
+class Preferences:
+    model_path: str = ""  # empty: the embedded model
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 512
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def validate(self) -> "Preferences":
+        self.sampling.validate()
+        if self.max_tokens < 1:
+            raise KvchatError(f"the reply length must be at least 1 token, not {self.max_tokens}")
+        return self
+
+    @classmethod
+    def load(cls, home: Path | None = None) -> "Preferences":
+        """The saved settings; defaults where the file is missing, unreadable or holds bad values."""
+        path = (home or data_dir()) / FILE_NAME
+        try:
+            raw = json.loads(path.read_text())
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in raw.items() if k in known}).validate()
+        except (OSError, ValueError, TypeError, KvchatError):
+            return cls()
+
+    def save(self, home: Path | None = None) -> None:
+        folder = home or data_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{FILE_NAME}.part"
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, folder / FILE_NAME)  # never half a settings file

@@ -1,0 +1,62 @@
+"""The status bar: model and device, context used, speed and first-token time of the last reply, how the chat's
+KV cache came back (tokens loaded vs recomputed, milliseconds), and its bytes on disk vs raw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.widgets import Static
+
+from kvchat.app.tui.backend import ChatStats
+from kvchat.app.tui.formatting import UNMEASURED, kv_line, model_name, restore_line
+
+
+@dataclass
+class LastReply:
+    tokens_per_second: float
+    first_token_ms: float
+
+
+class StatusBar(Static):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("starting…", markup=False, **kwargs)
+        self.measured = True  # False: timings and compressed sizes are drawn as "…" (stable snapshots)
+        self.model_path = ""
+        self.device = ""
+        self.stats: ChatStats | None = None
+        self.last_reply: LastReply | None = None
+        self.activity = ""
+
+    def set_model(self, model_path: str, device: str) -> None:
+        self.model_path, self.device = model_path, device
+        self.redraw()
+
+    def set_chat(self, stats: ChatStats | None, last_reply: LastReply | None) -> None:
+        self.stats, self.last_reply = stats, last_reply
+        if stats is not None:
+            self.model_path = stats.model_path
+            self.device = stats.device or self.device
+        self.redraw()
+
+    def set_activity(self, activity: str) -> None:
+        self.activity = activity
+        self.redraw()
+
+    def redraw(self) -> None:
+        first = [model_name(self.model_path) or "no model yet", self.device or "loading…"]
+        second: list[str] = []
+        s = self.stats
+        if s is None:
+            first.append("no chat open")
+        else:
+            first.append(f"context {s.context_used}/{s.context_length or '?'}")
+            if self.last_reply is not None:
+                if self.measured:
+                    first += [f"{self.last_reply.tokens_per_second:.1f} tok/s",
+                              f"first token {self.last_reply.first_token_ms:.1f} ms"]
+                else:
+                    first += [f"{UNMEASURED} tok/s", f"first token {UNMEASURED} ms"]
+            second += [restore_line(s, self.measured), kv_line(s, self.measured)]
+        if self.activity:
+            first.append(self.activity)
+        self.update(" · ".join(first) + ("\n" + " · ".join(second) if second else ""))

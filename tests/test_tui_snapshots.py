@@ -1,0 +1,64 @@
+"""What the app looks like at 100×30, as SVG snapshots (tests/__snapshots__/). Ages are computed from a fixed
+clock, timings and compressed sizes are drawn as "…", and the cursor does not blink, so the pictures are stable;
+`pytest --snapshot-update` rewrites them after an intended change."""
+
+from __future__ import annotations
+
+from tui_support import fixed_clock, make_app, screen, seed_chat, wait_for, wait_idle
+
+SIZE = (100, 30)
+REPLY = "Noted, **Ada**:\n\n- you live in *Lisbon*\n- your dog is `Rex`"
+
+
+def frozen_app():
+    return make_app(clock=fixed_clock("2025-01-15T12:00:00+00:00"), show_measurements=False)
+
+
+def seed_two_chats() -> tuple[str, str]:
+    older = seed_chat("Trip planning", [("I go to Porto in May.", "Noted: Porto in May.")], with_kv=False,
+                      updated="2025-01-12T09:00:00+00:00")
+    newer = seed_chat("About me", [("My name is Ada.", "Nice to meet you, Ada."),
+                                   ("I live in Lisbon and my dog is Rex.", REPLY)], with_kv=False,
+                      system_prompt="You remember facts.", updated="2025-01-15T11:55:00+00:00")
+    return older, newer
+
+
+async def ready(pilot) -> None:
+    await wait_for(pilot, lambda: "cpu" in str(screen(pilot.app).status_bar.render()), what="the model")
+    await wait_for(pilot, lambda: screen(pilot.app)._chats_shown, what="the chat list")
+    await wait_idle(pilot)
+
+
+def test_main_screen_with_chats_and_none_open(snap_compare):
+    seed_two_chats()
+    assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=ready)
+
+
+def test_open_chat_renders_markdown_and_the_status_bar(snap_compare):
+    seed_two_chats()
+
+    async def open_newest(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("ctrl+f", "enter", "enter")
+        await wait_idle(pilot)
+        screen(pilot.app).app.backend.drain()  # the recomputed rounds' K/V written: nothing changes after
+
+    assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=open_newest)
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(frozen_app(), terminal_size=SIZE, press=["f1"], run_before=ready)
+
+
+def test_delete_asks_first(snap_compare):
+    seed_two_chats()
+
+    async def ask(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("ctrl+f", "enter", "f8")
+
+    assert snap_compare(frozen_app(), terminal_size=SIZE, run_before=ask)
+
+
+def test_settings_dialog(snap_compare):
+    assert snap_compare(frozen_app(), terminal_size=SIZE, press=["f9"], run_before=ready)
