@@ -14,7 +14,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,9 @@ from kvchat.storage.codec import StorageError
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
-from kvchat.storage.segments import finish_tensor, read_segment_bytes, stage_tensor, write_segment
+from kvchat.storage.prefetch import SegmentPrefetcher
+from kvchat.storage.segments import tensor_on, write_segment
+from kvchat.storage.staging import HostToDevice
 
 log = logging.getLogger("kvchat.session")
 
@@ -152,15 +153,25 @@ class ChatSession:
         by_round: dict[int, list[dict]] = {}
         for seg in self.store.segments(self.sid):
             by_round.setdefault(seg["round_idx"], []).append(seg)
-        # Disk reads, checks, decompression and pinning run in a thread pool, while this thread moves each round's
-        # K/V to the device in order as soon as it is ready.
-        pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
-        fetches = [pool.submit(self._fetch, by_round.get(i, [])) for i in range(len(self.rounds))]
+        # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
+        # the device in order as soon as it is ready.
+        groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(len(self.rounds))]
+        sizes = [sum(seg["raw_size"] for seg in by_round.get(i, [])) for i in range(len(self.rounds))]
+        on_cpu = self.engine.device.type == "cpu"
+        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
+                                    finish=(lambda header, raw: tensor_on(header, raw, "cpu")) if on_cpu else None)
+        try:
+            return self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
+        finally:
+            fetcher.close()
+
+    def _restore_rounds(self, by_round: dict[int, list[dict]], fetcher: SegmentPrefetcher, stats: RestoreStats,
+                        started: float, progress: RestoreProgress | None,
+                        cancel: threading.Event | None) -> RestoreStats:
         # The stored spans say where each round's K/V goes; tokens are only needed for rounds to recompute.
         ends = [r.token_end for r in self.rounds]
         total = ends[-1] if ends else 0
         if total > self.engine.config.context_length:
-            pool.shutdown(cancel_futures=True)
             raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
                                        f"{self.engine.config.context_length}")
         self.cache = self.engine.new_cache(total + 512)
@@ -168,10 +179,9 @@ class ChatSession:
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
         for i, row in enumerate(self.rounds):
             if cancel is not None and cancel.is_set():
-                pool.shutdown(cancel_futures=True)
                 raise RestoreCancelled("restore cancelled")
             end = row.token_end
-            reason = self._load_round(i, start, end, by_round.get(i, []), fetches[i])
+            reason = self._load_round(i, start, end, by_round.get(i, []), fetcher)
             if reason is None:
                 self._recompute(pending, stats)
                 pending = []
@@ -183,7 +193,6 @@ class ChatSession:
                     stats.spans_ms += 1000 * (time.perf_counter() - t0)
                     if list(itertools.accumulate(len(s) for s in spans)) != ends:
                         # The stored spans no longer match the text's tokens: nothing loaded so far can be trusted.
-                        pool.shutdown(cancel_futures=True)
                         return self._recompute_all(spans, stats, started)
                 stats.notes.append(f"round {i}: {reason}; recomputed")
                 log.info("round %d of %s recomputed: %s", i, self.sid, reason)
@@ -193,7 +202,6 @@ class ChatSession:
             if progress is not None:
                 progress(end, total)
         self._recompute(pending, stats)
-        pool.shutdown()
         self.cache.length = total
         stats.wait_ms = 1000 * self._waited
         if self.engine.device.type == "cuda":
@@ -229,7 +237,8 @@ class ChatSession:
         self._save_recomputed(stats.recomputed_rounds)
         return stats
 
-    def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetched) -> str | None:
+    def _load_round(self, i: int, start: int, end: int, segments: list[dict],
+                    fetcher: SegmentPrefetcher) -> str | None:
         """None when round i's K/V came from disk, else why it could not."""
         row = self.rounds[i]
         if (row.token_start, row.token_end) != (start, end) or end <= start:
@@ -247,28 +256,17 @@ class ChatSession:
         if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
             return "K/V belongs to another model"
         t0 = time.perf_counter()
-        loaded = fetched.result()
+        loaded = fetcher.get(i)
         self._waited += time.perf_counter() - t0
         if isinstance(loaded, str):
             return loaded
-        for seg, (header, raw) in zip(segments, loaded):
-            if (header.token_start, header.token_end) != (start, end):
-                return "segment holds another token span"
-        for seg, (header, staged) in zip(segments, loaded):
-            kv = finish_tensor(header, staged, self.cache.kv.device)
+        if any((header.token_start, header.token_end) != (start, end) for header, _ in loaded):
+            return "segment holds another token span"
+        device = self.cache.kv.device
+        for seg, (header, data) in zip(segments, loaded):
+            kv = data if device.type == "cpu" else tensor_on(header, data, device, HostToDevice.shared(device))
             self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
         return None
-
-    def _fetch(self, segments: list[dict]):
-        """Read and verify a round's segment files (in a worker thread: hashing and zstd release the GIL)."""
-        try:
-            out = []
-            for seg in segments:
-                header, raw = read_segment_bytes(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
-                out.append((header, stage_tensor(header, raw, self.cache.kv.device)))
-            return out
-        except StorageError as exc:
-            return str(exc)
 
     def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats) -> None:
         """Prefill runs of consecutive missing rounds at their own slots and positions, attending to all before."""

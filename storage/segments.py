@@ -22,9 +22,9 @@ import re
 import secrets
 import struct
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ import torch
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
+
+if TYPE_CHECKING:
+    from kvchat.storage.staging import HostToDevice
 
 FORMAT_VERSION = 1
 MAGIC = b"KVCS"
@@ -271,55 +274,72 @@ def read_segment(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34,
     Raises SegmentMissing, SegmentCorrupt or SegmentWrongModel (all StorageError) instead of returning anything
     that was not verified.
     """
-    header, payload = _read_verified(Path(path), fingerprint, max_raw_size)
-    return header, _decode_tensor(payload, header, Path(path).name, device)
+    header, raw = read_segment_bytes(path, fingerprint=fingerprint, max_raw_size=max_raw_size)
+    return header, tensor_on(header, raw, device)
 
 
-def _read_verified(path: Path, fingerprint: str, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
-    _check_fingerprint(fingerprint)
+def read_segment_bytes(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, bytes]:
+    """The host half of read_segment (read, verify, decompress; no GPU work); `tensor_on` is the other half."""
+    path = Path(path)
+    return decode_segment(read_segment_file(path, max_raw_size), path, fingerprint=fingerprint,
+                          max_raw_size=max_raw_size)
+
+
+def read_segment_file(path: Path, max_raw_size: int = 1 << 34) -> memoryview:
+    """The file's bytes, unchecked: the disk's share of a read, kept apart so that restores can keep many reads in
+    flight while other threads verify and decompress."""
+    path = Path(path)
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            header, head = _read_header(f, path, file_size, max_raw_size)
-            payload = f.read(header.payload_size)
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_raw_size + (max_raw_size >> 6) + (1 << 16):  # zstd never grows data by more than this
+                raise SegmentCorrupt(f"KV segment {path.name} is corrupt: it is {size} bytes, more than its "
+                                     f"format allows.")
+            data = bytearray(size)
+            got = f.readinto(data) if size else 0
+            while 0 < got < size:
+                n = f.readinto(memoryview(data)[got:])
+                if not n:
+                    break
+                got += n
     except FileNotFoundError:
         raise SegmentMissing(f"KV segment {path.name} is missing.") from None
     except OSError as e:
         raise StorageError(f"cannot read KV segment {path.name}: {_reason(e)}.") from e
+    if got != size:
+        raise SegmentCorrupt(f"KV segment {path.name} is corrupt: it changed size while being read.")
+    return memoryview(data)
+
+
+def decode_segment(data: memoryview | bytes, path: Path, *, fingerprint: str | None,
+                   max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, bytes]:
+    """Check a segment's bytes (header, sizes, content hash, model) and decompress its payload. CPU only, and
+    hashing and zstd release the GIL, so many threads decode at once. fingerprint None skips the model check."""
+    path = Path(path)
+    if fingerprint is not None:
+        _check_fingerprint(fingerprint)
+    header, head = _read_header(io.BytesIO(data), path, len(data), max_raw_size)
+    payload = memoryview(data)[len(head):]
     _verify(path, header, head, payload)
-    if header.fingerprint != fingerprint.lower():
+    if fingerprint is not None and header.fingerprint != fingerprint.lower():
         raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
-    return header, payload
+    return header, _decompress(payload, header, path.name)
 
 
-def read_segment_bytes(path: Path, *, fingerprint: str, max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, bytes]:
-    """The host half of read_segment (read, verify, decompress: thread-friendly, no GPU work); `tensor_on` is the
-    other half."""
-    header, payload = _read_verified(Path(path), fingerprint, max_raw_size)
-    return header, _decompress(payload, header, Path(path).name)
+def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "cpu",
+              staging: HostToDevice | None = None) -> torch.Tensor:
+    """The segment's tensor on `device` from its decompressed bytes. For a GPU the bytes travel through pinned
+    buffers (`staging`, or the process's own) and the planes are merged on the GPU."""
+    from kvchat.storage.staging import HostToDevice, _as_tensor
 
-
-def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
-    return finish_tensor(header, stage_tensor(header, raw, device), device)
-
-
-def stage_tensor(header: SegmentHeader, raw: bytes, device: torch.device | str) -> torch.Tensor:
-    """Host work for a tensor bound for `device` (thread-friendly): for a GPU, the bytes in pinned memory; for the
-    CPU, the finished tensor."""
     device = torch.device(device)
-    flat = _to_device(raw, torch.device("cpu"), pinned=device.type == "cuda")
-    return flat if device.type == "cuda" else _merge(header, flat)
-
-
-def finish_tensor(header: SegmentHeader, staged: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Device work: a DMA copy and, for planes, a byte transpose on the GPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return staged
-    return _merge(header, staged.to(device, non_blocking=True))
+    if device.type == "cpu":
+        return _merge(header, _as_tensor(raw).clone())
+    return _merge(header, (staging or HostToDevice.shared(device)).copy(raw))
 
 
 def _merge(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
+    # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
     if header.codec == "planes+zstd" and flat.numel():
         flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
     return flat.view(header.dtype).reshape(header.shape)
@@ -330,28 +350,6 @@ def _decompress(payload: bytes, header: SegmentHeader, name: str) -> bytes:
         return kvcodec.decompress(payload, header.raw_size)
     except StorageError as e:
         raise SegmentCorrupt(f"KV segment {name} cannot be decoded: {e}") from None
-
-
-def _decode_tensor(payload: bytes, header: SegmentHeader, name: str, device) -> torch.Tensor:
-    # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
-    return tensor_on(header, _decompress(payload, header, name), device)
-
-
-def _to_device(raw: bytes, device: torch.device, pinned: bool = False) -> torch.Tensor:
-    """The bytes as a uint8 tensor on `device` that owns its memory. Bound for a GPU they go through pinned memory:
-    copies from pageable memory are staged and serialized by the driver, pinned ones go at full DMA speed."""
-    if not raw:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only view, copied from at once and never written
-        view = torch.frombuffer(raw, dtype=torch.uint8)
-    if device.type == "cuda":
-        return _to_device(raw, torch.device("cpu"), pinned=True).to(device, non_blocking=True)
-    if not pinned:
-        return view.clone()
-    host = torch.empty(len(raw), dtype=torch.uint8, pin_memory=True)  # from torch's caching host allocator
-    host.copy_(view)
-    return host
 
 
 def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[SegmentHeader, bytes]:
@@ -397,14 +395,15 @@ def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[Segm
 
 
 def _verify(path: Path, header: SegmentHeader, head: bytes, payload: bytes) -> None:
-    if hashlib.sha256(payload).hexdigest() != header.checksum:
-        raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its payload checksum does not match.")
-    # The payload checksum cannot see a damaged header (a flipped fingerprint or range would go unnoticed); the
-    # content-addressed name can. Files renamed by hand are still readable, with the payload check only.
+    # A content-addressed name covers header and payload in one pass (the payload checksum alone cannot see a
+    # damaged header: a flipped fingerprint or range would go unnoticed). Files renamed by hand are still readable,
+    # with the payload check only.
     stem = path.name.removesuffix(SUFFIX)
     if path.name.endswith(SUFFIX) and _SHA256_NAME.fullmatch(stem):
         if _whole_file_hash(head, payload) != stem:
             raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its content does not match its name.")
+    elif hashlib.sha256(payload).hexdigest() != header.checksum:
+        raise SegmentCorrupt(f"KV segment {path.name} is corrupt: its payload checksum does not match.")
 
 
 # ----------------------------------------------------------------------------------------------------------- sweep
@@ -471,15 +470,8 @@ def parse_segment(data: bytes, name: str, *, fingerprint: str | None,
                   max_raw_size: int = 1 << 34) -> tuple[SegmentHeader, torch.Tensor]:
     """Like read_segment, for a segment held in memory (a state file's blob): every check, nothing written.
     With fingerprint None the model is not checked (the importer decides what a foreign model's K/V means)."""
-    if fingerprint is not None:
-        _check_fingerprint(fingerprint)
-    path = Path(name)
-    header, head = _read_header(io.BytesIO(data), path, len(data), max_raw_size)
-    payload = data[len(head):]
-    _verify(path, header, head, payload)
-    if fingerprint is not None and header.fingerprint != fingerprint.lower():
-        raise SegmentWrongModel(f"KV segment {path.name} was computed by a different model.")
-    return header, _decode_tensor(payload, header, path.name, "cpu")
+    header, raw = decode_segment(data, Path(name), fingerprint=fingerprint, max_raw_size=max_raw_size)
+    return header, tensor_on(header, raw, "cpu")
 
 
 def store_segment_bytes(folder: Path, name: str, data: bytes) -> None:

@@ -215,7 +215,11 @@ def test_flipped_payload_byte(saved, where):
     start = segments.header_size(5)
     data[start + int(where * (len(data) - start - 1))] ^= 0x01
     path.write_bytes(data)
-    assert "checksum" in str(expect_corrupt(path))
+    assert "does not match its name" in str(expect_corrupt(path))
+    # Under another name only the payload checksum can tell.
+    renamed = path.with_name("copy.kvs")
+    path.rename(renamed)
+    assert "checksum" in str(expect_corrupt(renamed))
 
 
 def test_wrong_magic(saved):
@@ -375,3 +379,30 @@ def test_ref_is_plain_data():
     ref = SegmentRef(file="x.kvs", byte_size=1, raw_size=2, checksum="0" * 64, codec="zstd")
     with pytest.raises(Exception):
         ref.file = "y.kvs"  # frozen: the database row and the file must not drift apart
+
+
+def same_bits_kv(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_cold_and_cached_reads_give_the_same_bits(tmp_path, tokens):
+    from kvchat.engine.bench import drop_page_cache
+
+    kv = random_kv(tokens=tokens, heads=4, head_dim=64, seed=tokens)
+    ref = write_segment(tmp_path, kv, fingerprint=FP, layers=range(2), tokens=range(tokens))
+    drop_page_cache()  # where allowed
+    assert same_bits_kv(read_segment(tmp_path / ref.file, fingerprint=FP)[1], kv)
+    assert same_bits_kv(read_segment(tmp_path / ref.file, fingerprint=FP)[1], kv)
+
+
+def test_an_oversized_file_is_refused_before_it_is_read(tmp_path):
+    kv = random_kv(tokens=5)
+    ref = write_segment(tmp_path, kv, fingerprint=FP, layers=range(2), tokens=range(5))
+    with open(tmp_path / ref.file, "ab") as f:
+        f.truncate(1 << 30)  # sparse: a gigabyte on paper, nothing on disk
+    tracemalloc.start()
+    with pytest.raises(SegmentCorrupt, match="more than its format allows"):
+        read_segment(tmp_path / ref.file, fingerprint=FP, max_raw_size=1 << 20)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 22
+    tracemalloc.stop()

@@ -1,0 +1,86 @@
+"""Reading many KV segment files ahead of their use, as fast as the disk allows.
+
+Reads run in one thread pool, checks and decompression in another. Kept apart, the disk always has requests queued
+(a thread that hashes and decompresses is not reading), and the CPU work of one file overlaps the reading of the
+next. Results are taken in order; only a window of bytes ahead of the consumer is in flight, so memory stays
+bounded however long the chat.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from kvchat.storage.codec import StorageError
+from kvchat.storage.segments import SegmentHeader, decode_segment, read_segment_file
+
+Finish = Callable[[SegmentHeader, bytes], object]  # decoded bytes -> what the consumer wants (runs in a worker)
+
+
+class SegmentPrefetcher:
+    READERS = 16  # requests in flight: a virtio/NVMe disk needs a deep queue to reach its bandwidth
+    WINDOW_BYTES = 1 << 30
+
+    def __init__(self, folder: Path, fingerprint: str, groups: list[list[str]], sizes: list[int],
+                 finish: Finish | None = None):
+        """`groups[i]`: the files of item i (e.g. one round's segments), `sizes[i]`: their decoded bytes."""
+        self.folder, self.fingerprint, self.finish = Path(folder), fingerprint, finish
+        self.groups, self.sizes = groups, sizes
+        self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read")
+        self._decoders = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-decode")
+        self._futures: list[Future] = []
+        self._in_flight = 0  # decoded bytes submitted and not yet taken
+        self._taken = 0  # items before this one are taken (or skipped by the consumer)
+
+    def get(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
+        """Item i's segments as (header, finished bytes), or why they cannot be used. Items are taken in order."""
+        while len(self._futures) <= i:
+            self._submit(len(self._futures))
+        self._read_ahead()
+        result = self._futures[i].result()
+        while self._taken <= i:
+            self._in_flight -= self.sizes[self._taken]
+            self._taken += 1
+        self._read_ahead()
+        return result
+
+    def _read_ahead(self) -> None:
+        while len(self._futures) < len(self.groups) and self._in_flight < self.WINDOW_BYTES:
+            self._submit(len(self._futures))
+
+    def close(self) -> None:
+        """Stop: queued work is dropped, running work finishes in the background."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._decoders.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, i: int) -> None:
+        out: Future = Future()
+        self._futures.append(out)
+        self._in_flight += self.sizes[i]
+        if not self.groups[i]:
+            out.set_result([])
+            return
+        self._readers.submit(self._read, self.groups[i], out)
+
+    def _read(self, names: list[str], out: Future) -> None:
+        try:
+            data = [read_segment_file(self.folder / name) for name in names]
+            self._decoders.submit(self._decode, names, data, out)
+        except StorageError as exc:
+            out.set_result(str(exc))
+        except BaseException as exc:  # noqa: BLE001 - the consumer waits on `out`: it must always be resolved
+            out.set_exception(exc)
+
+    def _decode(self, names: list[str], data: list, out: Future) -> None:
+        try:
+            decoded = []
+            for name, blob in zip(names, data):
+                header, raw = decode_segment(blob, self.folder / name, fingerprint=self.fingerprint)
+                decoded.append((header, self.finish(header, raw) if self.finish else raw))
+            out.set_result(decoded)
+        except StorageError as exc:
+            out.set_result(str(exc))
+        except BaseException as exc:  # noqa: BLE001
+            out.set_exception(exc)

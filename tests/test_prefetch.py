@@ -1,0 +1,102 @@
+"""Reading segments ahead of use: results in order, every failure a reason (never a hang), bounded memory, and
+the host-to-GPU staging ring bit-exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvchat.storage import prefetch
+from kvchat.storage.prefetch import SegmentPrefetcher
+from kvchat.storage.segments import tensor_on, write_segment
+
+FP = "ab" * 32
+
+
+def saved_rounds(folder, n=6, tokens=7):
+    refs, kvs = [], []
+    for i in range(n):
+        kv = torch.randn(2, 2, 2, tokens, 8, generator=torch.Generator().manual_seed(i)).bfloat16()
+        refs.append(write_segment(folder, kv, fingerprint=FP, layers=range(2),
+                                  tokens=range(i * tokens, (i + 1) * tokens)))
+        kvs.append(kv)
+    return refs, kvs
+
+
+def test_items_come_back_in_order_with_their_headers(tmp_path):
+    refs, kvs = saved_rounds(tmp_path)
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs] + [[]], [r.raw_size for r in refs] + [0],
+                                finish=lambda header, raw: tensor_on(header, raw, "cpu"))
+    try:
+        for i, kv in enumerate(kvs):
+            [(header, got)] = fetcher.get(i)
+            assert header.token_start == i * 7 and torch.equal(got.view(torch.int16), kv.view(torch.int16))
+        assert fetcher.get(len(kvs)) == []  # an item with nothing stored
+    finally:
+        fetcher.close()
+
+
+def test_missing_damaged_and_foreign_files_give_reasons(tmp_path):
+    refs, _ = saved_rounds(tmp_path, n=3)
+    (tmp_path / refs[0].file).unlink()
+    data = bytearray((tmp_path / refs[1].file).read_bytes())
+    data[-3] ^= 0xFF
+    (tmp_path / refs[1].file).write_bytes(bytes(data))
+    fetcher = SegmentPrefetcher(tmp_path, "cd" * 32, [[r.file] for r in refs], [r.raw_size for r in refs])
+    try:
+        assert "missing" in fetcher.get(0)
+        assert "corrupt" in fetcher.get(1)
+        assert "different model" in fetcher.get(2)
+    finally:
+        fetcher.close()
+
+
+def test_an_unexpected_failure_reaches_the_consumer(tmp_path, monkeypatch):
+    refs, _ = saved_rounds(tmp_path, n=2)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(prefetch, "decode_segment", broken)
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs])
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fetcher.get(0)
+    finally:
+        fetcher.close()
+
+
+def test_only_a_window_of_bytes_is_read_ahead(tmp_path, monkeypatch):
+    refs, _ = saved_rounds(tmp_path, n=8)
+    reads = []
+    real = prefetch.read_segment_file
+    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    monkeypatch.setattr(SegmentPrefetcher, "WINDOW_BYTES", 3 * refs[0].raw_size)
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs])
+    try:
+        fetcher.get(0)
+        time.sleep(0.2)
+        assert len(reads) == 4  # item 0, then a window of three items ahead of the consumer
+        fetcher.get(5)  # skipping ahead (items 1-4 left unused) frees their share of the window too
+        time.sleep(0.2)
+        assert len(reads) == 8
+    finally:
+        fetcher.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("size", [0, 1, 4096, 8 << 20, (8 << 20) * 5 + 3])
+def test_staging_ring_copies_bit_exact(size):
+    from kvchat.storage.staging import HostToDevice
+
+    ring = HostToDevice("cuda", chunk=1 << 20, slots=3)
+    data = bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy())
+    got = ring.copy(data)
+    threads = [threading.Thread(target=lambda: ring.copy(data)) for _ in range(4)]  # several users at once
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert bytes(got.cpu().numpy()) == data
