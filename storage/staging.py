@@ -32,8 +32,9 @@ class HostToDevice:
                 cls._shared[device] = cls(device)
             return cls._shared[device]
 
-    def __init__(self, device: torch.device | str, chunk: int = CHUNK, slots: int = SLOTS):
+    def __init__(self, device: torch.device | str, chunk: int | None = None, slots: int | None = None):
         self.device = torch.device(device)
+        chunk, slots = chunk or self.CHUNK, slots or self.SLOTS
         if self.device.type != "cuda":
             raise ValueError(f"HostToDevice copies to a CUDA device, not {self.device}")
         self._slots = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]

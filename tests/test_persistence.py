@@ -266,3 +266,24 @@ def test_restore_reports_progress_and_can_be_cancelled(engine, kvchat_home):
     assert reopened.restored is None and reopened.cache.length == 0
     # A cancelled session restores normally afterwards.
     assert reopened.restore().tokens_loaded == ends[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_restore_on_cuda_is_bit_exact_through_the_staging_ring(kvchat_home, monkeypatch):
+    from kvchat.storage.staging import HostToDevice
+
+    monkeypatch.setattr(HostToDevice, "CHUNK", 64 << 10)  # many chunks per segment, the ring wraps many times
+    monkeypatch.setattr(HostToDevice, "_shared", {})
+    engine = Engine(DEFAULT_MODEL, device="cuda")
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    answers = [chat.send(m).text for m in MESSAGES[:3]]
+    chat.close()
+    reopened = ChatSession(store, engine, chat.sid)
+    stats = reopened.restore()
+    n = chat.cache.length
+    assert stats.tokens_recomputed == 0 and stats.tokens_loaded == n
+    assert (reopened.cache.kv[:, :, :, :n] == chat.cache.kv[:, :, :, :n]).all()
+    assert reopened.send(MESSAGES[3]).text == chat.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    assert answers[0]
