@@ -31,8 +31,8 @@ from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.prefetch import SegmentPrefetcher
-from kvchat.storage.segments import tensor_on, write_segment
-from kvchat.storage.staging import HostToDevice
+from kvchat.storage.segments import merge_planes, tensor_on, write_segment
+from kvchat.storage.staging import HostToDevice, Staged
 
 log = logging.getLogger("kvchat.session")
 
@@ -157,9 +157,13 @@ class ChatSession:
         # the device in order as soon as it is ready.
         groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(len(self.rounds))]
         sizes = [sum(seg["raw_size"] for seg in by_round.get(i, [])) for i in range(len(self.rounds))]
-        on_cpu = self.engine.device.type == "cpu"
-        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
-                                    finish=(lambda header, raw: tensor_on(header, raw, "cpu")) if on_cpu else None)
+        # The workers also finish each segment: merged on the CPU, or copied to the GPU through pinned buffers.
+        if self.engine.device.type == "cuda":
+            staging = HostToDevice.shared(self.engine.device)
+            finish = lambda header, raw: staging.copy(raw)  # noqa: E731
+        else:
+            finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
+        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
         try:
             return self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
         finally:
@@ -262,9 +266,8 @@ class ChatSession:
             return loaded
         if any((header.token_start, header.token_end) != (start, end) for header, _ in loaded):
             return "segment holds another token span"
-        device = self.cache.kv.device
         for seg, (header, data) in zip(segments, loaded):
-            kv = data if device.type == "cpu" else tensor_on(header, data, device, HostToDevice.shared(device))
+            kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
             self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
         return None
 

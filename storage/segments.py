@@ -334,12 +334,13 @@ def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "c
 
     device = torch.device(device)
     if device.type == "cpu":
-        return _merge(header, _as_tensor(raw).clone())
-    return _merge(header, (staging or HostToDevice.shared(device)).copy(raw))
+        return merge_planes(header, _as_tensor(raw).clone())
+    return merge_planes(header, (staging or HostToDevice.shared(device)).copy(raw).wait())
 
 
-def _merge(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
-    # Merging the planes is a byte transpose: on the GPU it costs nothing next to the disk read.
+def merge_planes(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
+    """The segment's tensor from its decoded bytes (a uint8 tensor on any device): byte planes merged back into
+    values (a byte transpose: on the GPU it costs nothing next to the disk read), then shaped."""
     if header.codec == "planes+zstd" and flat.numel():
         flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
     return flat.view(header.dtype).reshape(header.shape)

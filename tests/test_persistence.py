@@ -285,5 +285,6 @@ def test_restore_on_cuda_is_bit_exact_through_the_staging_ring(kvchat_home, monk
     n = chat.cache.length
     assert stats.tokens_recomputed == 0 and stats.tokens_loaded == n
     assert (reopened.cache.kv[:, :, :, :n] == chat.cache.kv[:, :, :, :n]).all()
-    assert reopened.send(MESSAGES[3]).text == chat.send(MESSAGES[3]).text == "Your sister's name is Mira."
-    assert answers[0]
+    # bf16 on the GPU may word answers differently from the CPU; a restored chat must answer as the original does.
+    assert reopened.send(MESSAGES[3]).text == chat.send(MESSAGES[3]).text
+    assert all(answers)

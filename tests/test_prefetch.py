@@ -94,9 +94,13 @@ def test_staging_ring_copies_bit_exact(size):
     from kvchat.storage.staging import HostToDevice
 
     ring = HostToDevice("cuda", chunk=1 << 20, slots=3)
-    data = bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy())
-    got = ring.copy(data)
-    threads = [threading.Thread(target=lambda: ring.copy(data)) for _ in range(4)]  # several users at once
+    data = [bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy()) for _ in range(5)]
+    got = [None] * 5
+
+    def copy(i):
+        got[i] = ring.copy(data[i])
+
+    threads = [threading.Thread(target=copy, args=(i,)) for i in range(5)]  # several threads share the buffers
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert bytes(got.cpu().numpy()) == data
+    assert all(bytes(g.wait().cpu().numpy()) == d for g, d in zip(got, data))
