@@ -51,6 +51,7 @@ _DIM = struct.Struct("<I")
 _TAIL = struct.Struct("<IIIIQQ32s")  # layer_start .. payload sha256
 _U32_MAX = (1 << 32) - 1
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+_MAX_HEADER = _PREFIX.size + 255 * _DIM.size + _TAIL.size  # ndim is one byte
 
 
 class SegmentMissing(StorageError):
@@ -295,10 +296,10 @@ def read_segment_file(path: Path, max_raw_size: int = 1 << 34) -> memoryview:
             if size > max_raw_size + (max_raw_size >> 6) + (1 << 16):  # zstd never grows data by more than this
                 raise SegmentCorrupt(f"KV segment {path.name} is corrupt: it is {size} bytes, more than its "
                                      f"format allows.")
-            data = bytearray(size)
+            data = memoryview(np.empty(size, dtype=np.uint8))  # not zero-filled (a bytearray is, holding the GIL)
             got = f.readinto(data) if size else 0
             while 0 < got < size:
-                n = f.readinto(memoryview(data)[got:])
+                n = f.readinto(data[got:])
                 if not n:
                     break
                 got += n
@@ -308,7 +309,7 @@ def read_segment_file(path: Path, max_raw_size: int = 1 << 34) -> memoryview:
         raise StorageError(f"cannot read KV segment {path.name}: {_reason(e)}.") from e
     if got != size:
         raise SegmentCorrupt(f"KV segment {path.name} is corrupt: it changed size while being read.")
-    return memoryview(data)
+    return data
 
 
 def decode_segment(data: memoryview | bytes, path: Path, *, fingerprint: str | None,
@@ -318,7 +319,7 @@ def decode_segment(data: memoryview | bytes, path: Path, *, fingerprint: str | N
     path = Path(path)
     if fingerprint is not None:
         _check_fingerprint(fingerprint)
-    header, head = _read_header(io.BytesIO(data), path, len(data), max_raw_size)
+    header, head = _read_header(io.BytesIO(bytes(data[:_MAX_HEADER])), path, len(data), max_raw_size)
     payload = memoryview(data)[len(head):]
     _verify(path, header, head, payload)
     if fingerprint is not None and header.fingerprint != fingerprint.lower():

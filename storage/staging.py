@@ -15,6 +15,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,9 +29,7 @@ class Staged:
     def wait(self) -> torch.Tensor:
         """The tensor, safe to use on the current stream (which waits for the copy on the GPU, not the CPU)."""
         if self.ready is not None:
-            stream = torch.cuda.current_stream(self.tensor.device)
-            stream.wait_event(self.ready)
-            self.tensor.record_stream(stream)  # allocated on the copying thread's stream, used on this one
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.ready)
         return self.tensor
 
 
@@ -56,43 +55,48 @@ class HostToDevice:
         if self.device.type != "cuda":
             raise ValueError(f"HostToDevice copies to a CUDA device, not {self.device}")
         chunk, slots = chunk or self.CHUNK, slots or self.SLOTS
-        self._buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self._buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy() for _ in range(slots)]
         self._free_after: list[torch.cuda.Event | None] = [None] * slots  # the DMA last reading each buffer
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(slots):
             self._free.put(i)
-        self._streams = threading.local()
+        # One side stream for every copy (they share the copy engine anyway). Made once: creating streams, and
+        # allocating device memory in a new stream's pool, would cost a cudaMalloc (a device-wide sync) per thread.
+        self._stream = torch.cuda.Stream(self.device)
 
     def copy(self, raw) -> Staged:
         """`raw` (any bytes-like object) on its way to a new uint8 tensor on the device; `raw` may be reused as
         soon as this returns."""
-        src = _as_tensor(raw)
-        stream = self._stream()
-        with torch.cuda.stream(stream):
-            out = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-            chunk = self._buffers[0].numel()
-            for off in range(0, src.numel(), chunk):
-                n = min(chunk, src.numel() - off)
+        src = _as_array(raw)
+        # Allocated in the caller's stream (whose cached blocks are reused), written on the side stream once that
+        # stream has caught up with the caller's (a reused block may still be read by work queued there).
+        out = torch.empty(len(src), dtype=torch.uint8, device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        out.record_stream(self._stream)  # freed early (a cancelled restore), it is not reused before the DMA ends
+        chunk = len(self._buffers[0])
+        with torch.cuda.stream(self._stream):
+            for off in range(0, len(src), chunk):
+                n = min(chunk, len(src) - off)
                 i = self._free.get()
                 try:
                     if self._free_after[i] is not None:
                         self._free_after[i].synchronize()
-                    self._buffers[i][:n].copy_(src[off:off + n])
-                    out[off:off + n].copy_(self._buffers[i][:n], non_blocking=True)
+                    # numpy, not torch: one thread per copy, where torch would start a parallel region in each of
+                    # the many threads that stage at once.
+                    np.copyto(self._buffers[i][:n], src[off:off + n])
+                    out[off:off + n].copy_(torch.from_numpy(self._buffers[i][:n]), non_blocking=True)
                     done = torch.cuda.Event()
-                    done.record(stream)
+                    done.record(self._stream)
                     self._free_after[i] = done
                 finally:
                     self._free.put(i)
             ready = torch.cuda.Event()
-            ready.record(stream)
+            ready.record(self._stream)
         return Staged(out, ready)
 
-    def _stream(self) -> torch.cuda.Stream:
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self.device)
-        return stream
+
+def _as_array(raw) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.uint8) if len(raw) else np.empty(0, dtype=np.uint8)
 
 
 def _as_tensor(raw) -> torch.Tensor:
