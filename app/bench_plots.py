@@ -62,7 +62,7 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
                 if m:
                     xs.append(i + (j - (len(methods) - 1) / 2) * width)
                     ys.append(1000 * m["ttft_warm_s"])
-            ax.bar(xs, ys, width, label=method)
+            ax.bar(xs, ys, width, label=method, color=f"C{j}")  # fixed per method, even when it has no bars
         for i, (_, r) in enumerate(groups):
             if r.get("floor"):
                 ax.hlines(1000 * r["floor"]["seconds"], i - 0.45, i + 0.45, colors="black", linewidth=2,
@@ -71,7 +71,7 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
                       fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("time to first token, warm (ms, log)")
-        ax.set_title(f"Resuming a chat: time to first token ({device})", fontsize=9)
+        ax.set_title(f"Resuming a chat: time to first token\n{device}", fontsize=9)
         ax.legend(fontsize=8)
         save(fig, "ttft")
 
@@ -86,10 +86,10 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
         for j, method in enumerate(methods):
             xs = [i + (j - (len(methods) - 1) / 2) * width for i, n in enumerate(names) if method in by_model[n]]
             ys = [sorted(v)[len(v) // 2] for n in names if (v := by_model[n].get(method))]
-            ax.bar(xs, ys, width, label=method)
+            ax.bar(xs, ys, width, label=method, color=f"C{j}")  # fixed per method, even when it has no bars
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set_ylabel("bytes on disk per chat token")
-        ax.set_title(f"What a saved chat costs on disk ({device})", fontsize=9)
+        ax.set_title(f"What a saved chat costs on disk\n{device}", fontsize=9)
         ax.legend(fontsize=8)
         save(fig, "bytes-per-token")
 
@@ -105,7 +105,7 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
         ax.set_xscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"Decode speed after resuming ({device})", fontsize=9)
+        ax.set_title(f"Decode speed after resuming\n{device}", fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "decode")
 
@@ -121,7 +121,7 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
         ax.set_xscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("peak GPU memory (GiB)")
-        ax.set_title(f"Peak GPU memory while resuming ({device})", fontsize=9)
+        ax.set_title(f"Peak GPU memory while resuming\n{device}", fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "peak-gpu")
     return written
