@@ -169,6 +169,48 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
         click.echo(f"{title.replace('_', ' ')}: {cells}")
 
 
+@main.command()
+@_model_option
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--chats", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Calibration chats (memory dialogues on the embedded model, MT-Bench chats otherwise).")
+@click.option("--png", "png_path", default=None, type=click.Path(dir_okay=False),
+              help="Where the curve's plot goes (default: next to the stored calibration).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `watershed`).")
+def calibrate(model_path, device, chats, png_path, as_json) -> None:
+    """Find the model's watershed layer for Round Attention and store it (used automatically from then on)."""
+    from kvchat.engine.calibration import calibrate as measure, curve_lines, plot_curve, save_calibration
+    from kvchat.engine.engine import Engine
+    from kvchat.storage.db import Store
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    engine = Engine(model_path, device=_device(device))
+    cal = measure(engine, model_fingerprint(Path(model_path), Store()), chats=chats,
+                  progress=lambda done, total: click.echo(f"\rcalibrating: {done}/{total} chats", nl=False, err=True))
+    click.echo("", err=True)
+    stored = save_calibration(cal)
+    png = Path(png_path) if png_path else stored.with_suffix(".png")
+    try:
+        plot_curve(cal, png)
+    except ImportError:
+        click.echo("no plot: matplotlib is not installed (pip install 'kvchat[bench]')", err=True)
+        png = None
+    except OSError as exc:
+        from kvchat.errors import KvchatError
+
+        raise KvchatError(f"calibration stored in {stored}, but the plot cannot be written to {png}: {exc}") from None
+    if as_json:
+        from dataclasses import asdict
+
+        click.echo(json.dumps({**asdict(cal), "path": str(stored), "png": str(png) if png else None}))
+        return
+    click.echo(f"model {model_path}  {cal.n_layers} layers  {cal.chats} {cal.source} chats  device {engine.device}")
+    for line in curve_lines(cal):
+        click.echo(line)
+    click.echo(f"watershed layer: {cal.watershed}")
+    click.echo(f"stored {stored}" + (f"; plot {png}" if png else ""))
+
+
 @main.group(invoke_without_command=True)
 @click.option("--models", default="embedded,qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b", show_default=True,
               help="Comma-separated: embedded and/or random-weight models shaped like public ones.")

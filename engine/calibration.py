@@ -1,0 +1,330 @@
+"""Watershed-layer calibration for Round Attention (docs/architecture.md, "Watershed calibration").
+
+Round Attention selects a new message's relevant rounds once, at a "watershed" layer L_w, and uses only their KV
+above it. The paper (Round Attention, Appendix B) finds L_w per model: run dialogues through the model, take at
+every layer the distribution of the new message's attention over the earlier rounds, average for every layer the KL
+divergence to each later layer, and take the first significant local minimum of that curve.
+
+Here: `layer_round_distributions` measures the [L, R] distributions of one chat, `kl_curve` averages the divergences
+over chats, `pick_watershed` reads L_w off the curve, and a `Calibration` is stored per model fingerprint in
+data_dir()/calibrations/<fingerprint>.json; `ensure_calibration` makes one on a model's first use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvchat.engine.chat_format import Conversation
+from kvchat.engine.generate import prefill
+from kvchat.errors import KvchatError
+from kvchat.kernels import round_scores
+from kvchat.paths import data_dir
+
+# Bumped when what is measured or how L_w is read changes: files of another version are recalibrated, not trusted.
+CALIBRATION_VERSION = 1
+DEFAULT_CHATS = 8
+DEFAULT_SEED = 0
+MIN_ROUNDS, MAX_ROUNDS = 10, 20
+# Probabilities are floored here before the KL divergence, so a round with no attention at one layer does not make
+# the divergence infinite (the paper does not say how it handles zeros).
+KL_EPSILON = 1e-6
+# A local minimum is "significant" (Appendix B's word, left undefined there) when the curve has come down to it by at
+# least this share of its range from the highest earlier layer: the paper's picture is a curve that is high for the
+# first layers and then "suddenly diminishes substantially"; shallow early dips are noise, not that drop.
+SIGNIFICANT_DROP = 0.5
+# Below this range (relative to the curve's largest value) the curve counts as flat: no layer stands out.
+FLAT_RANGE = 1e-3
+
+ProgressCallback = Callable[[int, int], None]  # (chats done, chats in all)
+
+
+def _mass(q: Tensor, keys: Tensor, starts: Tensor) -> Tensor:
+    """Per-round attention mass [R] of queries q [T, H, D] over keys [Hkv, S, D]: the Triton `round_mass` when
+    kernels/round_scores.py has it (it falls back to the reference where Triton cannot run), else the reference."""
+    fn = getattr(round_scores, "round_mass", round_scores.round_mass_ref)
+    return fn(q, keys, starts.to(q.device)).float().cpu()
+
+
+def _queries(layer, h: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+    """The layer's queries [T, H, D] for hidden states h [T, d] entering it: the model's own queries."""
+    if hasattr(layer, "queries"):  # DecoderLayer.queries, where engine/model.py has it
+        return layer.queries(h, rot)
+    # Otherwise the same steps as DecoderLayer._attention: attn_norm, the activation rounding, the fused q/k/v
+    # matmul, RoPE (applied there to q and k together; it is elementwise per head, so rotating q alone is the same).
+    cfg = layer.cfg
+    qkv = F.linear(layer.round_qkv(layer.attn_norm(h)), layer.wqkv, layer.bqkv).view(h.shape[0], -1, cfg.head_dim)
+    return layer.rope.apply(qkv[:, : cfg.n_heads], rot)
+
+
+@torch.inference_mode()
+def layer_round_distributions(engine, conversation: Conversation, message: str) -> Tensor:
+    """[L, R] float32: at every layer, the share of the new message's attention that each of the R closed rounds of
+    `conversation` receives (each row sums to 1).
+
+    Which query tokens: all of the new message's tokens (its user text and the assistant header), not only the
+    final one. Appendix B says "the final query token", but the paper's distribution P_q^l (Section 3.1, Eq. 1) and
+    the selection Round Attention makes at L_w (Section 3.2, step 3) both sum over every token of q_n; the watershed
+    should be where *that* quantity stops changing. One token is also a noisy sample on a small model.
+    The softmax is over the earlier rounds' keys only (the message's own keys left out), as the selection sees them.
+    """
+    model = engine.model
+    spans = engine.chat.round_spans(conversation)
+    if not spans:
+        raise KvchatError("a calibration chat needs at least one closed round before the new message")
+    new_tokens = engine.chat.open_round_tokens(conversation, message)
+    history = [t for span in spans for t in span]
+    starts = torch.tensor([0] + [len(s) for s in spans[:-1]], dtype=torch.long).cumsum(0)
+    cache = model.new_cache(len(history) + len(new_tokens))
+    prefill(model, cache, history)
+    start = cache.length
+    positions = torch.arange(start, start + len(new_tokens))
+    rot = model.rope(positions)
+    h = model.embed(torch.tensor(new_tokens, dtype=torch.long))
+    rows = []
+    for i, layer in enumerate(model.layers):
+        # h is the hidden state entering layer i: its queries against the keys the earlier rounds left in layer i.
+        rows.append(_mass(_queries(layer, h, rot), cache.kv[i, 0, :, :start], starts))
+        h = model.run_layers(h, positions, cache, start, layers=range(i, i + 1))
+    dist = torch.stack(rows)
+    return dist / dist.sum(dim=1, keepdim=True)  # exact normalisation against kernel rounding
+
+
+def kl_curve(distributions: list[Tensor], eps: float = KL_EPSILON) -> Tensor:
+    """[L] float64: for each layer l the mean over chats of (the mean over later layers l' > l of KL(P_l || P_l')),
+    Appendix B's "average KL divergence between its attention vector and the corresponding vectors from all
+    subsequent layers (j > i)", averaged over the sampled dialogues. The last layer has no later layer: 0 there
+    (pick_watershed never reads it). Chats may have different round counts R."""
+    if not distributions:
+        raise ValueError("kl_curve needs at least one chat's distributions")
+    n_layers = distributions[0].shape[0]
+    total = torch.zeros(n_layers, dtype=torch.float64)
+    for dist in distributions:
+        if dist.dim() != 2 or dist.shape[0] != n_layers:
+            raise ValueError(f"expected [{n_layers}, R] distributions, got {list(dist.shape)}")
+        p = dist.double().clamp_min(eps)
+        p = p / p.sum(dim=1, keepdim=True)
+        logp = p.log()
+        # kl[l, m] = sum_r p_l(r) (log p_l(r) - log p_m(r))
+        kl = (p * logp).sum(1, keepdim=True) - p @ logp.T
+        later = torch.triu(torch.ones(n_layers, n_layers, dtype=torch.bool), diagonal=1)
+        counts = later.sum(1).clamp_min(1)
+        total += (kl * later).sum(1) / counts
+    return total / len(distributions)
+
+
+def pick_watershed(curve) -> int:
+    """L_w: the first significant local minimum of the KL curve (Appendix B), in [1, L-2].
+
+    The last layer's value is not a divergence (it has no later layer) and is ignored; layers 0..L-2 are read.
+    Layer i (1 <= i <= L-3) is a local minimum when it is below the layer before and not above the layer after;
+    layer L-2 has no defined layer after it, so a curve that only falls there (monotone) has no minimum. It is
+    significant when the curve has dropped to it by at least SIGNIFICANT_DROP of its range from the highest layer
+    before it. Fallbacks, when no minimum qualifies: a flat curve (range below FLAT_RANGE of its largest value:
+    every layer agrees as well as any other) gives the middle layer L // 2; any other curve (monotone, or minima
+    that are all shallow) gives the first layer in [1, L-2] that is within half of those layers' range of their
+    lowest value: where the bulk of the drop is over.
+    """
+    values = [float(v) for v in curve]
+    n_layers = len(values)
+    if n_layers < 3:
+        raise KvchatError(f"a watershed layer needs a model of at least 3 layers; this one has {n_layers}")
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError("the KL curve has a value that is not finite")
+    defined = values[:-1]
+    low, high = min(defined), max(defined)
+    spread = high - low
+    if spread <= FLAT_RANGE * max(abs(high), abs(low), 1e-12):
+        return n_layers // 2
+    last = n_layers - 2
+    for i in range(1, last):
+        is_minimum = defined[i] < defined[i - 1] and defined[i] <= defined[i + 1]
+        if is_minimum and max(defined[:i]) - defined[i] >= SIGNIFICANT_DROP * spread:
+            return i
+    candidates = defined[1 : last + 1]
+    floor, ceiling = min(candidates), max(candidates)
+    return next(i for i in range(1, last + 1) if defined[i] <= floor + 0.5 * (ceiling - floor))
+
+
+@dataclass
+class Calibration:
+    fingerprint: str
+    model_name: str
+    n_layers: int
+    watershed: int
+    curve: list[float]  # mean KL to the later layers, per layer (the last layer's 0 is a placeholder)
+    chats: int
+    source: str  # "memory-dialogues" | "mt_bench": where the calibration chats came from
+    seed: int
+    date: str  # ISO 8601, UTC
+    version: int = CALIBRATION_VERSION
+    rounds: list[int] = field(default_factory=list)  # closed rounds before the new message, per chat
+
+
+def calibration_path(fingerprint: str) -> Path:
+    return data_dir() / "calibrations" / f"{fingerprint}.json"
+
+
+def save_calibration(cal: Calibration) -> Path:
+    """Write atomically (temporary file, fsync, rename) so a reader never sees half a file."""
+    path = calibration_path(cal.fingerprint)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(cal), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise KvchatError(f"cannot save the calibration to {path}: {exc}") from None
+    return path
+
+
+def load_calibration(fingerprint: str, n_layers: int | None = None) -> Calibration | None:
+    """The stored calibration of this model, or None when there is none (or it is of an older calibration version,
+    which is recalibrated rather than trusted). A corrupt file, or one for another model, is an error."""
+    path = calibration_path(fingerprint)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise KvchatError(f"cannot read the calibration {path}: {exc}") from None
+    try:
+        raw = json.loads(text)
+        if raw.get("version") != CALIBRATION_VERSION:
+            return None
+        cal = Calibration(**raw)
+        curve_ok = len(cal.curve) == cal.n_layers and all(isinstance(v, (int, float)) for v in cal.curve)
+        if not (isinstance(cal.watershed, int) and 1 <= cal.watershed <= cal.n_layers - 2 and curve_ok):
+            raise ValueError("inconsistent fields")
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise KvchatError(f"the calibration {path} is corrupt ({exc}); delete it or run `kvchat calibrate`") from None
+    if cal.fingerprint != fingerprint:
+        raise KvchatError(f"the calibration {path} belongs to another model ({cal.fingerprint[:12]}); "
+                          f"delete it or run `kvchat calibrate`")
+    if n_layers is not None and cal.n_layers != n_layers:
+        raise KvchatError(f"the calibration {path} is for a model of {cal.n_layers} layers, not {n_layers}; "
+                          f"delete it or run `kvchat calibrate`")
+    return cal
+
+
+def is_embedded_model(engine) -> bool:
+    from kvchat.assets import DEFAULT_MODEL
+
+    same_file = Path(engine.path).resolve() == DEFAULT_MODEL.resolve()
+    return same_file or engine.metadata.get("general.name") == DEFAULT_MODEL.stem  # a copy keeps its name
+
+
+def calibration_chats(engine, count: int = DEFAULT_CHATS,
+                      seed: int = DEFAULT_SEED) -> tuple[str, list[tuple[Conversation, str]]]:
+    """(source, [(closed chat, new message)]), deterministic from the seed.
+
+    The embedded model knows only memory dialogues: held-out ones of MIN_ROUNDS..MAX_ROUNDS rounds, cut before their
+    last question, which is the new message. Any other model gets MT-Bench chats of at least 10 rounds (the resume
+    benchmark's builder) of 1-2k tokens, within half its context, with a fresh MT-Bench question as the new message.
+    """
+    if count < 1:
+        raise KvchatError("calibration needs at least one chat")
+    if is_embedded_model(engine):
+        from kvchat.engine.dialogues import dialogues
+
+        chats = []
+        for dlg in dialogues("heldout", count, 7919 + seed, MIN_ROUNDS + 1, MAX_ROUNDS + 1):
+            # make_dialogue always asks in one of the last two rounds, so a question round after round 0 exists
+            q = max(question.round_index for question in dlg.questions)
+            chats.append((Conversation(dlg.rounds[:q], dlg.system), dlg.rounds[q].user))
+        return "memory-dialogues", chats
+    from kvchat.engine.workloads import mt_bench_workload
+
+    rng = random.Random(f"calibration:{seed}")
+    cap = max(256, engine.config.context_length // 2)
+    chats = []
+    for n in range(count):
+        target = min(cap, rng.randint(1024, 2048))
+        wl = mt_bench_workload(engine.chat, "calibration", seed=seed * 1000 + n, target=target)
+        chats.append((wl.conversation, wl.new_message))
+    return "mt_bench", chats
+
+
+def calibrate(engine, fingerprint: str, chats: int = DEFAULT_CHATS, seed: int = DEFAULT_SEED,
+              progress: ProgressCallback | None = None) -> Calibration:
+    """Measure the KL curve on `chats` calibration chats and read L_w off it (not stored: see ensure_calibration)."""
+    if engine.config.n_layers < 3:  # refused before minutes of measuring, not after
+        raise KvchatError(f"a watershed layer needs a model of at least 3 layers; this one has "
+                          f"{engine.config.n_layers}")
+    source, pairs = calibration_chats(engine, chats, seed)
+    distributions = []
+    for n, (conv, message) in enumerate(pairs):
+        distributions.append(layer_round_distributions(engine, conv, message))
+        if progress is not None:
+            progress(n + 1, len(pairs))
+    curve = kl_curve(distributions)
+    return Calibration(
+        fingerprint=fingerprint, model_name=str(engine.metadata.get("general.name", "")) or Path(engine.path).stem,
+        n_layers=engine.config.n_layers, watershed=pick_watershed(curve), curve=[round(float(v), 6) for v in curve],
+        chats=len(pairs), source=source, seed=seed, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        rounds=[len(conv.rounds) for conv, _ in pairs])
+
+
+def ensure_calibration(engine, fingerprint: str, progress: ProgressCallback | None = None,
+                       chats: int = DEFAULT_CHATS) -> Calibration:
+    """The model's stored calibration; on its first use, calibrate now (reporting progress per chat) and store it."""
+    cal = load_calibration(fingerprint, engine.config.n_layers)
+    if cal is None:
+        cal = calibrate(engine, fingerprint, chats=chats, progress=progress)
+        save_calibration(cal)
+    return cal
+
+
+def curve_lines(cal: Calibration) -> list[str]:
+    """The curve as text, one line per layer, L_w marked."""
+    lines = []
+    for layer, value in enumerate(cal.curve):
+        if layer == cal.n_layers - 1:
+            lines.append(f"layer {layer:>3}  (no later layer)")
+            continue
+        mark = "  <- watershed" if layer == cal.watershed else ""
+        lines.append(f"layer {layer:>3}  mean KL to later layers {value:.4f}{mark}")
+    return lines
+
+
+def plot_curve(cal: Calibration, path: Path) -> Path:
+    """A PNG of the curve with L_w marked. Needs matplotlib (the `bench` extra): ImportError without it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(range(cal.n_layers - 1))  # the last layer has no later layer to compare with
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot(layers, cal.curve[:-1], marker="o", color="#1f77b4")
+    ax.axvline(cal.watershed, color="#d62728", linestyle="--", label=f"watershed layer L_w = {cal.watershed}")
+    ax.set_xlabel("layer l")
+    ax.set_ylabel("mean KL(P_l || P_l'), l' > l")
+    ax.set_title(f"{cal.model_name}: round attention across layers ({cal.chats} {cal.source} chats)", fontsize=9)
+    ax.set_xticks(layers)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

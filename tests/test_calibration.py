@@ -1,0 +1,208 @@
+"""Watershed-layer calibration (engine/calibration.py, `kvchat calibrate`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine import calibration
+from kvchat.engine.calibration import (Calibration, calibration_path, ensure_calibration, kl_curve,
+                                       layer_round_distributions, load_calibration, pick_watershed, save_calibration)
+from kvchat.engine.chat_format import Conversation
+from kvchat.engine.dialogues import dialogues
+from kvchat.engine.generate import prefill
+from kvchat.errors import KvchatError
+from kvchat.kernels.round_scores import round_mass_ref
+from cli_run import kvchat
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvchat.engine.engine import Engine
+
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+# ---- pick_watershed ----
+
+def test_clear_minimum_is_the_watershed():
+    assert pick_watershed([1.0, 0.9, 0.2, 0.25, 0.22, 0.21, 0.2, 0.0]) == 2
+
+
+def test_first_significant_minimum_wins_over_a_shallow_earlier_one_and_a_deeper_later_one():
+    # layer 1 dips by 0.15 of a 0.9 range (shallow); layer 3 drops 0.7 (significant); layer 5 is lower still
+    assert pick_watershed([1.0, 0.85, 0.9, 0.3, 0.4, 0.1, 0.2, 0.0]) == 3
+
+
+def test_the_last_layers_placeholder_is_ignored():
+    # the last value (layer 7 has no later layer) would make layer 6 a minimum if it were read
+    assert pick_watershed([1.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 5.0]) == 1
+    # a fall only at layer L-2 is no minimum (nothing after it shows the curve stays low): the fallback's knee
+    assert pick_watershed([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.1, 0.0]) == 5
+
+
+def test_monotone_and_flat_curves_fall_back():
+    assert pick_watershed([1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.0]) == 3  # first layer past half the drop
+    assert pick_watershed([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.0]) == 1  # rising: the lowest allowed layer
+    assert pick_watershed([0.3] * 7 + [0.0]) == 4  # flat: the middle
+    assert pick_watershed([0.0] * 8) == 4
+
+
+def test_never_layer_0_or_the_last():
+    gen = torch.Generator().manual_seed(0)
+    for n_layers in range(3, 40):
+        for _ in range(20):
+            assert 1 <= pick_watershed(torch.rand(n_layers, generator=gen).tolist()) <= n_layers - 2
+    assert pick_watershed([0.0, 1.0, 1.0, 1.0]) in (1, 2)  # layer 0 lowest is still never chosen
+    with pytest.raises(KvchatError, match="at least 3 layers"):
+        pick_watershed([1.0, 0.0])
+
+
+# ---- kl_curve ----
+
+def test_identical_layers_give_zero_divergence():
+    dist = torch.tensor([[0.2, 0.3, 0.5]] * 5)
+    assert torch.allclose(kl_curve([dist, dist]), torch.zeros(5, dtype=torch.float64), atol=1e-12)
+
+
+def test_kl_curve_by_hand():
+    first = torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.9, 0.1]])  # layer 0 differs from the two layers after it
+    kl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    curve = kl_curve([first])
+    assert curve.tolist() == pytest.approx([kl, 0.0, 0.0], abs=1e-5)
+    # a second chat with more rounds, where only layer 1 -> 2 changes: the curve is the mean over chats
+    second = torch.tensor([[0.25, 0.25, 0.5], [0.25, 0.25, 0.5], [0.5, 0.25, 0.25]])
+    kl2 = 0.25 * math.log(0.25 / 0.5) + 0.5 * math.log(0.5 / 0.25)
+    assert kl_curve([first, second]).tolist() == pytest.approx([(kl + kl2 / 2) / 2, kl2 / 2, 0.0], abs=1e-5)
+
+
+def test_zero_probabilities_stay_finite():
+    curve = kl_curve([torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])])
+    assert torch.isfinite(curve).all() and curve[0] > 1.0
+
+
+# ---- layer_round_distributions on the embedded model ----
+
+def _short_chat():
+    dlg = dialogues("heldout", 1, 3, 6, 6)[0]
+    return Conversation(dlg.rounds[:5], dlg.system), dlg.rounds[5].user
+
+
+def test_distributions_match_the_queries_of_a_plain_forward_pass(engine):
+    conv, message = _short_chat()
+    dist = layer_round_distributions(engine, conv, message)
+    n_layers = engine.config.n_layers
+    assert dist.shape == (n_layers, len(conv.rounds))
+    assert torch.allclose(dist.sum(1), torch.ones(n_layers), atol=1e-5)
+    # Independent: round starts from whole renderings of each prefix, queries captured from the model's own
+    # attention in an ordinary forward pass of the new message after the prefilled chat.
+    chat = engine.chat
+    starts = torch.tensor([0] + [len(chat.conversation_tokens(Conversation(conv.rounds[:r], conv.system)))
+                                 for r in range(1, len(conv.rounds))])
+    model, cache = engine.model, engine.new_cache()
+    prefill(model, cache, chat.conversation_tokens(conv))
+    start = cache.length
+    captured = []
+    for layer in model.layers:
+        def capture(q, *args, _orig=layer._sdpa):
+            captured.append(q.clone())
+            return _orig(q, *args)
+        layer._sdpa = capture
+    try:
+        with torch.inference_mode():
+            model(torch.tensor(chat.open_round_tokens(conv, message)), cache)
+    finally:
+        for layer in model.layers:
+            del layer._sdpa
+    assert len(captured) == n_layers
+    for i, q in enumerate(captured):
+        expected = round_mass_ref(q, cache.kv[i, 0, :, :start], starts)
+        assert torch.allclose(dist[i], expected, atol=1e-5), f"layer {i}"
+    assert not torch.allclose(dist[0], dist[-1], atol=1e-2)  # the layers really differ: not a constant answer
+
+
+def test_other_models_calibrate_on_mt_bench_chats(models):
+    from kvchat.engine.calibration import calibrate, calibration_chats
+    from kvchat.engine.engine import Engine
+
+    qwen = Engine(models.get(arch="qwen2", style="chatml", n_layers=4), device="cpu")  # q/k/v biases too
+    source, chats = calibration_chats(qwen, 2, seed=5)
+    assert source == "mt_bench" and all(len(conv.rounds) >= 10 for conv, _ in chats)
+    assert calibration_chats(qwen, 2, seed=5) == (source, chats)  # deterministic
+    assert calibration_chats(qwen, 2, seed=6)[1] != chats
+    cal = calibrate(qwen, "34" * 32, chats=1)
+    assert cal.source == "mt_bench" and len(cal.curve) == 4 and cal.watershed in (1, 2)
+    with pytest.raises(KvchatError, match="at least 3 layers"):
+        calibrate(Engine(models.get(n_layers=2), device="cpu"), "56" * 32, chats=1)
+
+
+# ---- stored calibrations ----
+
+def _calibration(fingerprint="ab" * 32, n_layers=8, watershed=2) -> Calibration:
+    return Calibration(fingerprint=fingerprint, model_name="test", n_layers=n_layers, watershed=watershed,
+                       curve=[0.4, 0.3, 0.2, 0.25, 0.1, 0.09, 0.08, 0.0], chats=8, source="memory-dialogues", seed=0,
+                       date="2026-11-21T00:00:00+00:00", rounds=[12] * 8)
+
+
+def test_save_and_load_round_trip(kvchat_home):
+    cal = _calibration()
+    path = save_calibration(cal)
+    assert path == kvchat_home / "calibrations" / f"{cal.fingerprint}.json"
+    assert load_calibration(cal.fingerprint, 8) == cal
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    assert load_calibration("cd" * 32) is None
+
+
+def test_a_file_of_another_model_is_refused():
+    save_calibration(_calibration("ab" * 32))
+    calibration_path("ab" * 32).rename(calibration_path("cd" * 32))
+    with pytest.raises(KvchatError, match="belongs to another model") as err:
+        load_calibration("cd" * 32)
+    assert "\n" not in str(err.value)
+    save_calibration(_calibration("ef" * 32, n_layers=8))
+    with pytest.raises(KvchatError, match="8 layers, not 12"):
+        load_calibration("ef" * 32, n_layers=12)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"version": 1, "fingerprint": "ab" * 32}),
+                                     "WATERSHED_OUT_OF_RANGE"])
+def test_a_corrupt_file_is_refused(content):
+    if content == "WATERSHED_OUT_OF_RANGE":
+        save_calibration(_calibration(watershed=7))  # the last layer is never a watershed
+    else:
+        calibration_path("ab" * 32).parent.mkdir(parents=True)
+        calibration_path("ab" * 32).write_text(content)
+    with pytest.raises(KvchatError, match="is corrupt") as err:
+        load_calibration("ab" * 32)
+    assert "\n" not in str(err.value)
+
+
+def test_ensure_calibration_calibrates_once_then_reuses(engine, monkeypatch):
+    seen = []
+    cal = ensure_calibration(engine, "12" * 32, progress=lambda done, total: seen.append((done, total)), chats=1)
+    assert seen == [(1, 1)]
+    assert 1 <= cal.watershed <= engine.config.n_layers - 2 and cal.source == "memory-dialogues"
+    assert load_calibration("12" * 32, engine.config.n_layers) == cal
+    save_calibration(replace(cal, watershed=5))  # what is stored is what is used, without measuring again
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    assert ensure_calibration(engine, "12" * 32).watershed == 5
+
+
+# ---- the command ----
+
+def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home):
+    png = tmp_path / "curve.png"
+    out = kvchat("calibrate", "--chats", "1", "--png", str(png)).stdout
+    layer_lines = [line for line in out.splitlines() if line.startswith("layer ")]
+    assert len(layer_lines) == 8
+    watershed = int(re.search(r"^watershed layer: (\d+)$", out, re.M).group(1))
+    assert 1 <= watershed <= 6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (stored,) = (kvchat_home / "calibrations").glob("*.json")
+    assert json.loads(stored.read_text())["watershed"] == watershed
