@@ -419,8 +419,8 @@ def _run_engine(spec: dict) -> dict:
     from kvchat.storage.db import Store
 
     method = spec["method"]
-    policy = make_policy(method.split(":", 1)[1]) if method.startswith("policy:") else None
     engine = _engine(spec)
+    policy = make_policy(method.split(":", 1)[1], engine) if method.startswith("policy:") else None
     wl = _load_workload(spec["workload"])
     conv, chat, model = wl["conversation"], engine.chat, engine.model
     store = Store(Path(wl["home"]))
@@ -446,7 +446,7 @@ def _run_engine(spec: dict) -> dict:
 
     def answer(cache, closed, starts, text, max_tokens):
         prompt = chat.open_round_tokens(closed, text)
-        attend = policy.visible_slots(cache, starts, prompt) if policy is not None else None
+        attend = policy.visible_slots(cache, starts, prompt, model=model) if policy is not None else None
         return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
                         stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
 

@@ -123,7 +123,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
         q = questions.get(i)
         if q is not None:
             prompt = chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
-            visible = policy.visible_slots(cache, round_starts, prompt)
+            visible = policy.visible_slots(cache, round_starts, prompt, model=engine.model)
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
                            stop_strings=chat.stop_strings, attend=visible)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.engine.model import KVCache, Transformer
+from kvchat.engine.model import Attend, KVCache, SplitAttend, Transformer
 from kvchat.engine.sampling import Sampler, SamplingParams
 from kvchat.errors import ContextOverflowError
 
@@ -36,7 +36,7 @@ class GenerationResult:
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 4096,
-            attend: torch.Tensor | None = None) -> torch.Tensor:
+            attend: Attend = None) -> torch.Tensor:
     """Append tokens to the cache in chunks (bounded activation memory) and return the last token's logits [V].
     `attend` restricts what the tokens see of the cache as it was before them (they always see each other)."""
     if not tokens:
@@ -48,10 +48,12 @@ def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 
     return logits[-1]
 
 
-def _with_own_slots(attend: torch.Tensor | None, first: int, end: int) -> torch.Tensor | None:
+def _with_own_slots(attend: Attend, first: int, end: int) -> Attend:
     """A restricted view of the old cache plus every slot this generation has added so far."""
     if attend is None:
         return None
+    if isinstance(attend, SplitAttend):
+        return SplitAttend(attend.split, _with_own_slots(attend.upper, first, end))
     return torch.cat([attend.to(torch.long).cpu(), torch.arange(first, end)])
 
 
@@ -59,7 +61,7 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, 
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
-             cuda_graph: bool | None = None, attend: torch.Tensor | None = None) -> GenerationResult:
+             cuda_graph: bool | None = None, attend: Attend = None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
     generated token but the last (nothing has attended to it yet)."""

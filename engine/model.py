@@ -202,19 +202,27 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, x: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
                    attend: Tensor | None, step: "DecodeStep | None") -> Tensor:
-        cfg, n_new = self.cfg, x.shape[0]
-        qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
-        qk = self.rope.apply(qkv[:, : cfg.n_heads + cfg.n_kv_heads], rot)  # queries and keys in one rotation
-        q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, cfg.n_heads + cfg.n_kv_heads :]  # [T, Hkv, D]
+        q, k, v = self._qkv(x, rot)
         if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
             cache.kv[layer, 0].index_copy_(1, step.slot, k.transpose(0, 1))
             cache.kv[layer, 1].index_copy_(1, step.slot, v.transpose(0, 1))
             keys, values, mask, causal = cache.kv[layer, 0], cache.kv[layer, 1], step.visible[None, :], False
         else:
             cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-            keys, values, mask, causal = _attended_kv(cache, layer, start, n_new, attend)
+            keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend)
         return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
+
+    def _qkv(self, x: Tensor, rot: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Normed hidden states x [T, d] -> q [T, H, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
+        cfg, n_new = self.cfg, x.shape[0]
+        qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
+        qk = self.rope.apply(qkv[:, : cfg.n_heads + cfg.n_kv_heads], rot)  # queries and keys in one rotation
+        return qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, cfg.n_heads + cfg.n_kv_heads :]
+
+    def queries(self, h: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+        """The queries [T, H, D] this layer would form from hidden states h [T, d] entering it (KV policies score
+        earlier rounds with them before deciding what the layer may attend to)."""
+        return self._qkv(self.attn_norm(h), rot)[0]
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """q [T, H, D], keys/values [Hkv, S, D], mask broadcastable to [T, S] -> [T, H * D]."""
@@ -261,6 +269,25 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
     return keys, values, cols[None, :] <= (n_prev + rows)[:, None], False
 
 
+@dataclass(frozen=True)
+class SplitAttend:
+    """What new tokens see, by layer: every earlier slot in layers below `split`, only the `upper` slots [S] (and
+    each other) from `split` up: Round Attention's lower layers keep every round, its upper layers the chosen ones."""
+
+    split: int
+    upper: Tensor
+
+    def at(self, layer: int) -> Tensor | None:
+        return None if layer < self.split else self.upper
+
+
+Attend = Tensor | SplitAttend | None
+
+
+def attend_at(attend: Attend, layer: int) -> Tensor | None:
+    return attend.at(layer) if isinstance(attend, SplitAttend) else attend
+
+
 @dataclass
 class DecodeStep:
     """One decode token whose cache slot, visible slots and rotation are device tensors, so the step can be
@@ -302,11 +329,12 @@ class Transformer(nn.Module):
         return F.embedding(tokens.to(self.device), self.tok_embeddings)
 
     def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
-                   layers: range | None = None, attend: Tensor | None = None, step: DecodeStep | None = None) -> Tensor:
+                   layers: range | None = None, attend: Attend = None, step: DecodeStep | None = None) -> Tensor:
         """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
 
         Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
-        restricts what the new tokens see; the default is every slot before `start`. Does not move cache.length.
+        restricts what the new tokens see, in every layer or (SplitAttend) in the upper ones; the default is every
+        slot before `start`. Does not move cache.length.
         With `step` (one token, CUDA-graph decode) positions, slot and visibility come from its device tensors.
         """
         layers = range(self.cfg.n_layers) if layers is None else layers
@@ -316,7 +344,7 @@ class Transformer(nn.Module):
         else:
             rot = step.rot
         for i in layers:
-            h = self.layers[i](h, i, rot, cache, start, attend, step)
+            h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step)
         return h
 
     def head(self, h: Tensor) -> Tensor:
@@ -325,7 +353,7 @@ class Transformer(nn.Module):
         return F.linear(self.round_output(self.output_norm(h)), weight).float()
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, attend: Tensor | None = None,
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, attend: Attend = None,
                 all_logits: bool = False) -> Tensor:
         """Append `tokens` [T] to the cache and return logits [T, V] (or [1, V] for the last token only)."""
         start, n_new = cache.length, tokens.shape[0]

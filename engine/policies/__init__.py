@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.full import FullKV
+from kvchat.engine.policies.round_attention import (
+    RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
+)
 from kvchat.errors import KvchatError
 
-POLICIES: dict[str, type[KVPolicy]] = {FullKV.name: FullKV}
+POLICIES: dict[str, type[KVPolicy]] = {
+    cls.name: cls
+    for cls in (FullKV, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
+}
 
 
-def make_policy(name: str) -> KVPolicy:
+def make_policy(name: str, engine=None, progress=None, **options) -> KVPolicy:
+    """The policy `name` for `engine`; `progress(done, total)` hears about any calibration it needs first."""
     if name not in POLICIES:
         raise KvchatError(f"unknown KV policy {name!r} (accepted: {', '.join(POLICIES)})")
-    return POLICIES[name]()
+    return POLICIES[name].create(engine, progress, **options)

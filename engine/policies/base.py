@@ -5,17 +5,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from torch import Tensor
-
-from kvchat.engine.model import KVCache
+from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.errors import KvchatError
 
 
 class KVPolicy(ABC):
     name: str = ""
 
+    @classmethod
+    def create(cls, engine=None, progress=None, **options) -> "KVPolicy":
+        """The policy for `engine`'s model (policies that need calibration get it from there)."""
+        try:
+            return cls(**options)
+        except TypeError:
+            raise KvchatError(f"the {cls.name} KV policy takes no option {', '.join(options)}") from None
+
     @abstractmethod
-    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int]) -> Tensor | None:
-        """Cache slots the next round's tokens may attend to, or None for all of them.
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
+                      model: Transformer | None = None) -> Attend:
+        """Cache slots the next round's tokens may attend to: None for all of them, slots [S] for every layer, or a
+        SplitAttend (all slots below a layer, chosen ones from it up).
 
         `round_starts` holds the first slot of every round in the cache (the rounds end where the next begins and
-        the last ends at cache.length)."""
+        the last ends at cache.length); `new_tokens` are the next round's tokens, not yet in the cache."""

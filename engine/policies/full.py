@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-from torch import Tensor
-
-from kvchat.engine.model import KVCache
+from kvchat.engine.model import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 
 
@@ -11,5 +9,6 @@ class FullKV(KVPolicy):
 
     name = "full"
 
-    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int]) -> Tensor | None:
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
+                      model: Transformer | None = None) -> Attend:
         return None

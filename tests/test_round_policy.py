@@ -1,0 +1,100 @@
+"""Round Attention as a KV policy: the strategies, layer-split attention, and the policy end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate, prefill
+from kvchat.engine.model import SplitAttend
+from kvchat.engine.policies import make_policy
+from kvchat.engine.policies.round_attention import select_rounds
+from kvchat.errors import KvchatError
+
+ROUNDS = [Round("My name is Ada.", "Nice to meet you, Ada."), Round("My sister's name is Mira.", "Noted."),
+          Round("I live in Lisbon.", "Lisbon is lovely."), Round("My dog is called Rex.", "Good name.")]
+SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def test_strategies_pick_what_the_paper_says():
+    mass = torch.tensor([0.02, 0.5, 0.12, 0.06, 0.3])
+    assert select_rounds(mass, "threshold") == [1, 2, 4]
+    assert select_rounds(mass, "topk", k=2) == [1, 4]
+    assert select_rounds(mass, "topk", k=0.1) == [1]  # top-10% of 5 rounds: one
+    assert select_rounds(torch.tensor([0.01] * 20 + [0.8]), "adaptive") == [20]
+    # Nothing passes the bar: the round of most mass is kept all the same.
+    assert select_rounds(torch.full((4,), 0.25), "threshold", threshold=0.5) == [0]
+    assert select_rounds(torch.tensor([]), "topk") == []
+    with pytest.raises(KvchatError, match="accepted: threshold, topk, adaptive"):
+        select_rounds(mass, "nearest")
+
+
+def chat_cache(engine):
+    spans = engine.chat.round_spans(Conversation(ROUNDS, SYSTEM))
+    cache = engine.new_cache(1024)
+    starts = []
+    for span in spans:
+        starts.append(cache.length)
+        prefill(engine.model, cache, span)
+    prompt = engine.chat.open_round_tokens(Conversation(ROUNDS, SYSTEM), "What is my sister's name?")
+    return cache, starts, prompt
+
+
+def logits_under(engine, attend):
+    cache, _, prompt = chat_cache(engine)
+    return prefill(engine.model, cache, prompt, attend=attend)
+
+
+def test_split_attention_that_keeps_everything_is_full_attention(engine):
+    cache, _, _ = chat_cache(engine)
+    every = torch.arange(cache.length)
+    full = logits_under(engine, None)
+    assert torch.equal(logits_under(engine, SplitAttend(3, every)), logits_under(engine, every))
+    assert torch.allclose(logits_under(engine, SplitAttend(3, every)), full, atol=1e-4)
+    # Dropping rounds from the upper layers changes what the model computes.
+    assert not torch.allclose(logits_under(engine, SplitAttend(3, torch.arange(10))), full, atol=1e-4)
+
+
+def test_policy_keeps_lower_layers_whole_and_upper_layers_to_the_chosen_rounds(engine):
+    cache, starts, prompt = chat_cache(engine)
+    policy = make_policy("round-topk", engine, watershed=4, k=2)
+    attend = policy.visible_slots(cache, starts, prompt, model=engine.model)
+    assert isinstance(attend, SplitAttend) and attend.split == 4 and len(policy.last_selection) == 2
+    bounds = starts + [cache.length]
+    expected = torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in policy.last_selection])
+    assert torch.equal(attend.upper, expected)
+    assert cache.length == bounds[-1]  # scoring the rounds leaves the cache's length alone
+    out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=12,
+                   stop_tokens=engine.tokenizer.eog_ids, stop_strings=engine.chat.stop_strings, attend=attend)
+    assert out.tokens
+
+
+def test_keeping_every_round_answers_as_the_full_cache_does(engine):
+    answers = []
+    for policy in (make_policy("full"), make_policy("round-topk", engine, watershed=4, k=len(ROUNDS))):
+        cache, starts, prompt = chat_cache(engine)
+        attend = policy.visible_slots(cache, starts, prompt, model=engine.model)
+        out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=12,
+                       stop_tokens=engine.tokenizer.eog_ids, stop_strings=engine.chat.stop_strings, attend=attend)
+        answers.append(out.text)
+    assert answers[0] == answers[1] == "Your sister's name is Mira."
+
+
+def test_bad_options_are_one_line_errors(engine):
+    with pytest.raises(KvchatError, match="positive count"):
+        make_policy("round", engine, watershed=3, k=0)
+    with pytest.raises(KvchatError, match="threshold"):
+        make_policy("round-threshold", engine, watershed=3, threshold=1.5)
+    with pytest.raises(KvchatError, match="needs a model"):
+        make_policy("round")
+    cache, starts, prompt = chat_cache(engine)
+    with pytest.raises(KvchatError, match="not inside the model's 8 layers"):
+        make_policy("round", engine, watershed=8).visible_slots(cache, starts, prompt, model=engine.model)
