@@ -133,8 +133,11 @@ def info(model_path, as_json) -> None:
 @click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(min=0),
               help="Only chats at least this long in the model's tokens.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--watershed", default=None, type=click.IntRange(min=1),
+              help="Round policies: the watershed layer (default: the model's calibration, made on first use).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
-def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, as_json) -> None:
+def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
+          as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind and distance in rounds."""
     from kvchat.engine.engine import Engine
     from kvchat.engine.evaluate import evaluate, heldout_chats
@@ -143,8 +146,13 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
 
     if max_rounds < min_rounds:
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
-    policy = make_policy(policy_name)
     engine = Engine(model_path, device=_device(device))
+    def calibrating(done: int, total: int) -> None:
+        click.echo(f"\rcalibrating the watershed layer (first use of this model): {done}/{total} chats", err=True,
+                   nl=done == total)
+
+    policy = make_policy(policy_name, engine, calibrating,
+                         **({} if watershed is None else {"watershed": watershed}))
     try:
         dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens)
     except ValueError as exc:
