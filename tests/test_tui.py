@@ -367,3 +367,27 @@ def test_kvchat_help_still_lists_the_commands():
     assert "With no command, kvchat opens the terminal app" in out
     for command in ("new", "send", "sessions", "show", "rm", "export", "import", "generate"):
         assert re.search(rf"^\s+{command}\s", out, flags=re.M), command
+
+
+def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
+    from kvchat.app.tui.backend import ChatBackend
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.sampling import SamplingParams
+
+    backend = ChatBackend(device="cpu")
+    sid = backend.create_chat(DEFAULT_MODEL)
+    first = backend.send(sid, "My name is Ada.", max_tokens=16, sampling=SamplingParams())
+    old_reply = first.round.assistant_text
+
+    def broken_send(self, *a, **k):
+        raise RuntimeError("the GPU fell over")
+
+    monkeypatch.setattr(ChatSession, "send", broken_send)
+    with pytest.raises(RuntimeError):
+        backend.send(sid, "", max_tokens=16, sampling=SamplingParams(), regenerate=True)
+    monkeypatch.undo()
+    rounds = backend.store.rounds(sid)
+    assert [r.user_text for r in rounds] == ["My name is Ada."] and rounds[0].assistant_text == old_reply != ""
+    # The chat goes on: reopened from the store, the old round's K/V is recomputed from its text.
+    again = backend.send(sid, "What is my name?", max_tokens=16, sampling=SamplingParams())
+    assert again.result.text

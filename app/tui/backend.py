@@ -205,7 +205,15 @@ class ChatBackend:
                 text = row.user_text
             if not text.strip():
                 raise KvchatError("the message is empty")
-            result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token, cancel=cancel)
+            try:
+                result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
+                                      cancel=cancel)
+            except BaseException:
+                if regenerate:  # no new reply: the old one comes back (its K/V is recomputed on the next open)
+                    self.store.add_round(sid, row)
+                    with self._state_lock:
+                        self._open.pop(sid, None)
+                raise
             title = session.info["title"]
             if not title:  # as `kvchat send`: an untitled chat takes its first message as title
                 title = " ".join(text.split())[:48]
