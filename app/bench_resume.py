@@ -51,6 +51,12 @@ def method_names() -> list[str]:
     return [*ENGINE_METHODS, LLAMA_CPP, *(f"policy:{name}" for name in POLICIES)]
 
 
+def default_methods() -> list[str]:
+    """What runs when no method is named: every method but the round policies, which run when asked for (their
+    recall is not at target yet, and each calibrates its model on first use)."""
+    return [m for m in method_names() if not m.startswith("policy:round")]
+
+
 def parse_names(text: str, accepted: list[str], what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names or [text]:

@@ -225,7 +225,7 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
 @click.option("--workloads", default="2k,8k,32k", show_default=True,
               help="Comma-separated chat lengths (memory dialogues on the embedded model, MT-Bench chats otherwise).")
 @click.option("--methods", default=None,
-              help="Comma-separated: prefill, kv-load, llama.cpp, policy:NAME (default: all of them).")
+              help="Comma-separated: prefill, kv-load, llama.cpp, policy:NAME (default: all but the round policies).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Warm runs after the cold one (the warm figure is their median).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
@@ -254,11 +254,13 @@ def bench(ctx, models, workloads, methods, repeats, device, cache_dir, work_dir,
         return
     from pathlib import Path
 
-    from kvchat.app.bench_resume import Plan, markdown, method_names, model_names, parse_names, run_benchmark
+    from kvchat.app.bench_resume import (
+        Plan, default_methods, markdown, method_names, model_names, parse_names, run_benchmark,
+    )
     from kvchat.engine.workloads import parse_workloads
 
     plan = Plan(models=parse_names(models, model_names(), "model"), workloads=parse_workloads(workloads),
-                methods=parse_names(methods, method_names(), "method") if methods else method_names(),
+                methods=parse_names(methods, method_names(), "method") if methods else default_methods(),
                 repeats=repeats, device=str(_device(device)) if device else None,
                 cache_dir=Path(cache_dir) if cache_dir else None, work_dir=Path(work_dir) if work_dir else None,
                 llama_cpp_budget_s=llama_cpp_budget, disk_probe_bytes=disk_probe_mib << 20)
