@@ -82,7 +82,7 @@ def _decode_rate(engine: Engine, cache, steps: int, while_busy: KVWriter | None 
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while done < steps and (while_busy is None or while_busy._jobs.unfinished_tasks > 0):
+    while done < steps and (while_busy is None or while_busy.busy):
         token = int(torch.argmax(step(token)))
         done += 1
     elapsed = time.perf_counter() - t0
@@ -112,7 +112,7 @@ def _stall_percent(engine: Engine, store: Store, sid: str, cache, spans: list[li
         with store.transaction() as db:
             files = [row[0] for row in db.execute("SELECT file FROM kv_segments WHERE round_idx >= 10000")]
             db.execute("DELETE FROM kv_segments WHERE round_idx >= 10000")
-        store.unlink_files([f for f in files if f not in store.referenced_files()])
+        store.unlink_files(store.unreferenced(files))
     alone, during = sorted(pairs, key=lambda p: p[1] / p[0])[len(pairs) // 2]
     return alone, during, 100 * (1 - during / alone)
 

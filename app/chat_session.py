@@ -73,6 +73,11 @@ class KVWriter:
             ready.record()
         self._jobs.put((sid, round_idx, kv, layers, tokens, ready))
 
+    @property
+    def busy(self) -> bool:
+        """Whether submitted rounds are still on their way to disk."""
+        return self._jobs.unfinished_tasks > 0
+
     def drain(self) -> None:
         """Wait until every submitted round is on disk (or has failed, with the reason in `errors`)."""
         self._jobs.join()
@@ -208,6 +213,10 @@ class ChatSession:
         self._recompute(pending, stats)
         self.cache.length = total
         stats.wait_ms = 1000 * self._waited
+        return self._restored(stats, started)
+
+    def _restored(self, stats: RestoreStats, started: float) -> RestoreStats:
+        """Close a restore: time it (once the device is done), keep its stats, store again what was recomputed."""
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         stats.restore_ms = 1000 * (time.perf_counter() - started)
@@ -232,14 +241,11 @@ class ChatSession:
         self.cache = self.engine.new_cache(total + 512)
         self._recompute([(0, [t for s in spans for t in s])], stats)
         self.cache.length = total
-        stats.restore_ms = 1000 * (time.perf_counter() - started)
         stats.recomputed_rounds = list(range(len(spans)))
         # The text's tokens are the truth: store the new spans (and forget K/V stored for the old ones).
         self.store.unlink_files(self.store.set_round_spans(self.sid, [e - len(s) for e, s in zip(ends, spans)], ends))
         self.rounds = self.store.rounds(self.sid)
-        self.restored = stats
-        self._save_recomputed(stats.recomputed_rounds)
-        return stats
+        return self._restored(stats, started)
 
     def _load_round(self, i: int, start: int, end: int, segments: list[dict],
                     fetcher: SegmentPrefetcher) -> str | None:

@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.chat_format import Conversation
 from kvchat.engine.generate import prefill
 from kvchat.errors import KvchatError
-from kvchat.kernels import round_scores
+from kvchat.kernels.round_scores import round_mass
 from kvchat.paths import data_dir
 
 # Bumped when what is measured or how L_w is read changes: files of another version are recalibrated, not trusted.
@@ -51,21 +50,8 @@ ProgressCallback = Callable[[int, int], None]  # (chats done, chats in all)
 
 
 def _mass(q: Tensor, keys: Tensor, starts: Tensor) -> Tensor:
-    """Per-round attention mass [R] of queries q [T, H, D] over keys [Hkv, S, D]: the Triton `round_mass` when
-    kernels/round_scores.py has it (it falls back to the reference where Triton cannot run), else the reference."""
-    fn = getattr(round_scores, "round_mass", round_scores.round_mass_ref)
-    return fn(q, keys, starts.to(q.device)).float().cpu()
-
-
-def _queries(layer, h: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
-    """The layer's queries [T, H, D] for hidden states h [T, d] entering it: the model's own queries."""
-    if hasattr(layer, "queries"):  # DecoderLayer.queries, where engine/model.py has it
-        return layer.queries(h, rot)
-    # Otherwise the same steps as DecoderLayer._attention: attn_norm, the activation rounding, the fused q/k/v
-    # matmul, RoPE (applied there to q and k together; it is elementwise per head, so rotating q alone is the same).
-    cfg = layer.cfg
-    qkv = F.linear(layer.round_qkv(layer.attn_norm(h)), layer.wqkv, layer.bqkv).view(h.shape[0], -1, cfg.head_dim)
-    return layer.rope.apply(qkv[:, : cfg.n_heads], rot)
+    """Per-round attention mass [R] of queries q [T, H, D] over keys [Hkv, S, D], on the CPU."""
+    return round_mass(q, keys, starts.to(q.device)).float().cpu()
 
 
 @torch.inference_mode()
@@ -95,7 +81,7 @@ def layer_round_distributions(engine, conversation: Conversation, message: str) 
     rows = []
     for i, layer in enumerate(model.layers):
         # h is the hidden state entering layer i: its queries against the keys the earlier rounds left in layer i.
-        rows.append(_mass(_queries(layer, h, rot), cache.kv[i, 0, :, :start], starts))
+        rows.append(_mass(layer.queries(h, rot), cache.kv[i, 0, :, :start], starts))
         h = model.run_layers(h, positions, cache, start, layers=range(i, i + 1))
     dist = torch.stack(rows)
     return dist / dist.sum(dim=1, keepdim=True)  # exact normalisation against kernel rounding

@@ -234,8 +234,7 @@ class Store:
                                                     [sid])]
                 db.execute("DELETE FROM kv_segments WHERE session_id = ?", [sid])
             db["sessions"].update(sid, changes)
-        still = self.referenced_files()
-        return [f for f in dropped if f not in still]
+        return self.unreferenced(dropped)
 
     def delete_last_round(self, sid: str) -> tuple[RoundRow | None, list[str]]:
         """Remove a chat's last round and its K/V rows in one transaction (to regenerate the reply); returns the
@@ -250,8 +249,7 @@ class Store:
             db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ?", [sid, row[0]])
             db.execute("DELETE FROM rounds WHERE session_id = ? AND idx = ?", [sid, row[0]])
             db["sessions"].update(sid, {"updated": now()})
-        still = self.referenced_files()
-        return RoundRow(*row), [f for f in files if f not in still]
+        return RoundRow(*row), self.unreferenced(files)
 
     def delete_session(self, sid: str) -> list[str]:
         """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
@@ -260,8 +258,7 @@ class Store:
             for table in ("kv_segments", "restores", "rounds"):
                 db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
             db.execute("DELETE FROM sessions WHERE id = ?", [sid])
-        still = self.referenced_files()
-        return [f for f in files if f not in still]
+        return self.unreferenced(files)
 
     def unlink_files(self, names: list[str]) -> None:
         """Unlink segment files whose rows are already deleted and committed (a crash before this leaves orphans,
@@ -294,8 +291,7 @@ class Store:
             for idx, (start, end) in enumerate(zip(starts, ends)):
                 db.execute("UPDATE rounds SET token_start = ?, token_end = ? WHERE session_id = ? AND idx = ?",
                            [start, end, sid, idx])
-        still = self.referenced_files()
-        return [f for f in files if f not in still]
+        return self.unreferenced(files)
 
     # ---- KV segments ----
 
@@ -311,6 +307,12 @@ class Store:
     def drop_segments(self, sid: str, round_idx: int) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ?", [sid, round_idx])
+
+    def unreferenced(self, files: list[str]) -> list[str]:
+        """Those of `files` that no session's segment rows name any more (safe to unlink once that is committed)."""
+        still = {r[0] for r in self.db.execute(
+            "SELECT DISTINCT file FROM kv_segments WHERE file IN (SELECT value FROM json_each(?))", [json.dumps(files)])}
+        return [f for f in files if f not in still]
 
     def referenced_files(self) -> set[str]:
         return {r[0] for r in self.db.execute("SELECT DISTINCT file FROM kv_segments")}

@@ -331,11 +331,11 @@ def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "c
               staging: HostToDevice | None = None) -> torch.Tensor:
     """The segment's tensor on `device` from its decompressed bytes. For a GPU the bytes travel through pinned
     buffers (`staging`, or the process's own) and the planes are merged on the GPU."""
-    from kvchat.storage.staging import HostToDevice, _as_tensor
+    from kvchat.storage.staging import HostToDevice
 
     device = torch.device(device)
     if device.type == "cpu":
-        return merge_planes(header, _as_tensor(raw).clone())
+        return merge_planes(header, torch.tensor(np.frombuffer(raw, dtype=np.uint8)))  # a copy that owns its memory
     return merge_planes(header, (staging or HostToDevice.shared(device)).copy(raw).wait())
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +66,7 @@ class HostToDevice:
     def copy(self, raw) -> Staged:
         """`raw` (any bytes-like object) on its way to a new uint8 tensor on the device; `raw` may be reused as
         soon as this returns."""
-        src = _as_array(raw)
+        src = np.frombuffer(raw, dtype=np.uint8)
         # Allocated in the caller's stream (whose cached blocks are reused), written on the side stream once that
         # stream has caught up with the caller's (a reused block may still be read by work queued there).
         out = torch.empty(len(src), dtype=torch.uint8, device=self.device)
@@ -93,16 +92,3 @@ class HostToDevice:
             ready = torch.cuda.Event()
             ready.record(self._stream)
         return Staged(out, ready)
-
-
-def _as_array(raw) -> np.ndarray:
-    return np.frombuffer(raw, dtype=np.uint8) if len(raw) else np.empty(0, dtype=np.uint8)
-
-
-def _as_tensor(raw) -> torch.Tensor:
-    """A uint8 view of any bytes-like object (read-only ones included: it is only read from)."""
-    if not len(raw):
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable
-        return torch.frombuffer(raw, dtype=torch.uint8)

@@ -31,6 +31,16 @@ def new_session(store: Store, model=DEFAULT_MODEL) -> str:
                                 system_prompt=SYSTEM)
 
 
+def saved_chat(engine, rounds: int = 3) -> tuple[Store, ChatSession]:
+    """A chat of the first `rounds` messages, answered and its K/V saved."""
+    store = Store()
+    chat = ChatSession(store, engine, new_session(store))
+    for m in MESSAGES[:rounds]:
+        chat.send(m)
+    chat.close()
+    return store, chat
+
+
 def test_resumed_in_new_processes_equals_never_stopped(engine, kvchat_home):
     # One process per message: each restores the chat from disk, answers, saves.
     sid = kvchat("new", "--system", SYSTEM).stdout.strip()
@@ -50,11 +60,7 @@ def test_resumed_in_new_processes_equals_never_stopped(engine, kvchat_home):
 
 
 def test_restore_loads_kv_and_matches_a_fresh_prefill(engine, kvchat_home):
-    store = Store()
-    chat = ChatSession(store, engine, new_session(store))
-    for m in MESSAGES[:3]:
-        chat.send(m)
-    chat.close()
+    store, chat = saved_chat(engine)
     reopened = ChatSession(store, engine, chat.sid)
     stats = reopened.restore()
     assert stats.tokens_recomputed == 0 and stats.tokens_loaded == chat.cache.length
@@ -64,11 +70,7 @@ def test_restore_loads_kv_and_matches_a_fresh_prefill(engine, kvchat_home):
 
 @pytest.mark.parametrize("damage", ["delete", "flip", "wrong-model"])
 def test_damaged_round_kv_is_recomputed_and_said(engine, kvchat_home, damage):
-    store = Store()
-    chat = ChatSession(store, engine, new_session(store))
-    for m in MESSAGES[:3]:
-        chat.send(m)
-    chat.close()
+    store, chat = saved_chat(engine)
     seg = store.segments(chat.sid)[1]
     path = store.kv_dir / seg["file"]
     if damage == "delete":
@@ -192,11 +194,7 @@ def test_kv_writer_survives_an_unexpected_failure(engine, kvchat_home, monkeypat
 
 
 def test_fork_shares_kv_files_and_restores_from_them(engine, kvchat_home):
-    store = Store()
-    chat = ChatSession(store, engine, new_session(store))
-    for m in MESSAGES[:3]:
-        chat.send(m)
-    chat.close()
+    store, chat = saved_chat(engine)
     fork = store.fork_session(chat.sid, 2, "fork")
     assert [r.user_text for r in store.rounds(fork)] == MESSAGES[:2]
     assert {s["file"] for s in store.segments(fork)} <= {s["file"] for s in store.segments(chat.sid)}
@@ -246,11 +244,7 @@ def test_restore_reports_progress_and_can_be_cancelled(engine, kvchat_home):
 
     from kvchat.app.chat_session import RestoreCancelled
 
-    store = Store()
-    chat = ChatSession(store, engine, new_session(store))
-    for m in MESSAGES[:3]:
-        chat.send(m)
-    chat.close()
+    store, chat = saved_chat(engine)
     seen = []
     ChatSession(store, engine, chat.sid).restore(progress=lambda done, total: seen.append((done, total)))
     ends = [r.token_end for r in store.rounds(chat.sid)]
@@ -276,11 +270,7 @@ def test_restore_on_cuda_is_bit_exact_through_the_staging_ring(kvchat_home, monk
     monkeypatch.setattr(HostToDevice, "CHUNK", 64 << 10)  # many chunks per segment, the ring wraps many times
     monkeypatch.setattr(HostToDevice, "_shared", {})
     engine = Engine(DEFAULT_MODEL, device="cuda")
-    store = Store()
-    chat = ChatSession(store, engine, new_session(store))
-    for m in MESSAGES[:3]:
-        chat.send(m)
-    chat.close()
+    store, chat = saved_chat(engine)
     reopened = ChatSession(store, engine, chat.sid)
     stats = reopened.restore()
     n = chat.cache.length
