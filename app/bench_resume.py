@@ -60,6 +60,9 @@ def default_methods() -> list[str]:
 def parse_names(text: str, accepted: list[str], what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names or [text]:
+        base, at, layer = name.partition("@")  # policy:NAME@W: a round policy at watershed layer W
+        if at and base.startswith("policy:round") and base in accepted and layer.isdigit():
+            continue
         if name not in accepted:
             raise KvchatError(f"unknown {what} {name!r} (accepted: {', '.join(accepted)})")
     return list(dict.fromkeys(names))
@@ -424,9 +427,12 @@ def _run_engine(spec: dict) -> dict:
     from kvchat.engine.policies import make_policy
     from kvchat.storage.db import Store
 
+    from kvchat.engine.tiered_kv import TieredKV
+
     method = spec["method"]
     engine = _engine(spec)
-    policy = make_policy(method.split(":", 1)[1], engine) if method.startswith("policy:") else None
+    policy = _policy(method, engine) if method.startswith("policy:") else None
+    tiered = policy is not None and policy.tiered
     wl = _load_workload(spec["workload"])
     conv, chat, model = wl["conversation"], engine.chat, engine.model
     store = Store(Path(wl["home"]))
@@ -443,18 +449,24 @@ def _run_engine(spec: dict) -> dict:
             cache = engine.new_cache(len(tokens) + 256)
             prefill(model, cache, tokens)
             return cache, text, None
-        session = ChatSession(store, engine, wl["sid"])
+        session = ChatSession(store, engine, wl["sid"], policy=policy if tiered else None)
         stats = session.restore()
         if stats.tokens_recomputed:
             raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
-        session.close()
+        sessions.append(session)  # a tiered cache still reads upper layers through it: closed after the answer
         return session.cache, session.conversation(), [r.token_start for r in session.rounds]
 
     def answer(cache, closed, starts, text, max_tokens):
         prompt = chat.open_round_tokens(closed, text)
-        attend = policy.visible_slots(cache, starts, prompt, model=model) if policy is not None else None
+        attend = None
+        if policy is not None and not tiered:
+            attend = policy.visible_slots(cache, starts, prompt, model=model)
         return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
                         stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
+
+    sessions: list[ChatSession] = []
+    if tiered:  # the chat stored as the round policy stores it: a lower and an upper segment per round
+        split_stored_rounds(store, engine, wl["sid"], policy)
 
     runs = []
     for run in range(1 + spec["repeats"]):
@@ -465,9 +477,18 @@ def _run_engine(spec: dict) -> dict:
         t1 = time.perf_counter()
         out = answer(cache, closed, starts, wl["new_message"], REPLY_TOKENS)
         runs.append({"ttft_s": t1 - t0 + out.first_token_seconds, "resume_s": t1 - t0, "tokens": out.tokens,
-                     "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped})
+                     "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
+                     **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {})})
+        for session in sessions:
+            session.close()
+        sessions.clear()
         del cache
     result = _summarize(runs, wl, engine.device)
+    if tiered:
+        warm = runs[1:] or runs
+        for key in warm[0]:
+            if key.startswith("tiered_"):
+                result[key] = statistics.median(r[key] for r in warm)
     if wl["expected_reply"] is not None:
         cache, closed, starts = resume()
         base, correct = cache.length, 0
@@ -477,11 +498,48 @@ def _run_engine(spec: dict) -> dict:
             correct += _recall_ok(got, expected)
             cache.truncate(base)
         result["recall"] = {"correct": correct, "questions": len(asked), "accuracy": correct / len(asked)}
+        for session in sessions:
+            session.close()
     result["bytes_on_disk"] = 0 if method == "prefill" else wl["kv_disk_bytes"]
     result["bytes_per_token"] = result["bytes_on_disk"] / wl["tokens"]
     if engine.device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return result
+
+
+def _policy(method: str, engine):
+    """policy:NAME or policy:NAME@W (W: the watershed layer, instead of calibrating the model)."""
+    from kvchat.engine.policies import make_policy
+
+    name, _, watershed = method.split(":", 1)[1].partition("@")
+    if not watershed:
+        return make_policy(name, engine)
+    if not watershed.isdigit():
+        raise KvchatError(f"{method}: the watershed layer after @ must be a layer number")
+    return make_policy(name, engine, watershed=int(watershed))
+
+
+def split_stored_rounds(store, engine, sid: str, policy) -> None:
+    """Store every round of the chat as the round policy does (a lower and an upper segment)."""
+    from kvchat.app.chat_session import ChatSession
+
+    session = ChatSession(store, engine, sid, policy=policy)
+    session.restore()
+    session.store_tiers()
+    session.close()
+
+
+def _tiered_figures(cache, out) -> dict:
+    """What Round Attention kept and cost for the answer: TTFT shares, transfer, device K/V against the full cache."""
+    st = cache.stats
+    ttft_ms = 1000 * out.first_token_seconds
+    return {"tiered_select_ms": st.select_ms, "tiered_transfer_ms": st.transfer_ms,
+            "tiered_decode_select_ms": st.decode_select_ms,
+            "tiered_transfer_mib": st.transfer_bytes / 2**20, "tiered_prefill_ms": ttft_ms,
+            "tiered_overhead_share": (st.select_ms + st.transfer_ms) / ttft_ms if ttft_ms else 0.0,
+            "tiered_rounds": st.rounds, "tiered_chosen": len(st.chosen), "tiered_added": len(st.added),
+            "tiered_device_kv_mib": cache.device_bytes() / 2**20, "tiered_full_kv_mib": cache.full_bytes() / 2**20,
+            "tiered_kv_fraction": cache.device_bytes() / cache.full_bytes()}
 
 
 def _recall_ok(got: str, expected: str) -> bool:

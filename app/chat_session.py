@@ -4,6 +4,10 @@ The round's text is committed the moment the reply ends; its K/V (all layers) is
 background thread, and its database row only once the file is durable. Restoring loads every round's stored K/V
 into the cache at its original slots and recomputes from text any round whose K/V is missing, corrupt, or from
 another model, saying why.
+
+Under a tiered KV policy (Round Attention) each round is stored as two segments, its lower and its upper layers;
+restoring loads the lower layers of every round onto the device and starts reading every round's upper layers
+into host memory in the background, from where a message's chosen rounds are copied to the device.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from kvchat.engine.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
+from kvchat.engine.policies import KVPolicy
+from kvchat.engine.tiered_kv import TieredKV
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError, KvchatError
 from kvchat.storage.codec import StorageError
@@ -119,15 +125,29 @@ class KVWriter:
 
 
 class ChatSession:
-    def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None):
+    def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
+                 policy: KVPolicy | None = None):
+        """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache."""
         self.store, self.engine, self.sid = store, engine, sid
         self.info = store.session(sid)
         self.fingerprint = model_fingerprint(Path(engine.path), store)
         self.writer = writer or KVWriter(store, self.fingerprint)
         self.rounds: list[RoundRow] = store.rounds(sid)
-        self.cache: KVCache = engine.new_cache()
+        self.policy = policy if policy is not None and policy.tiered else None
+        self.cache: KVCache | TieredKV = self._new_cache(256)
         self.restored: RestoreStats | None = None
         self._waited = 0.0
+        self._upper_fetcher: SegmentPrefetcher | None = None
+
+    def _new_cache(self, capacity: int) -> KVCache | TieredKV:
+        if self.policy is None:
+            return self.engine.new_cache(capacity)
+        return TieredKV(self.engine.model, self.policy, capacity)
+
+    @property
+    def split(self) -> int:
+        """Layers [0, split) are loaded at restore; the rest (tiered policies) only when a message picks a round."""
+        return self.engine.config.n_layers if self.policy is None else self.policy.split
 
     @property
     def system(self) -> str | None:
@@ -149,15 +169,23 @@ class ChatSession:
         try:
             return self._restore(progress, cancel)
         except RestoreCancelled:
-            self.cache, self.restored = self.engine.new_cache(), None
+            self.cache, self.restored = self._new_cache(256), None
             raise
 
     def _restore(self, progress: RestoreProgress | None, cancel: threading.Event | None) -> RestoreStats:
         started = time.perf_counter()
         stats, self._waited = RestoreStats(), 0.0
         by_round: dict[int, list[dict]] = {}
+        upper_only: dict[int, list[dict]] = {}  # tiered: segments of upper layers only, read in the background
         for seg in self.store.segments(self.sid):
-            by_round.setdefault(seg["round_idx"], []).append(seg)
+            into = upper_only if seg["layer_start"] >= self.split else by_round
+            into.setdefault(seg["round_idx"], []).append(seg)
+        self._upper_parts: dict[int, list[tuple[range, torch.Tensor]]] = {}
+        if self._upper_fetcher is not None:
+            self._upper_fetcher.close()
+            self._upper_fetcher = None
+        if self.policy is not None:
+            self._start_upper_fetch(upper_only, stats)
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
         groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(len(self.rounds))]
@@ -183,7 +211,7 @@ class ChatSession:
         if total > self.engine.config.context_length:
             raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
                                        f"{self.engine.config.context_length}")
-        self.cache = self.engine.new_cache(total + 512)
+        self.cache = self._new_cache(total + 512)
         spans = None
         start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
         for i, row in enumerate(self.rounds):
@@ -195,6 +223,7 @@ class ChatSession:
                 self._recompute(pending, stats)
                 pending = []
                 stats.tokens_loaded += end - start
+                self._add_tiered_round(i, start, end, None)
             else:
                 if spans is None:
                     t0 = time.perf_counter()
@@ -207,11 +236,13 @@ class ChatSession:
                 log.info("round %d of %s recomputed: %s", i, self.sid, reason)
                 pending.append((start, spans[i]))
                 stats.recomputed_rounds.append(i)
+                self._add_tiered_round(i, start, end, spans[i])
             start = end
             if progress is not None:
                 progress(end, total)
         self._recompute(pending, stats)
-        self.cache.length = total
+        if self.policy is None:
+            self.cache.length = total
         stats.wait_ms = 1000 * self._waited
         return self._restored(stats, started)
 
@@ -221,16 +252,94 @@ class ChatSession:
             torch.cuda.synchronize()
         stats.restore_ms = 1000 * (time.perf_counter() - started)
         self.restored = stats
+        if self.policy is not None:
+            self.cache.upper_source, self.cache.token_source = self._fetch_upper, self._round_tokens
         self._save_recomputed(stats.recomputed_rounds)
         return stats
 
     def _save_recomputed(self, rounds: list[int]) -> None:
-        """Store again the K/V of rounds that had to be recomputed, so the next open loads them."""
-        layers = range(self.engine.config.n_layers)
+        """Store again the K/V of rounds that had to be recomputed, so the next open loads them (tiered: their
+        lower layers; their upper layers are recomputed only if a message picks them, and not stored)."""
+        layers = range(self.split)
+        device_tier = self.cache if self.policy is None else self.cache.lower
         for i in rounds:
             row = self.rounds[i]
-            kv = self.cache.read(layers, row.token_start, row.token_end)
+            kv = device_tier.read(layers, row.token_start, row.token_end)
             self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end))
+
+    def _add_tiered_round(self, i: int, start: int, end: int, tokens: list[int] | None) -> None:
+        """Tiered: register round i with the upper layers that came with its lower ones (a segment of every
+        layer, as the full cache stores), else none yet: the background reads bring them."""
+        if self.policy is None:
+            return
+        parts = sorted(self._upper_parts.pop(i, []), key=lambda p: p[0].start)
+        upper = None
+        if parts and parts[0][0].start == self.split and parts[-1][0].stop == self.engine.config.n_layers:
+            upper = torch.cat([kv for _, kv in parts])
+        self.cache.add_closed_round(start, end, upper, tokens)
+
+    def _start_upper_fetch(self, upper_only: dict[int, list[dict]], stats: RestoreStats) -> None:
+        """Read every round's upper-layer segments into host memory in the background, starting now."""
+        n = len(self.rounds)
+        groups = [[seg["file"] for seg in upper_only.get(i, [])] for i in range(n)]
+        sizes = [sum(seg["raw_size"] for seg in upper_only.get(i, [])) for i in range(n)]
+        self._upper_segments = upper_only
+        self._upper_fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
+                                                finish=lambda header, raw: tensor_on(header, raw, "cpu"),
+                                                window_bytes=sum(sizes) + 1)
+        self._upper_fetcher.start()
+
+    def _fetch_upper(self, i: int) -> torch.Tensor | None:
+        """Round i's upper layers [L - split, 2, Hkv, n, D] from the store, or None (saying why) to recompute."""
+        row, segments = self.rounds[i], self._upper_segments.get(i, [])
+        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
+        want = list(itertools.pairwise([self.split] + [hi for _, hi in covered]))
+        reason = None
+        if not covered:
+            reason = "no upper-layer K/V stored"
+        elif covered != want or covered[-1][1] != self.engine.config.n_layers:
+            reason = "upper-layer K/V incomplete"
+        elif any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
+            reason = "upper-layer K/V belongs to another model"
+        else:
+            loaded = self._upper_fetcher.take(i)
+            if isinstance(loaded, str):
+                reason = loaded
+            elif any((h.token_start, h.token_end) != (row.token_start, row.token_end) for h, _ in loaded):
+                reason = "upper-layer segment holds another token span"
+            else:
+                return torch.cat([kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)])
+        note = f"round {i}: {reason}; its upper layers recomputed"
+        log.info("%s (chat %s)", note, self.sid)
+        if self.restored is not None:
+            self.restored.notes.append(note)
+        return None
+
+    def store_tiers(self) -> int:
+        """Tiered: store again, as a lower and an upper segment, every round whose K/V came as one segment of all
+        layers (a chat saved under the full cache), so the next open reads only the lower layers up front.
+        Returns how many rounds were re-stored."""
+        if self.policy is None or self.restored is None:
+            raise RuntimeError("store_tiers needs a tiered chat, restored")
+        n_layers, done = self.engine.config.n_layers, 0
+        for i, row in enumerate(self.rounds):
+            segs = [s for s in self.store.segments(self.sid) if s["round_idx"] == i]
+            upper = self.cache.round_upper(i)
+            if upper is None or not any(s["layer_start"] < self.split < s["layer_end"] for s in segs):
+                continue
+            old = [s["file"] for s in segs]
+            self.store.drop_segments(self.sid, i)  # a crash from here on costs a recompute, never text
+            tokens = range(row.token_start, row.token_end)
+            lower = self.cache.lower.read(range(self.split), row.token_start, row.token_end)
+            self.writer.submit(self.sid, i, lower, range(self.split), tokens)
+            self.writer.submit(self.sid, i, upper, range(self.split, n_layers), tokens)
+            self.writer.drain()
+            self.store.unlink_files(self.store.unreferenced(old))
+            done += 1
+        return done
+
+    def _round_tokens(self, i: int) -> list[int]:
+        return self.engine.chat.round_spans(self.conversation())[i]
 
     def _recompute_all(self, spans: list[list[int]], stats: RestoreStats, started: float) -> RestoreStats:
         stats.tokens_loaded = 0
@@ -238,9 +347,14 @@ class ChatSession:
                        "recomputed from text"]
         ends = list(itertools.accumulate(len(s) for s in spans))
         total = ends[-1]
-        self.cache = self.engine.new_cache(total + 512)
+        self.cache = self._new_cache(total + 512)
         self._recompute([(0, [t for s in spans for t in s])], stats)
-        self.cache.length = total
+        if self.policy is None:
+            self.cache.length = total
+        else:
+            self._upper_segments = {}  # stored for the old spans: not to be trusted
+            for e, span in zip(ends, spans):
+                self.cache.add_closed_round(e - len(span), e, None, span)
         stats.recomputed_rounds = list(range(len(spans)))
         # The text's tokens are the truth: store the new spans (and forget K/V stored for the old ones).
         self.store.unlink_files(self.store.set_round_spans(self.sid, [e - len(s) for e, s in zip(ends, spans)], ends))
@@ -261,8 +375,8 @@ class ChatSession:
             if lo != expect:
                 return f"K/V of layers {expect}..{lo - 1} missing"
             expect = hi
-        if expect != self.engine.config.n_layers:
-            return f"K/V of layers {expect}..{self.engine.config.n_layers - 1} missing"
+        if expect < self.split:
+            return f"K/V of layers {expect}..{self.split - 1} missing"
         if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
             return "K/V belongs to another model"
         t0 = time.perf_counter()
@@ -274,8 +388,19 @@ class ChatSession:
             return "segment holds another token span"
         for seg, (header, data) in zip(segments, loaded):
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
-            self.cache.write(range(seg["layer_start"], seg["layer_end"]), start, kv)
+            self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv)
         return None
+
+    def _place(self, i: int, layers: range, start: int, kv: torch.Tensor) -> None:
+        """Write loaded K/V of `layers` into the cache; tiered, the part above the split waits for its round."""
+        if self.policy is None:
+            self.cache.write(layers, start, kv)
+            return
+        below = max(0, min(layers.stop, self.split) - layers.start)
+        if below:
+            self.cache.lower.write(range(layers.start, layers.start + below), start, kv[:below])
+        if below < len(layers):
+            self._upper_parts.setdefault(i, []).append((range(layers.start + below, layers.stop), kv[below:]))
 
     def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats) -> None:
         """Prefill runs of consecutive missing rounds at their own slots and positions, attending to all before."""
@@ -285,9 +410,10 @@ class ChatSession:
         first = pending[0][0]
         tokens = [t for _, span in pending for t in span]
         end = first + len(tokens)
-        self.cache.reserve(end)
+        device_tier = self.cache if self.policy is None else self.cache.lower
+        device_tier.reserve(end)
         h = m.embed(torch.tensor(tokens))
-        m.run_layers(h, torch.arange(first, end), self.cache, first)
+        m.run_layers(h, torch.arange(first, end), device_tier, first, layers=range(self.split))
         stats.tokens_recomputed += len(tokens)
 
     # ---- a new round ----
@@ -308,9 +434,7 @@ class ChatSession:
         crash_point("round-committed")
         self.rounds.append(row)
         self._settle_cache(start, prompt + result.tokens[:-1], closed)
-        kv = self.cache.read(range(self.engine.config.n_layers), row.token_start, row.token_end)
-        self.writer.submit(self.sid, idx, kv, range(self.engine.config.n_layers),
-                           range(row.token_start, row.token_end))
+        self._save_round(idx, row)
         if self.restored is not None:
             self.store.record_restore(self.sid, tokens_loaded=self.restored.tokens_loaded,
                                       tokens_recomputed=self.restored.tokens_recomputed,
@@ -318,6 +442,18 @@ class ChatSession:
                                       ttft_ms=1000 * result.first_token_seconds, notes=self.restored.notes)
             self.restored = RestoreStats(notes=[])  # recorded once per open
         return result
+
+    def _save_round(self, idx: int, row: RoundRow) -> None:
+        """Hand the new round's K/V to the writer: one segment of all layers, or (tiered) a lower and an upper."""
+        tokens, n_layers = range(row.token_start, row.token_end), self.engine.config.n_layers
+        if self.policy is None:
+            kv = self.cache.read(range(n_layers), row.token_start, row.token_end)
+            self.writer.submit(self.sid, idx, kv, range(n_layers), tokens)
+            return
+        self.cache.close_round()
+        lower = range(self.split)
+        self.writer.submit(self.sid, idx, self.cache.lower.read(lower, row.token_start, row.token_end), lower, tokens)
+        self.writer.submit(self.sid, idx, self.cache.round_upper(idx), range(self.split, n_layers), tokens)
 
     @torch.inference_mode()
     def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> None:
@@ -330,7 +466,10 @@ class ChatSession:
             common += 1
         self.cache.truncate(start + common)
         if common < len(closed):
-            prefill(self.engine.model, self.cache, closed[common:])
+            if self.policy is None:
+                prefill(self.engine.model, self.cache, closed[common:])
+            else:
+                self.cache.prefill(closed[common:])
 
     def retract_last_round(self) -> RoundRow | None:
         """Remove the last round (text and K/V) from the store and the cache, to answer its message again."""
@@ -346,3 +485,5 @@ class ChatSession:
 
     def close(self) -> None:
         self.writer.drain()
+        if self._upper_fetcher is not None:
+            self._upper_fetcher.close()

@@ -21,6 +21,14 @@ def _store():
     return Store()  # opening sweeps what interrupted saves left behind
 
 
+def calibrating(done: int, total: int) -> None:
+    """Progress of the calibration a model gets the first time a round policy runs on it (on stderr)."""
+    if done == 1:
+        click.echo("kvchat: calibrating the model's watershed layer (once per model)…", err=True)
+    if done == total:
+        click.echo(f"kvchat: calibrated on {total} chats", err=True)
+
+
 def register(main: click.Group, model_option, device_option) -> None:
     @main.command()
     @click.option("--title", default=None, help="Title (default: the first message).")
@@ -44,11 +52,15 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.argument("session")
     @click.argument("message")
     @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+    @click.option("--kv-policy", "policy_name", default="full", show_default=True,
+                  help="full: every round's K/V on the device; round (Round Attention): the lower layers of every "
+                       "round, the upper layers of the rounds the message picks (calibrates the model on first use).")
     @device_option
-    def send(session, message, max_tokens, device):
+    def send(session, message, max_tokens, policy_name, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
         from kvchat.app.chat_session import ChatSession
         from kvchat.engine.engine import Engine
+        from kvchat.engine.policies import chat_policy
 
         if message == "-":
             message = sys.stdin.read()
@@ -60,7 +72,8 @@ def register(main: click.Group, model_option, device_option) -> None:
         if not Path(model_path).exists():
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
         engine = Engine(model_path, device=device)
-        chat = ChatSession(store, engine, info["id"])
+        policy = chat_policy(policy_name, engine, calibrating)
+        chat = ChatSession(store, engine, info["id"], policy=policy)
         chat.restore()
 
         def stream(_tok: int, piece: str) -> None:

@@ -18,6 +18,7 @@ from kvchat.engine.dialogues import Dialogue, dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
 from kvchat.engine.policies import KVPolicy
+from kvchat.engine.tiered_kv import TieredKV
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EvalResult:
     min_chat_tokens: int = 0
     mean_chat_tokens: float = 0.0
     failures: list[dict] = field(default_factory=list)
+    # Tiered policies: device K/V over a full cache's, and rounds kept over rounds, at each question (means).
+    kv_fractions: list[float] = field(default_factory=list)
+    round_fractions: list[float] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
@@ -63,6 +67,9 @@ class EvalResult:
         plain = ("model", "policy", "device", "chats", "tokens", "seconds", "min_chat_rounds", "min_chat_tokens",
                  "mean_chat_tokens", "failures")
         d = {k: getattr(self, k) for k in plain}
+        if self.kv_fractions:
+            d["device_kv_fraction"] = round(sum(self.kv_fractions) / len(self.kv_fractions), 4)
+            d["rounds_kept_fraction"] = round(sum(self.round_fractions) / len(self.round_fractions), 4)
         return {"accuracy": round(self.accuracy, 4), "questions": self.overall.questions,
                 "correct": self.overall.correct, **d, "tokens_per_second": round(self.tokens_per_second, 1),
                 "by_kind": table(self.by_kind), "by_position": table(self.by_position),
@@ -114,7 +121,10 @@ def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_to
 
 
 def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, result: EvalResult) -> int:
-    chat, cache = engine.chat, engine.new_cache(4096)
+    """Tiered policies run on a TieredKV, where every round (asked or not) is read under the policy, as in a chat."""
+    chat = engine.chat
+    tiered = policy.tiered
+    cache = TieredKV(engine.model, policy, 4096) if tiered else engine.new_cache(4096)
     closed = chat.round_spans(Conversation(dlg.rounds, dlg.system))
     questions = {q.round_index: q for q in dlg.questions}
     round_starts: list[int] = []
@@ -123,7 +133,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
         q = questions.get(i)
         if q is not None:
             prompt = chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
-            visible = policy.visible_slots(cache, round_starts, prompt, model=engine.model)
+            visible = None if tiered else policy.visible_slots(cache, round_starts, prompt, model=engine.model)
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
                            stop_strings=chat.stop_strings, attend=visible)
@@ -133,10 +143,18 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
                 table[key].add(ok)
             result.overall.add(ok)
             result.tokens += len(prompt) + len(out.tokens)
+            if tiered and round_starts:
+                result.kv_fractions.append(cache.device_bytes() / cache.full_bytes())
+                kept = len(set(cache.stats.chosen) | set(cache.stats.added))
+                result.round_fractions.append(kept / len(round_starts))
             if not ok and len(result.failures) < 20:
                 result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})
             cache.truncate(start)
         round_starts.append(start)
-        prefill(engine.model, cache, closed[i])
+        if tiered:
+            cache.prefill(closed[i])
+            cache.close_round()
+        else:
+            prefill(engine.model, cache, closed[i])
         result.tokens += len(closed[i])
     return cache.length

@@ -12,6 +12,7 @@ import torch
 
 from kvchat.engine.model import Attend, KVCache, SplitAttend, Transformer
 from kvchat.engine.sampling import Sampler, SamplingParams
+from kvchat.engine.tiered_kv import TieredKV
 from kvchat.errors import ContextOverflowError
 
 # What the callback receives for each token: the token id and the text it completes (may be "" mid-character).
@@ -57,14 +58,15 @@ def _with_own_slots(attend: Attend, first: int, end: int) -> Attend:
     return torch.cat([attend.to(torch.long).cpu(), torch.arange(first, end)])
 
 
-def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, max_tokens: int,
+def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *, decoder, max_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
              cuda_graph: bool | None = None, attend: Attend = None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
-    generated token but the last (nothing has attended to it yet)."""
+    generated token but the last (nothing has attended to it yet). A TieredKV cache picks the rounds the prompt's
+    upper layers see itself (`attend` does not apply)."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     limit = context_length or model.cfg.context_length
@@ -75,10 +77,13 @@ def generate(model: Transformer, cache: KVCache, prompt: list[int], *, decoder, 
     result = GenerationResult(prefill_tokens=len(prompt))
     started = time.perf_counter()
     first = cache.length
-    logits = prefill(model, cache, prompt, attend=attend)
+    tiered = isinstance(cache, TieredKV)
+    logits = cache.prefill(prompt) if tiered else prefill(model, cache, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
-    if attend is None:
+    if tiered:
+        step = cache.step
+    elif attend is None:
         step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
     else:  # a restricted view: eager steps that see the chosen slots and everything generated since
         def step(tok: int) -> torch.Tensor:

@@ -22,20 +22,31 @@ from kvchat.engine.config import ModelConfig
 
 
 class KVCache(nn.Module):
-    """K and V of every layer in one tensor [L, 2, Hkv, capacity, D]; K is stored after RoPE, as llama.cpp does.
+    """K and V of a range of layers (default: all) in one tensor [len(layers), 2, Hkv, capacity, D]; K is stored
+    after RoPE, as llama.cpp does.
 
     Slots are storage places, not positions: the positions used for RoPE are whatever the caller passed when the
-    token was computed, so a restored or reordered chat keeps its original positions.
+    token was computed, so a restored or reordered chat keeps its original positions. Layer numbers are the model's
+    (a cache of layers [3, 8) is written and read as layers 3..7), so tiered KV can keep each layer group apart.
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 256):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 256,
+                 layers: range | None = None):
         super().__init__()
         self.cfg = cfg
+        self.layers = range(cfg.n_layers) if layers is None else layers
+        if self.layers.step != 1 or not 0 <= self.layers.start < self.layers.stop <= cfg.n_layers:
+            raise ValueError(f"layers {self.layers} outside [0, {cfg.n_layers})")
         self.length = 0  # slots [0, length) hold valid K/V
         self.register_buffer(
-            "kv", torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
+            "kv", torch.zeros(len(self.layers), 2, cfg.n_kv_heads, capacity, cfg.head_dim, device=device,
+                              dtype=dtype),
             persistent=False,
         )
+
+    def layer(self, layer: int) -> Tensor:
+        """K and V of one model layer: [2, Hkv, capacity, D] (a view)."""
+        return self.kv[layer - self.layers.start]
 
     @property
     def capacity(self) -> int:
@@ -54,31 +65,39 @@ class KVCache(nn.Module):
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """k, v: [Hkv, T, D] written to slots [start, start + T) of one layer."""
         end = start + k.shape[1]
-        self.kv[layer, 0, :, start:end] = k
-        self.kv[layer, 1, :, start:end] = v
+        kv = self.layer(layer)
+        kv[0, :, start:end] = k
+        kv[1, :, start:end] = v
 
     def read(self, layers: range, start: int, end: int) -> Tensor:
         """A copy of the K/V of slots [start, end) for `layers`: [len(layers), 2, Hkv, end - start, D]."""
         self._check_span(layers, start, end)
-        return self.kv[layers.start : layers.stop, :, :, start:end].clone()
+        first = layers.start - self.layers.start
+        return self.kv[first : first + len(layers), :, :, start:end].clone()
 
     def write(self, layers: range, start: int, kv: Tensor) -> None:
         """Write back K/V as returned by `read` (any device/dtype) into slots starting at `start`."""
         end = start + kv.shape[3]
-        if layers.step != 1 or kv.shape[0] != len(layers):
+        if kv.shape[0] != len(layers):
             raise ValueError(f"K/V for {kv.shape[0]} layers cannot fill {layers}")
+        self._check_span(layers, start, start)
         self.reserve(end)
-        self.kv[layers.start : layers.stop, :, :, start:end] = kv.to(self.kv.device, self.kv.dtype)
+        first = layers.start - self.layers.start
+        self.kv[first : first + len(layers), :, :, start:end] = kv.to(self.kv.device, self.kv.dtype)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
     def nbytes(self) -> int:
-        return self.length * self.cfg.kv_bytes_per_token(self.kv.element_size())
+        """Bytes of the valid slots' K/V."""
+        return self.length * self.slot_bytes()
+
+    def slot_bytes(self) -> int:
+        return self.kv[:, :, :, 0].numel() * self.kv.element_size()
 
     def _check_span(self, layers: range, start: int, end: int) -> None:
-        if layers.step != 1 or not 0 <= layers.start < layers.stop <= self.cfg.n_layers:
-            raise ValueError(f"layers {layers} outside [0, {self.cfg.n_layers})")
+        if layers.step != 1 or not self.layers.start <= layers.start < layers.stop <= self.layers.stop:
+            raise ValueError(f"layers {layers} outside the cache's {self.layers.start}..{self.layers.stop - 1}")
         if not 0 <= start <= end <= self.capacity:
             raise ValueError(f"slots [{start}, {end}) outside the cache's {self.capacity}")
 
@@ -204,9 +223,10 @@ class DecoderLayer(nn.Module):
                    attend: Tensor | None, step: "DecodeStep | None") -> Tensor:
         q, k, v = self._qkv(x, rot)
         if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
-            cache.kv[layer, 0].index_copy_(1, step.slot, k.transpose(0, 1))
-            cache.kv[layer, 1].index_copy_(1, step.slot, v.transpose(0, 1))
-            keys, values, mask, causal = cache.kv[layer, 0], cache.kv[layer, 1], step.visible[None, :], False
+            kv = cache.layer(layer)
+            kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
+            kv[1].index_copy_(1, step.slot, v.transpose(0, 1))
+            keys, values, mask, causal = kv[0], kv[1], step.visible[None, :], False
         else:
             cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
             keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend)
@@ -248,9 +268,9 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
     Without `attend` the new tokens see every slot before them (a contiguous prefix, sliced, no copy); with it they
     see exactly the slots listed (all of which precede them) plus the new tokens causally.
     """
-    end = start + n_new
+    end, kv = start + n_new, cache.layer(layer)
     if attend is None:
-        keys, values = cache.kv[layer, 0, :, :end], cache.kv[layer, 1, :, :end]
+        keys, values = kv[0, :, :end], kv[1, :, :end]
         if n_new == 1:
             return keys, values, None, False
         if start == 0:
@@ -258,8 +278,8 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
         n_prev = start
     else:
         index = torch.cat([attend.to(cache.kv.device), torch.arange(start, end, device=cache.kv.device)])
-        keys = cache.kv[layer, 0].index_select(1, index)
-        values = cache.kv[layer, 1].index_select(1, index)
+        keys = kv[0].index_select(1, index)
+        values = kv[1].index_select(1, index)
         n_prev = attend.numel()
         if n_new == 1:
             return keys, values, None, False
@@ -321,8 +341,8 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.dtype
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(self.cfg, self.device, self.dtype, capacity)
+    def new_cache(self, capacity: int = 256, layers: range | None = None) -> KVCache:
+        return KVCache(self.cfg, self.device, self.dtype, capacity, layers)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [T] -> hidden states [T, d]."""

@@ -24,10 +24,12 @@ class SegmentPrefetcher:
     WINDOW_BYTES = 1 << 30
 
     def __init__(self, folder: Path, fingerprint: str, groups: list[list[str]], sizes: list[int],
-                 finish: Finish | None = None):
-        """`groups[i]`: the files of item i (e.g. one round's segments), `sizes[i]`: their decoded bytes."""
+                 finish: Finish | None = None, window_bytes: int | None = None):
+        """`groups[i]`: the files of item i (e.g. one round's segments), `sizes[i]`: their decoded bytes;
+        `window_bytes`: how far ahead of the consumer to read (default WINDOW_BYTES)."""
         self.folder, self.fingerprint, self.finish = Path(folder), fingerprint, finish
         self.groups, self.sizes = groups, sizes
+        self.window = self.WINDOW_BYTES if window_bytes is None else window_bytes
         self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read")
         self._decoders = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-decode")
         self._futures: list[Future] = []
@@ -47,8 +49,24 @@ class SegmentPrefetcher:
         return result
 
     def _read_ahead(self) -> None:
-        while len(self._futures) < len(self.groups) and self._in_flight < self.WINDOW_BYTES:
+        while len(self._futures) < len(self.groups) and self._in_flight < self.window:
             self._submit(len(self._futures))
+
+    def start(self) -> None:
+        """Begin reading ahead now, before anything is asked for."""
+        self._read_ahead()
+
+    def take(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
+        """Item i, in any order, and forget it here (its memory is the caller's): asked again, it is read again."""
+        while len(self._futures) <= i:
+            self._submit(len(self._futures))
+        if self._futures[i] is None:
+            again: Future = Future()
+            self._futures[i] = again
+            self._readers.submit(self._read, self.groups[i], again) if self.groups[i] else again.set_result([])
+        result = self._futures[i].result()
+        self._futures[i] = None
+        return result
 
     def close(self) -> None:
         """Stop: queued work is dropped, running work finishes in the background."""

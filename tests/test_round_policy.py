@@ -67,7 +67,9 @@ def test_policy_keeps_lower_layers_whole_and_upper_layers_to_the_chosen_rounds(e
     cache, starts, prompt = chat_cache(engine)
     policy = make_policy("round-topk", engine, watershed=4, k=2)
     attend = policy.visible_slots(cache, starts, prompt, model=engine.model)
-    assert isinstance(attend, SplitAttend) and attend.split == 4 and len(policy.last_selection) == 2
+    # The watershed layer itself still sees every round; the first round is always kept, and two more.
+    assert isinstance(attend, SplitAttend) and attend.split == 5 and len(policy.last_selection) == 3
+    assert policy.last_selection[0] == 0
     bounds = starts + [cache.length]
     expected = torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in policy.last_selection])
     assert torch.equal(attend.upper, expected)
@@ -96,5 +98,16 @@ def test_bad_options_are_one_line_errors(engine):
     with pytest.raises(KvchatError, match="needs a model"):
         make_policy("round")
     cache, starts, prompt = chat_cache(engine)
-    with pytest.raises(KvchatError, match="not inside the model's 8 layers"):
-        make_policy("round", engine, watershed=8).visible_slots(cache, starts, prompt, model=engine.model)
+    with pytest.raises(KvchatError, match="no layer above it in the model's 8 layers"):
+        make_policy("round", engine, watershed=7)
+    with pytest.raises(KvchatError, match="no option tokens"):
+        make_policy("round", engine, watershed=3, tokens=4)
+    with pytest.raises(KvchatError, match="max_idle"):
+        make_policy("round", engine, watershed=3, max_idle=-1)
+
+
+def test_the_first_round_is_always_kept_and_the_rest_renormalized(engine):
+    policy = make_policy("round-threshold", engine, watershed=3)
+    # The sink round takes most of the mass; among the others, 0.05 of 0.2 is a quarter: above the 0.1 bar.
+    assert policy.choose(torch.tensor([0.8, 0.05, 0.005, 0.145])) == [0, 1, 3]
+    assert policy.choose(torch.tensor([1.0])) == [0]

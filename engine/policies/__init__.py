@@ -15,6 +15,19 @@ POLICIES: dict[str, type[KVPolicy]] = {
 }
 
 
+CHAT_POLICIES = ("full", "round")  # what chats accept: the full cache, or Round Attention on its tiered KV
+
+
+def chat_policy(name: str, engine=None, progress=None) -> KVPolicy | None:
+    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy)."""
+    if name == "full":
+        return None
+    if name not in POLICIES or not POLICIES[name].tiered:
+        raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
+                          f"{', '.join(n for n in POLICIES if n == 'full' or POLICIES[n].tiered)})")
+    return make_policy(name, engine, progress)
+
+
 def make_policy(name: str, engine=None, progress=None, **options) -> KVPolicy:
     """The policy `name` for `engine`; `progress(done, total)` hears about any calibration it needs first."""
     if name not in POLICIES:

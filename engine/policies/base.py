@@ -3,6 +3,7 @@ one abstract method, a table of all of them in engine.policies)."""
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 
 from kvchat.engine.model import Attend, KVCache, Transformer
@@ -11,14 +12,21 @@ from kvchat.errors import KvchatError
 
 class KVPolicy(ABC):
     name: str = ""
+    tiered: bool = False  # runs on an engine.tiered_kv.TieredKV (device and host tiers) rather than a KVCache
 
     @classmethod
     def create(cls, engine=None, progress=None, **options) -> "KVPolicy":
         """The policy for `engine`'s model (policies that need calibration get it from there)."""
-        try:
-            return cls(**options)
-        except TypeError:
-            raise KvchatError(f"the {cls.name} KV policy takes no option {', '.join(options)}") from None
+        return cls.construct(**options)
+
+    @classmethod
+    def construct(cls, **options) -> "KVPolicy":
+        """cls(**options), naming any option it does not take in a one-line error."""
+        accepted = inspect.signature(cls.__init__).parameters
+        unknown = [name for name in options if name not in accepted or name == "self"]
+        if unknown:
+            raise KvchatError(f"the {cls.name} KV policy takes no option {', '.join(unknown)}")
+        return cls(**options)
 
     @abstractmethod
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],

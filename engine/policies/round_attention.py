@@ -1,6 +1,15 @@
-"""Round Attention (round-attention.txt): rounds are chosen once, at the watershed layer L_w, from the attention the
-new message pays them there; layers below L_w attend to every round, layers from L_w up only to the chosen rounds
-(and the new message itself).
+"""Round Attention (round-attention.txt): rounds are chosen at the watershed layer w from the attention the new
+message pays them there; layers up to and including w attend to every round (their K/V of every round stays on the
+device), the layers above w only to the chosen rounds and the new message itself (engine.tiered_kv moves just
+those rounds' upper K/V to the device). The paper counts layers from 1: its lower group "1 ~ L_w" is our [0, w].
+
+The first round is always kept: it holds the system prompt and the chat's first tokens, where every query puts its
+spare attention (the attention sink), so it would win every choice and carry no information about relevance. The
+strategies pick among the other rounds, from their mass renormalized to sum to 1.
+
+With `progressive` (the default; LoopServe's progressive decode-time selection) each decoded token's query at w
+also names its top round, which is brought in if missing: a small model often looks up a fact only when it writes
+the answer, not while it reads the question (docs/benchmarks.md).
 
 The paper's three strategies pick from the per-round attention mass m (summing to 1 over the earlier rounds):
   threshold  rounds with m >= 0.1;
@@ -46,19 +55,44 @@ def select_rounds(mass: Tensor, strategy: str, k: float = 0.1, threshold: float 
 class RoundAttention(KVPolicy):
     name = "round"
     strategy = "topk"
+    tiered = True
 
-    def __init__(self, watershed: int | None = None, k: float = 0.1, threshold: float = 0.1, sigmas: float = 3.0):
+    def __init__(self, watershed: int | None = None, k: float = 0.1, threshold: float = 0.1, sigmas: float = 3.0,
+                 progressive: bool = True, max_idle: int = 16):
         if k <= 0 or (k > 1 and k != int(k)):
             raise KvchatError(f"k must be a positive count of rounds or a fraction in (0, 1], not {k}")
         if not 0 < threshold < 1:
             raise KvchatError(f"the mass threshold must be in (0, 1), not {threshold}")
+        if max_idle < 0:
+            raise KvchatError(f"max_idle must be a count of messages (0: never drop), not {max_idle}")
         self.watershed, self.k, self.threshold, self.sigmas = watershed, k, threshold, sigmas
+        self.progressive, self.max_idle = progressive, max_idle
         self.last_selection: list[int] = []  # the rounds chosen for the latest message (for stats and tests)
+
+    @property
+    def split(self) -> int:
+        """The first layer that sees only the chosen rounds."""
+        return self.watershed + 1
+
+    def choose(self, mass: Tensor) -> list[int]:
+        """Rounds to keep [ascending] from every earlier round's mass [R] at the watershed layer: the first
+        round, and the strategy's pick among the others."""
+        if mass.numel() <= 1:
+            return list(range(mass.numel()))
+        rest = mass[1:].float()
+        rest = rest / rest.sum().clamp_min(1e-30)
+        return [0] + [r + 1 for r in select_rounds(rest, self.strategy, self.k, self.threshold, self.sigmas)]
+
+    def check_model(self, model: Transformer) -> None:
+        lw = self.watershed
+        if lw is None or not 0 <= lw < model.cfg.n_layers - 1:
+            raise KvchatError(f"watershed layer {lw} leaves no layer above it in the model's "
+                              f"{model.cfg.n_layers} layers")
 
     @classmethod
     def create(cls, engine=None, progress=None, **options) -> "RoundAttention":
         """`progress(done, total)` hears about the calibration a model without one gets on first use."""
-        policy = cls(**options)
+        policy = cls.construct(**options)
         if policy.watershed is None:
             if engine is None:
                 raise KvchatError(f"the {cls.name} KV policy needs a model to calibrate its watershed layer")
@@ -66,6 +100,8 @@ class RoundAttention(KVPolicy):
             from kvchat.storage.fingerprint import model_fingerprint
 
             policy.watershed = ensure_calibration(engine, model_fingerprint(engine.path), progress).watershed
+        if engine is not None:
+            policy.check_model(engine.model)
         return policy
 
     @torch.inference_mode()
@@ -75,20 +111,18 @@ class RoundAttention(KVPolicy):
             return None
         if model is None:
             raise ValueError("Round Attention scores rounds with the model's queries: pass model=")
-        lw = self.watershed
-        if lw is None or not 0 < lw < model.cfg.n_layers:
-            raise KvchatError(f"watershed layer {lw} is not inside the model's {model.cfg.n_layers} layers")
-        start = cache.length
+        self.check_model(model)
+        lw, start = self.watershed, cache.length
         positions = torch.arange(start, start + len(new_tokens))
         # The new message's lower layers, as its prefill will compute them (same slots, same values).
         h = model.run_layers(model.embed(torch.tensor(new_tokens)), positions, cache, start, layers=range(lw))
         queries = model.layers[lw].queries(h, model.rope(positions))
         starts = torch.tensor(round_starts, dtype=torch.long)
         mass = round_mass(queries, cache.kv[lw, 0, :, :start], starts).cpu()
-        self.last_selection = select_rounds(mass, self.strategy, self.k, self.threshold, self.sigmas)
+        self.last_selection = self.choose(mass)
         bounds = round_starts + [start]
         upper = torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in self.last_selection])
-        return SplitAttend(lw, upper)
+        return SplitAttend(self.split, upper)
 
 
 class RoundAttentionThreshold(RoundAttention):

@@ -1,0 +1,348 @@
+"""Round Attention's tiered KV cache (round-attention.txt §3.2, Algorithm 1).
+
+Layers [0, split) of every round stay on the device in `lower`, an ordinary KVCache whose slots are the tokens'
+positions. Layers [split, L) of each closed round live in host memory (pinned on CUDA), token-major
+[n, L - split, 2, Hkv, D] so one round is one contiguous block. For each new message:
+
+    1. its tokens run through layers [0, w) (w = split - 1, the watershed layer), attending to every round;
+    2. their queries at layer w score every earlier round (kernels.round_scores.round_mass) and the policy picks
+       rounds from that mass (the first round, the attention sink holding the system prompt, is always kept);
+    3. the picked rounds' upper K/V are copied, in one batch of contiguous host-to-device copies into one device
+       staging block, to the front of `upper`, a KVCache of the upper layers; the message's own upper K/V follow;
+    4. the message finishes layer w and the upper layers attend to `upper` as a plain prefix: fewer keys, no mask;
+    5. during decoding (progressive selection, LoopServe's idea) each token's query at layer w may name a round
+       that is not yet in `upper`; it is brought in before the token's upper layers run.
+
+A closed round's upper K/V is copied back to host memory. A round not picked for `max_idle` messages is dropped
+from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from kvchat.engine.model import KVCache, Transformer
+from kvchat.kernels.round_scores import round_mass
+
+# Round index -> its upper K/V in segment layout [L - split, 2, Hkv, n, D] (any device), or None when unavailable.
+UpperSource = Callable[[int], Tensor | None]
+TokenSource = Callable[[int], list[int]]
+
+
+@dataclass
+class TieredStats:
+    """What the latest message cost and kept (bench, eval and the TUI status read it)."""
+
+    rounds: int = 0  # closed rounds before the message
+    chosen: list[int] = field(default_factory=list)  # picked at the prompt
+    added: list[int] = field(default_factory=list)  # brought in while decoding
+    select_ms: float = 0.0  # scoring and picking at the prompt (the lower-layer prefill itself not counted)
+    decode_select_ms: float = 0.0  # scoring each decoded token (progressive selection)
+    transfer_ms: float = 0.0  # host-to-device copies of picked rounds' upper K/V
+    transfer_bytes: int = 0
+    fetched: list[int] = field(default_factory=list)  # rounds whose upper K/V had to come from `upper_source`
+    recomputed: list[int] = field(default_factory=list)  # rounds whose upper K/V had to be recomputed
+    dropped: list[int] = field(default_factory=list)  # rounds whose host copy was released after this message
+
+
+class TieredKV:
+    def __init__(self, model: Transformer, policy, capacity: int = 256):
+        """`policy` is a RoundAttention policy: its `split`, `choose(mass)`, `progressive`, `max_idle`."""
+        cfg = model.cfg
+        self.model, self.policy = model, policy
+        self.split = policy.split
+        if not 1 <= self.split < cfg.n_layers:
+            raise ValueError(f"split layer {self.split} must leave both tiers at least one of {cfg.n_layers} layers")
+        self.lower = model.new_cache(capacity, range(0, self.split))
+        self.upper = model.new_cache(256, range(self.split, cfg.n_layers))
+        self.round_starts: list[int] = []  # closed rounds' first positions; the last ends at open_start
+        self.host: list[Tensor | None] = []  # per closed round, token-major upper K/V or None
+        self.tokens: list[list[int] | None] = []
+        self.last_chosen: list[int] = []  # message number at which each round was last picked (or closed)
+        self.resident: list[int] = []  # rounds whose upper K/V fill upper slots [0, upper_base), in that order
+        self.upper_base = 0
+        self.open_start: int | None = None  # position of the open round's first token; None when no round is open
+        self.open_tokens: list[int] = []
+        self.messages = 0
+        self.upper_source: UpperSource | None = None
+        self.token_source: TokenSource | None = None
+        self.stats = TieredStats()
+        self._pin = model.device.type == "cuda"
+
+    # ---- sizes ----
+
+    @property
+    def length(self) -> int:
+        """Tokens of the chat the cache holds (closed rounds and the open one)."""
+        return self.lower.length
+
+    @property
+    def closed_end(self) -> int:
+        return self.lower.length if self.open_start is None else self.open_start
+
+    def device_bytes(self) -> int:
+        """K/V bytes held on the device for the valid slots of both tiers."""
+        return self.lower.nbytes() + self.upper.nbytes()
+
+    def full_bytes(self) -> int:
+        """What a full cache would hold on the device for the same tokens."""
+        return self.length * (self.lower.slot_bytes() + self.upper.slot_bytes())
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host if t is not None)
+
+    # ---- building from stored K/V ----
+
+    @torch.inference_mode()
+    def add_closed_round(self, start: int, end: int, upper_kv: Tensor | None, tokens: list[int] | None = None) -> None:
+        """Append a closed round whose lower K/V the caller has written to `lower` slots [start, end);
+        `upper_kv` in segment layout [L - split, 2, Hkv, n, D], or None to fetch or recompute when needed."""
+        if self.open_start is not None or start != self.closed_end or end <= start:
+            raise ValueError(f"round [{start}, {end}) does not follow the closed rounds (end {self.closed_end})")
+        self.round_starts.append(start)
+        self.host.append(None if upper_kv is None else self._to_host(upper_kv))
+        self.tokens.append(tokens)
+        self.last_chosen.append(self.messages)
+        self.lower.length = end
+
+    # ---- a message ----
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int], chunk: int = 4096) -> Tensor:
+        """Append tokens to the open round (opening one, and picking rounds, if none is open); logits [V] of the
+        last one."""
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        if self.open_start is None:
+            return self._open_round(tokens, chunk)
+        logits = None
+        for i in range(0, len(tokens), chunk):
+            logits = self._run(tokens[i : i + chunk], progressive=False)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, token: int) -> Tensor:
+        """Decode one token of the open round: logits [V]."""
+        if self.open_start is None:
+            raise RuntimeError("no round is open: prefill the message first")
+        return self._run([token], progressive=self.policy.progressive)
+
+    def truncate(self, position: int) -> None:
+        """Forget every token from `position` on: inside the open round, or back to a closed round's start (the
+        rounds from there on are forgotten, as when a reply is retracted)."""
+        if self.open_start is not None and position > self.open_start:
+            keep = min(position, self.lower.length) - self.open_start
+            self.lower.truncate(position)
+            self.upper.truncate(self.upper_base + keep)
+            del self.open_tokens[keep:]
+            return
+        if position not in self.round_starts and position != self.closed_end:
+            raise ValueError(f"position {position} is not the start of a round")
+        keep = self.round_starts.index(position) if position in self.round_starts else len(self.round_starts)
+        for lst in (self.round_starts, self.host, self.tokens, self.last_chosen):
+            del lst[keep:]
+        self.open_start, self.open_tokens = None, []
+        self.lower.truncate(position)
+        self.resident, self.upper_base = [], 0
+        self.upper.truncate(0)
+
+    @torch.inference_mode()
+    def close_round(self) -> int:
+        """Close the open round: its upper K/V go to host memory. Returns its index."""
+        if self.open_start is None:
+            raise RuntimeError("no round is open")
+        n = self.lower.length - self.open_start
+        if n <= 0:
+            raise RuntimeError("the open round holds no tokens")
+        upper_kv = self.upper.kv[:, :, :, self.upper_base : self.upper_base + n]
+        idx = len(self.round_starts)
+        self.round_starts.append(self.open_start)
+        self.host.append(self._to_host(upper_kv))
+        self.tokens.append(list(self.open_tokens))
+        self.last_chosen.append(self.messages)
+        # The round's upper K/V stay where they are, now as one more resident round.
+        self.resident.append(idx)
+        self.upper_base += n
+        self.open_start, self.open_tokens = None, []
+        return idx
+
+    def round_upper(self, r: int) -> Tensor | None:
+        """Round r's upper K/V in segment layout [L - split, 2, Hkv, n, D] on the CPU (for saving)."""
+        host = self.host[r]
+        return None if host is None else host.permute(1, 2, 3, 0, 4).contiguous()
+
+    # ---- internals ----
+
+    def _open_round(self, tokens: list[int], chunk: int) -> Tensor:
+        m, w = self.model, self.split - 1
+        self.stats = TieredStats(rounds=len(self.round_starts))
+        self.messages += 1
+        start = self.lower.length
+        self.open_start, self.open_tokens = start, []
+        self.lower.reserve(start + len(tokens))
+        # Layers below w never depend on the choice: run them for the whole message first.
+        hs, positions = [], []
+        for i in range(0, len(tokens), chunk):
+            pos = torch.arange(start + i, start + min(i + chunk, len(tokens)))
+            emb = m.embed(torch.tensor(tokens[i : i + chunk]))
+            hs.append(m.run_layers(emb, pos, self.lower, start + i, layers=range(w)))
+            positions.append(pos)
+        chosen = self._choose_for(hs, positions, start) if self.round_starts else []
+        self.stats.chosen = chosen
+        self._bring_in(chosen)
+        logits = None
+        for h, pos in zip(hs, positions):
+            logits = self._finish(h, pos, tokens[int(pos[0]) - start : int(pos[-1]) - start + 1])
+        self._drop_idle(chosen)
+        return logits
+
+    def _choose_for(self, hs: list[Tensor], positions: list[Tensor], start: int) -> list[int]:
+        t0 = time.perf_counter()
+        w, layer = self.split - 1, self.model.layers[self.split - 1]
+        keys, starts = self.lower.layer(w)[0, :, :start], torch.tensor(self.round_starts)
+        mass = None
+        for h, pos in zip(hs, positions):  # the message's mean, chunk by chunk
+            part = round_mass(layer.queries(h, self.model.rope(pos)), keys, starts).cpu() * len(pos)
+            mass = part if mass is None else mass + part
+        chosen = self.policy.choose(mass / sum(len(p) for p in positions))
+        self.stats.select_ms += 1000 * (time.perf_counter() - t0)
+        for r in chosen:
+            self.last_chosen[r] = self.messages
+        return chosen
+
+    def _run(self, tokens: list[int], progressive: bool) -> Tensor:
+        m, w = self.model, self.split - 1
+        pos = torch.arange(self.lower.length, self.lower.length + len(tokens))
+        self.lower.reserve(int(pos[-1]) + 1)
+        h = m.run_layers(m.embed(torch.tensor(tokens)), pos, self.lower, int(pos[0]), layers=range(w))
+        if progressive and self.round_starts:
+            self._add_during_decode(h, pos)
+        return self._finish(h, pos, tokens)
+
+    def _finish(self, h: Tensor, pos: Tensor, tokens: list[int]) -> Tensor:
+        """Layer w (attending to every round) and the upper layers (attending to `upper`) for tokens at `pos`."""
+        m, w, first = self.model, self.split - 1, int(pos[0])
+        h = m.run_layers(h, pos, self.lower, first, layers=range(w, self.split))
+        slot = self.upper_base + first - self.open_start
+        h = m.run_layers(h, pos, self.upper, slot, layers=range(self.split, m.cfg.n_layers))
+        self.lower.length = first + len(tokens)
+        self.upper.length = slot + len(tokens)
+        self.open_tokens.extend(tokens)
+        return m.head(h[-1:])[-1]
+
+    def _add_during_decode(self, h: Tensor, pos: Tensor) -> None:
+        """The token's query at layer w names the round it attends to most; bring it in if it is not resident."""
+        t0 = time.perf_counter()
+        w, layer = self.split - 1, self.model.layers[self.split - 1]
+        mass = round_mass(layer.queries(h, self.model.rope(pos)), self.lower.layer(w)[0, :, : self.open_start],
+                          torch.tensor(self.round_starts))
+        top = int(mass.argmax())
+        self.stats.decode_select_ms += 1000 * (time.perf_counter() - t0)
+        limit = max(2, len(self.stats.chosen))  # decoding may at most double what the prompt picked
+        if top in self.resident or len(self.stats.added) >= limit:
+            return
+        self.last_chosen[top] = self.messages
+        self.stats.added.append(top)
+        self._insert_before_open(top)
+
+    @torch.inference_mode()
+    def _insert_before_open(self, r: int) -> None:
+        """Put round r's upper K/V right after the resident rounds, moving the open round's slots up."""
+        kv = self._upper_of(r)
+        n, open_n = kv.shape[0], self.upper.length - self.upper_base
+        self.upper.reserve(self.upper.length + n)
+        buf = self.upper.kv
+        if open_n:
+            moved = buf[:, :, :, self.upper_base : self.upper.length].clone()
+            buf[:, :, :, self.upper_base + n : self.upper_base + n + open_n] = moved
+        t0 = time.perf_counter()
+        staged = kv.to(buf.device, non_blocking=True)
+        buf[:, :, :, self.upper_base : self.upper_base + n] = staged.permute(1, 2, 3, 0, 4)
+        self._account_transfer(t0, staged)
+        self.resident.append(r)
+        self.upper_base += n
+        self.upper.length += n
+
+    @torch.inference_mode()
+    def _bring_in(self, rounds: list[int]) -> None:
+        """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block."""
+        blocks = [self._upper_of(r) for r in rounds]
+        n = sum(b.shape[0] for b in blocks)
+        self.upper.truncate(0)
+        self.upper.reserve(n + 512)
+        t0 = time.perf_counter()
+        if blocks:
+            staged = torch.empty((n, *blocks[0].shape[1:]), dtype=self.upper.kv.dtype, device=self.upper.kv.device)
+            at = 0
+            for b in blocks:
+                staged[at : at + b.shape[0]].copy_(b, non_blocking=True)
+                at += b.shape[0]
+            self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
+            self._account_transfer(t0, staged)
+        self.resident, self.upper_base, self.upper.length = list(rounds), n, n
+
+    def _account_transfer(self, t0: float, staged: Tensor) -> None:
+        if staged.is_cuda:
+            torch.cuda.current_stream(staged.device).synchronize()
+        self.stats.transfer_ms += 1000 * (time.perf_counter() - t0)
+        self.stats.transfer_bytes += staged.numel() * staged.element_size()
+
+    def _upper_of(self, r: int) -> Tensor:
+        """Round r's token-major upper K/V in host memory: kept, fetched from the store, or recomputed."""
+        if self.host[r] is not None:
+            return self.host[r]
+        kv = self.upper_source(r) if self.upper_source is not None else None
+        if kv is not None:
+            self.stats.fetched.append(r)
+        else:
+            kv = self._recompute_upper(r)
+            self.stats.recomputed.append(r)
+        self.host[r] = self._to_host(kv)
+        return self.host[r]
+
+    def _recompute_upper(self, r: int) -> Tensor:
+        """Round r's upper K/V from its text: its lower layers see every earlier round (as they did), its upper
+        layers the first round and itself (the rounds it saw then are not all at hand): an approximation, which
+        the restore stats report."""
+        m, start = self.model, self.round_starts[r]
+        end = self.round_starts[r + 1] if r + 1 < len(self.round_starts) else self.closed_end
+        tokens = self.tokens[r] if self.tokens[r] is not None else self.token_source(r)
+        if len(tokens) != end - start:
+            raise RuntimeError(f"round {r} has {len(tokens)} tokens for slots [{start}, {end})")
+        pos = torch.arange(start, end)
+        h = m.run_layers(m.embed(torch.tensor(tokens)), pos, self.lower, start, layers=range(self.split))
+        scratch = m.new_cache(end - start + 1, range(self.split, m.cfg.n_layers))
+        sink = 0
+        if r > 0 and self.host[0] is not None:
+            sink = self.host[0].shape[0]
+            scratch.reserve(sink + end - start)
+            scratch.kv[:, :, :, :sink] = self.host[0].to(scratch.kv.device).permute(1, 2, 3, 0, 4)
+        m.run_layers(h, pos, scratch, sink, layers=range(self.split, m.cfg.n_layers))
+        return scratch.kv[:, :, :, sink : sink + end - start]
+
+    def _to_host(self, upper_kv: Tensor) -> Tensor:
+        """Segment layout [Lu, 2, Hkv, n, D] (any device) -> token-major [n, Lu, 2, Hkv, D] in (pinned) host memory."""
+        token_major = upper_kv.permute(3, 0, 1, 2, 4)
+        host = torch.empty(token_major.shape, dtype=self.upper.kv.dtype, pin_memory=self._pin)
+        host.copy_(token_major)
+        return host
+
+    def _drop_idle(self, chosen: list[int]) -> None:
+        """Release the host copy of rounds not picked for `max_idle` messages (the store keeps them)."""
+        limit = self.policy.max_idle
+        if not limit:
+            return
+        for r, last in enumerate(self.last_chosen):
+            if r and self.host[r] is not None and r not in chosen and self.messages - last >= limit:
+                self.host[r] = None
+                self.stats.dropped.append(r)
+
+    def release_upper(self, r: int) -> None:
+        """Forget round r's host copy (tests and callers that know it is stale)."""
+        self.host[r] = None
+

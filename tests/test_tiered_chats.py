@@ -1,0 +1,135 @@
+"""Chats under the round policy: two segments per round, restore loads the lower layers of every round and reads
+the upper layers in the background; missing upper K/V is recomputed and said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli_run import kvchat
+from kvchat.app.chat_session import ChatSession
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.engine import Engine
+from kvchat.engine.policies import make_policy
+from kvchat.engine.tiered_kv import TieredKV
+from kvchat.storage.db import Store
+from kvchat.storage.fingerprint import model_fingerprint
+
+SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
+MESSAGES = ["My name is Ada.", "My sister's name is Mira.", "I live in Lisbon.", "What is my sister's name?"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def round_chat(engine, store: Store, rounds: int = 3) -> ChatSession:
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
+                               model_path=str(DEFAULT_MODEL), system_prompt=SYSTEM)
+    chat = ChatSession(store, engine, sid, policy=policy(engine))
+    for m in MESSAGES[:rounds]:
+        chat.send(m)
+    chat.close()
+    return chat
+
+
+def policy(engine):
+    # Every round kept: the answers must then be the full cache's.
+    return make_policy("round-topk", engine, watershed=2, k=8)
+
+
+def test_rounds_are_stored_as_lower_and_upper_segments_and_restored(engine, kvchat_home):
+    store = Store()
+    chat = round_chat(engine, store)
+    segs = store.segments(chat.sid)
+    assert sorted((s["round_idx"], s["layer_start"], s["layer_end"]) for s in segs) == [
+        (i, lo, hi) for i in range(3) for lo, hi in ((0, 3), (3, 8))]
+    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    stats = reopened.restore()
+    assert isinstance(reopened.cache, TieredKV)
+    assert stats.tokens_recomputed == 0 and stats.tokens_loaded == chat.cache.length
+    n = chat.cache.length
+    assert torch.equal(reopened.cache.lower.kv[:, :, :, :n], chat.cache.lower.kv[:, :, :, :n])
+    # Upper layers are not on the device until a message picks their round; the background read brings them.
+    assert reopened.cache.upper.length == 0
+    assert torch.equal(reopened._fetch_upper(1), chat.cache.round_upper(1))
+    assert reopened.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    reopened.close()
+
+
+def test_a_full_cache_chat_opens_under_the_round_policy_and_back(engine, kvchat_home):
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
+                               model_path=str(DEFAULT_MODEL), system_prompt=SYSTEM)
+    full = ChatSession(store, engine, sid)
+    for m in MESSAGES[:3]:
+        full.send(m)
+    full.close()
+    tiered = ChatSession(store, engine, sid, policy=policy(engine))
+    assert tiered.restore().tokens_recomputed == 0
+    assert tiered.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    tiered.close()
+    again = ChatSession(store, engine, sid)  # rounds stored either way restore into a full cache
+    assert again.restore().tokens_recomputed == 0 and again.cache.length == tiered.cache.length
+    # Re-stored as the round policy stores them: a lower and an upper segment each, the same K/V.
+    split = ChatSession(store, engine, sid, policy=policy(engine))
+    split.restore()
+    assert split.store_tiers() == 3
+    split.close()
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 3), (3, 8)}
+    assert len(list(store.kv_dir.glob("*.kvs"))) == 8
+    final = ChatSession(store, engine, sid)
+    assert final.restore().tokens_recomputed == 0
+    assert torch.equal(final.cache.kv[:, :, :, : again.cache.length], again.cache.kv[:, :, :, : again.cache.length])
+
+
+def test_missing_upper_kv_is_recomputed_and_said(engine, kvchat_home):
+    store = Store()
+    chat = round_chat(engine, store)
+    upper = next(s for s in store.segments(chat.sid) if s["round_idx"] == 1 and s["layer_start"] == 3)
+    (store.kv_dir / upper["file"]).unlink()
+    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    assert reopened.restore().tokens_recomputed == 0  # the lower layers were all there
+    assert reopened.send(MESSAGES[3]).text
+    assert reopened.cache.stats.recomputed == [1]
+    last = store.last_restore(chat.sid)
+    assert any(note.startswith("round 1:") and "upper layers recomputed" in note for note in last["notes"])
+    reopened.close()
+
+
+def test_missing_lower_kv_is_recomputed(engine, kvchat_home):
+    store = Store()
+    chat = round_chat(engine, store)
+    lower = next(s for s in store.segments(chat.sid) if s["round_idx"] == 2 and s["layer_start"] == 0)
+    (store.kv_dir / lower["file"]).unlink()
+    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    stats = reopened.restore()
+    assert stats.recomputed_rounds == [2] and stats.notes[0].startswith("round 2:")
+    n = chat.cache.length
+    assert (reopened.cache.lower.kv[:, :, :, :n] - chat.cache.lower.kv[:, :, :, :n]).abs().max() < 1e-2
+    assert reopened.send(MESSAGES[3]).text == "Your sister's name is Mira."
+    reopened.close()
+
+
+def test_retracting_a_round_under_the_round_policy(engine, kvchat_home):
+    store = Store()
+    chat = round_chat(engine, store)
+    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    first = reopened.send(MESSAGES[3]).text
+    reopened.retract_last_round()
+    assert reopened.send(MESSAGES[3]).text == first
+    reopened.close()
+
+
+def test_send_takes_the_kv_policy(kvchat_home):
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    for m in MESSAGES[:3]:
+        kvchat("send", sid, m, "--device", "cpu", "--kv-policy", "round")
+    out = kvchat("send", sid, MESSAGES[3], "--device", "cpu", "--kv-policy", "round").stdout.strip()
+    assert out
+    store = Store()
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 3), (3, 8)}
+    bad = kvchat("send", sid, "hi", "--device", "cpu", "--kv-policy", "nearest", check=False)
+    assert bad.returncode != 0 and "unknown KV policy 'nearest' for chats" in bad.stderr
+    assert "Traceback" not in bad.stderr

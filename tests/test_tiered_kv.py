@@ -1,0 +1,150 @@
+"""Tiered KV (engine.tiered_kv): the lower layers of every round on the device, the upper layers of the chosen
+rounds only, computing exactly what layer-split attention over the same K/V computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate, prefill
+from kvchat.engine.model import SplitAttend
+from kvchat.engine.policies import make_policy
+from kvchat.engine.tiered_kv import TieredKV
+
+ROUNDS = [Round("My name is Ada.", "Nice to meet you, Ada."), Round("My sister's name is Mira.", "Noted."),
+          Round("I live in Lisbon.", "Lisbon is lovely."), Round("My dog is called Rex.", "Good name."),
+          Round("I work as a nurse.", "That is a demanding job."), Round("My car is blue.", "A fine colour.")]
+SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
+QUESTION = "What is my sister's name?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def tiered_chat(engine, **options) -> tuple[TieredKV, list[int]]:
+    policy = make_policy(options.pop("name", "round-topk"), engine, **{"watershed": 2, **options})
+    tiered = TieredKV(engine.model, policy, 512)
+    for span in engine.chat.round_spans(Conversation(ROUNDS, SYSTEM)):
+        tiered.prefill(span)
+        tiered.close_round()
+    prompt = engine.chat.open_round_tokens(Conversation(ROUNDS, SYSTEM), QUESTION)
+    return tiered, prompt
+
+
+def flat_cache(engine, tiered: TieredKV):
+    """One full cache holding the tiered cache's K/V: lower layers from the device tier, upper from host."""
+    n = tiered.closed_end
+    cache = engine.new_cache(512)
+    cache.write(range(tiered.split), 0, tiered.lower.kv[:, :, :, :n])
+    for r, start in enumerate(tiered.round_starts):
+        cache.write(range(tiered.split, engine.config.n_layers), start, tiered.round_upper(r))
+    cache.length = n
+    return cache
+
+
+def masked(engine, tiered: TieredKV, rounds: list[int]) -> SplitAttend:
+    bounds = tiered.round_starts + [tiered.closed_end]
+    return SplitAttend(tiered.split, torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in rounds]))
+
+
+def test_tiered_prefill_computes_what_split_attention_over_the_same_kv_computes(engine):
+    tiered, prompt = tiered_chat(engine, k=2, progressive=False)
+    reference = flat_cache(engine, tiered)
+    got = tiered.prefill(prompt)
+    chosen = tiered.stats.chosen
+    assert chosen[0] == 0 and len(chosen) == 3 and tiered.resident == chosen
+    want = prefill(engine.model, reference, prompt, attend=masked(engine, tiered, chosen))
+    assert torch.allclose(got, want, atol=1e-4)
+    # Only the chosen rounds' upper K/V (and the message's own) are on the device.
+    bounds = tiered.round_starts + [tiered.closed_end]
+    kept = sum(bounds[r + 1] - bounds[r] for r in chosen)
+    assert tiered.upper.length == kept + len(prompt)
+    assert tiered.device_bytes() == (tiered.length * tiered.lower.slot_bytes()
+                                     + (kept + len(prompt)) * tiered.upper.slot_bytes()) < tiered.full_bytes()
+    assert tiered.stats.transfer_bytes == kept * tiered.upper.slot_bytes()
+
+
+def test_keeping_every_round_answers_as_the_full_cache(engine):
+    tiered, prompt = tiered_chat(engine, k=len(ROUNDS), progressive=False)
+    cache = engine.new_cache(512)
+    for span in engine.chat.round_spans(Conversation(ROUNDS, SYSTEM)):
+        prefill(engine.model, cache, span)
+    outs = [generate(engine.model, c, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=12,
+                     stop_tokens=engine.tokenizer.eog_ids, stop_strings=engine.chat.stop_strings)
+            for c in (tiered, cache)]
+    assert outs[0].text == outs[1].text == "Your sister's name is Mira."
+    assert tiered.stats.chosen == list(range(len(ROUNDS)))
+
+
+def test_a_round_brought_in_while_decoding_is_seen_by_the_next_token(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False)
+    tiered.prefill(prompt)
+    missing = next(r for r in range(len(ROUNDS)) if r not in tiered.resident)
+    tiered.step(int(engine.tokenizer.encode(" Your")[0]))
+    reference = flat_cache(engine, tiered)
+    tiered._insert_before_open(missing)  # what progressive selection does when a token names this round
+    token = int(engine.tokenizer.encode(" sister")[0])
+    got = tiered.step(token)
+    opened = torch.arange(tiered.open_start, tiered.length - 1)
+    reference.write(range(engine.config.n_layers), tiered.open_start,
+                    torch.cat([tiered.lower.kv[:, :, :, tiered.open_start : tiered.length - 1],
+                               tiered.upper.kv[:, :, :, tiered.upper_base : tiered.upper.length - 1]]))
+    reference.length = tiered.length - 1
+    rounds = sorted(tiered.resident)
+    attend = masked(engine, tiered, rounds)
+    want = engine.model(torch.tensor([token]), reference,
+                        attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_progressive_selection_adds_rounds_while_decoding(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=True)
+    generate(engine.model, tiered, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=12,
+             stop_tokens=engine.tokenizer.eog_ids)
+    assert set(tiered.stats.added) <= set(tiered.resident)
+    assert not set(tiered.stats.added) & set(tiered.stats.chosen)
+    assert len(tiered.stats.added) <= max(2, len(tiered.stats.chosen))
+
+
+def test_truncating_the_open_round_and_back_to_a_round(engine):
+    tiered, prompt = tiered_chat(engine, k=2, progressive=False)
+    start = tiered.length
+    first = tiered.prefill(prompt)
+    tiered.truncate(start + 3)
+    assert tiered.length == start + 3 and tiered.upper.length == tiered.upper_base + 3
+    again = tiered.prefill(prompt[3:])
+    assert torch.allclose(first, again, atol=1e-5)
+    tiered.truncate(start)  # the whole open round
+    assert tiered.open_start is None and tiered.length == start
+    tiered.truncate(tiered.round_starts[-1])  # and the last closed round
+    assert len(tiered.round_starts) == len(ROUNDS) - 1 and tiered.length == tiered.closed_end
+    with pytest.raises(ValueError, match="not the start of a round"):
+        tiered.truncate(tiered.round_starts[-1] + 1)
+
+
+def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, max_idle=1)
+    start = tiered.length
+    saved = [tiered.round_upper(r) for r in range(len(ROUNDS))]
+    tiered.prefill(prompt)
+    dropped = tiered.stats.dropped
+    assert dropped and all(tiered.host[r] is None for r in dropped) and 0 not in dropped
+    # From the store, exactly as saved.
+    tiered.truncate(start)
+    tiered.upper_source = lambda r: saved[r]
+    tiered._bring_in(dropped)
+    assert tiered.stats.fetched == dropped
+    assert all(torch.equal(tiered.round_upper(r), saved[r]) for r in dropped)
+    # Nothing stored: recomputed from the round's tokens, close to what the chat computed.
+    victim = dropped[0]
+    tiered.release_upper(victim)
+    tiered.upper_source = lambda r: None
+    tiered.stats.recomputed.clear()
+    tiered._bring_in([victim])
+    assert tiered.stats.recomputed == [victim]
+    assert tiered.round_upper(victim).shape == saved[victim].shape
