@@ -29,7 +29,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
 from kvchat.engine.policies import KVPolicy
-from kvchat.engine.tiered_kv import TieredKV
+from kvchat.engine.tiered_kv import TieredKV, host_layout
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError, KvchatError
 from kvchat.storage.codec import StorageError
@@ -285,12 +285,18 @@ class ChatSession:
         sizes = [sum(seg["raw_size"] for seg in upper_only.get(i, [])) for i in range(n)]
         self._upper_segments = upper_only
         self._upper_fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
-                                                finish=lambda header, raw: tensor_on(header, raw, "cpu"),
+                                                finish=self._upper_to_host,
                                                 window_bytes=sum(sizes) + 1)
         self._upper_fetcher.start()
 
+    def _upper_to_host(self, header, raw) -> torch.Tensor:
+        """In a reader thread: one upper segment, token-major in host memory, as TieredKV keeps it."""
+        kv = tensor_on(header, raw, "cpu")
+        return host_layout(kv, self.engine.model.dtype)
+
     def _fetch_upper(self, i: int) -> torch.Tensor | None:
-        """Round i's upper layers [L - split, 2, Hkv, n, D] from the store, or None (saying why) to recompute."""
+        """Round i's upper layers, token-major [n, L - split, 2, Hkv, D], from the store, or None (saying why) to
+        recompute."""
         row, segments = self.rounds[i], self._upper_segments.get(i, [])
         covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
         want = list(itertools.pairwise([self.split] + [hi for _, hi in covered]))
@@ -308,7 +314,8 @@ class ChatSession:
             elif any((h.token_start, h.token_end) != (row.token_start, row.token_end) for h, _ in loaded):
                 reason = "upper-layer segment holds another token span"
             else:
-                return torch.cat([kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)])
+                parts = [kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         note = f"round {i}: {reason}; its upper layers recomputed"
         log.info("%s (chat %s)", note, self.sid)
         if self.restored is not None:

@@ -18,18 +18,22 @@ from kvchat.app.errors import FriendlyGroup
               help="The app only: GGUF model file for new chats (default: the settings' choice, else the embedded "
                    "model).")
 @click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
+# The choices are engine.policies.CHAT_POLICIES, written out: importing it would load torch for every command.
+@click.option("--kv-policy", "kv_policy", default=None, type=click.Choice(["full", "round"]),
+              help="The app only: the KV policy chats run under, full or round (Round Attention on a tiered KV "
+                   "cache; calibrates the model on first use). Default: the settings' choice, else full.")
 @click.pass_context
-def main(ctx: click.Context, model_path, device) -> None:
+def main(ctx: click.Context, model_path, device, kv_policy) -> None:
     """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read.
 
     With no command, kvchat opens the terminal app (press F1 there for its keys).
     """
     if ctx.invoked_subcommand is not None:
-        if model_path is not None or device is not None:
+        if model_path is not None or device is not None or kv_policy is not None:
             from kvchat.errors import KvchatError
 
-            raise KvchatError(f"--model and --device before a command apply to the app only; give them after "
-                              f"`{ctx.invoked_subcommand}`")
+            raise KvchatError(f"--model, --device and --kv-policy before a command apply to the app only; give "
+                              f"them after `{ctx.invoked_subcommand}`")
         return
     from kvchat.app.tui.app import run_app
 
@@ -37,7 +41,7 @@ def main(ctx: click.Context, model_path, device) -> None:
         from kvchat.errors import KvchatError
 
         raise KvchatError(f"the model file {model_path} does not exist")
-    run_app(model_path, _device(device) and device)
+    run_app(model_path, _device(device) and device, kv_policy)
 
 
 def _model_option(f):

@@ -29,7 +29,7 @@ from torch import Tensor
 from kvchat.engine.model import KVCache, Transformer
 from kvchat.kernels.round_scores import round_mass
 
-# Round index -> its upper K/V in segment layout [L - split, 2, Hkv, n, D] (any device), or None when unavailable.
+# Round index -> its upper K/V token-major in host memory [n, L - split, 2, Hkv, D] (see `host_layout`), or None.
 UpperSource = Callable[[int], Tensor | None]
 TokenSource = Callable[[int], list[int]]
 
@@ -299,10 +299,10 @@ class TieredKV:
         kv = self.upper_source(r) if self.upper_source is not None else None
         if kv is not None:
             self.stats.fetched.append(r)
+            self.host[r] = kv
         else:
-            kv = self._recompute_upper(r)
             self.stats.recomputed.append(r)
-        self.host[r] = self._to_host(kv)
+            self.host[r] = self._to_host(self._recompute_upper(r))
         return self.host[r]
 
     def _recompute_upper(self, r: int) -> Tensor:
@@ -326,11 +326,7 @@ class TieredKV:
         return scratch.kv[:, :, :, sink : sink + end - start]
 
     def _to_host(self, upper_kv: Tensor) -> Tensor:
-        """Segment layout [Lu, 2, Hkv, n, D] (any device) -> token-major [n, Lu, 2, Hkv, D] in (pinned) host memory."""
-        token_major = upper_kv.permute(3, 0, 1, 2, 4)
-        host = torch.empty(token_major.shape, dtype=self.upper.kv.dtype, pin_memory=self._pin)
-        host.copy_(token_major)
-        return host
+        return host_layout(upper_kv, self.upper.kv.dtype, self._pin)
 
     def _drop_idle(self, chosen: list[int]) -> None:
         """Release the host copy of rounds not picked for `max_idle` messages (the store keeps them)."""
@@ -346,3 +342,11 @@ class TieredKV:
         """Forget round r's host copy (tests and callers that know it is stale)."""
         self.host[r] = None
 
+
+def host_layout(upper_kv: Tensor, dtype: torch.dtype, pin: bool = False) -> Tensor:
+    """Segment layout [Lu, 2, Hkv, n, D] (any device) -> token-major [n, Lu, 2, Hkv, D] in host memory, pinned
+    if asked (rounds read from the store stay pageable: pinning gigabytes costs more than it saves)."""
+    token_major = upper_kv.permute(3, 0, 1, 2, 4)
+    host = torch.empty(token_major.shape, dtype=dtype, pin_memory=pin)
+    host.copy_(token_major)
+    return host

@@ -60,13 +60,18 @@ class SegmentPrefetcher:
         """Item i, in any order, and forget it here (its memory is the caller's): asked again, it is read again."""
         while len(self._futures) <= i:
             self._submit(len(self._futures))
-        if self._futures[i] is None:
-            again: Future = Future()
-            self._futures[i] = again
-            self._readers.submit(self._read, self.groups[i], again) if self.groups[i] else again.set_result([])
-        result = self._futures[i].result()
+        pending = self._futures[i]
         self._futures[i] = None
-        return result
+        if pending is not None and pending.done():
+            return pending.result()
+        # Not read yet (or forgotten): read it here and now rather than behind the queue of every other item.
+        # A queued read of the same item still runs; its result is dropped.
+        now: Future = Future()
+        if self.groups[i]:
+            self._read(self.groups[i], now, decode_here=True)
+        else:
+            now.set_result([])
+        return now.result()
 
     def close(self) -> None:
         """Stop: queued work is dropped, running work finishes in the background."""
@@ -82,10 +87,13 @@ class SegmentPrefetcher:
             return
         self._readers.submit(self._read, self.groups[i], out)
 
-    def _read(self, names: list[str], out: Future) -> None:
+    def _read(self, names: list[str], out: Future, decode_here: bool = False) -> None:
         try:
             data = [read_segment_file(self.folder / name) for name in names]
-            self._decoders.submit(self._decode, names, data, out)
+            if decode_here:
+                self._decode(names, data, out)
+            else:
+                self._decoders.submit(self._decode, names, data, out)
         except StorageError as exc:
             out.set_result(str(exc))
         except BaseException as exc:  # noqa: BLE001 - the consumer waits on `out`: it must always be resolved

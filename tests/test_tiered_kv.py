@@ -136,7 +136,7 @@ def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
     assert dropped and all(tiered.host[r] is None for r in dropped) and 0 not in dropped
     # From the store, exactly as saved.
     tiered.truncate(start)
-    tiered.upper_source = lambda r: saved[r]
+    tiered.upper_source = lambda r: saved[r].permute(3, 0, 1, 2, 4).contiguous()
     tiered._bring_in(dropped)
     assert tiered.stats.fetched == dropped
     assert all(torch.equal(tiered.round_upper(r), saved[r]) for r in dropped)

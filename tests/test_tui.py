@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import ProgressBar
+from textual.widgets import ProgressBar, Select
 
 from kvchat.app.chat_session import ChatSession
 from kvchat.app.tui.chat_screen import ChatScreen
@@ -21,6 +21,8 @@ from kvchat.app.tui.dialogs.fork import ForkDialog
 from kvchat.app.tui.dialogs.help import HelpScreen, key_rows, key_table
 from kvchat.app.tui.dialogs.settings import SettingsDialog
 from kvchat.app.tui.dialogs.text_prompt import TextPrompt
+from kvchat.app.tui.preferences import Preferences
+from kvchat.engine.tiered_kv import TieredKV
 from kvchat.paths import data_dir
 from kvchat.storage.db import Store
 from tui_support import (make_app, notifications, screen, seed_chat, shown_messages, status_text, wait_for,
@@ -324,6 +326,48 @@ async def test_settings_change_reply_length_and_the_chats_system_prompt():
         assert len(app.backend.engine(store().session(sid)["model_path"]).tokenizer.encode(
             store().rounds(sid)[-1].assistant_text, add_bos=False)) <= 3
     app.backend.close()
+
+
+async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_chat_reopens_under_it():
+    sid = seed_chat("ada", ["My name is Ada."])  # stored under the full cache: all layers per round
+    app = make_app()
+    async with app.run_test(size=(120, 35)) as pilot:
+        await wait_for(pilot, lambda: screen(app).sidebar.chats, what="the chat list")
+        await open_from_list(pilot, 0)
+        await wait_idle(pilot)
+        assert not isinstance(app.backend._open[sid].session.cache, TieredKV)
+        await pilot.press("f9")
+        assert isinstance(app.screen, SettingsDialog)
+        assert app.screen.query_one("#kv-policy", Select).value == "full"
+        app.screen.query_one("#kv-policy", Select).value = "round"
+        await pilot.press("ctrl+s")
+        await wait_idle(pilot)
+        assert app.preferences.kv_policy == "round"
+        assert json.loads((data_dir() / "app-settings.json").read_text())["kv_policy"] == "round"
+        # The model had no calibration in this fresh home: it is made now, and said.
+        assert any("Calibrating the model for the round KV policy" in n for n in notifications(app))
+        assert any("reopening “ada” under it" in n for n in notifications(app))
+        session = app.backend._open[sid].session
+        assert isinstance(session.cache, TieredKV)
+        assert_restored_from_disk(app)  # the full cache's segments hold the lower and the upper layers
+        await type_and_send(pilot, "What is my name?")
+        await wait_idle(pilot)
+        assert app.backend._open[sid].session is session  # answered under the round policy, not reopened
+        assert shown_messages(app)[-1] == ("assistant", "Your name is Ada.")
+        assert not notifications(app, "error")
+    assert Preferences.load().kv_policy == "round"
+    app.backend.close()
+
+
+def test_an_unknown_saved_kv_policy_falls_back_to_the_full_cache_and_keeps_the_rest(kvchat_home):
+    kvchat_home.mkdir(parents=True, exist_ok=True)
+    (kvchat_home / "app-settings.json").write_text(json.dumps({"kv_policy": "round-bogus", "max_tokens": 7}))
+    prefs = Preferences.load()
+    assert prefs.kv_policy == "full" and prefs.max_tokens == 7
+    app = make_app()
+    assert app.preferences.kv_policy == "full"
+    assert make_app(kv_policy="round").preferences.kv_policy == "round"  # --kv-policy, for this run only
+    assert Preferences.load().kv_policy == "full"
 
 
 async def test_engine_and_storage_errors_are_notifications_never_a_crash(tmp_path):

@@ -26,8 +26,8 @@ class KvchatApp(App[None]):
                         tooltip="Quit (a reply being generated is stopped and saved; every round's KV reaches the "
                                 "disk before the app exits)")]
 
-    def __init__(self, *, model_path: str | None = None, device: str | None = None, home: Path | None = None,
-                 clock: Callable[[], datetime] = utc_now, show_measurements: bool = True,
+    def __init__(self, *, model_path: str | None = None, device: str | None = None, kv_policy: str | None = None,
+                 home: Path | None = None, clock: Callable[[], datetime] = utc_now, show_measurements: bool = True,
                  cursor_blink: bool = True) -> None:
         """`clock`, `show_measurements` and `cursor_blink` exist so snapshot tests can freeze the screen: ages are
         computed from `clock()`, timings and compressed sizes are drawn as "…" when measurements are hidden."""
@@ -37,6 +37,8 @@ class KvchatApp(App[None]):
         self.preferences = Preferences.load(home)
         if model_path:  # --model on the command line: for this run's new chats, not saved
             self.preferences.model_path = str(Path(model_path).resolve())
+        if kv_policy:  # --kv-policy: likewise for this run only
+            self.preferences.kv_policy = kv_policy
         self.clock, self.show_measurements, self.cursor_blink = clock, show_measurements, cursor_blink
 
     def on_mount(self) -> None:
@@ -49,8 +51,8 @@ class KvchatApp(App[None]):
         self.exit()
 
 
-def run_app(model_path: str | None = None, device: str | None = None) -> None:
-    app = KvchatApp(model_path=model_path, device=device)
+def run_app(model_path: str | None = None, device: str | None = None, kv_policy: str | None = None) -> None:
+    app = KvchatApp(model_path=model_path, device=device, kv_policy=kv_policy)
     try:
         app.run()
     finally:

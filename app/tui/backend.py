@@ -3,8 +3,9 @@
 The app calls these methods from worker threads only. The engine is single-stream, so every piece of model work
 (restoring a chat, answering, regenerating) runs under one lock; storage calls that must not interleave with a
 round being saved (delete, fork, export, a new system prompt) take the same lock and first wait until the chat's
-K/V writer has put every finished round on disk. The semantics are the CLI's (app/chats.py): same store, same
-state files, the title of an untitled chat is its first message.
+K/V writer has put every finished round on disk. A chat runs under the KV policy the caller names (the app's
+setting: the full cache, or Round Attention on a tiered cache); the policy is built once per model. The semantics
+are the CLI's (app/chats.py): same store, same state files, the title of an untitled chat is its first message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvchat.app.chat_session import ChatSession, KVWriter, RestoreStats
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
+from kvchat.engine.policies import KVPolicy, chat_policy
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.storage.db import RoundRow, Store
@@ -27,6 +29,8 @@ from kvchat.storage.statefile import ImportResult, export_session, import_state
 
 # How many restored chats keep their KV cache in memory; reopening one of them costs nothing.
 CHATS_IN_MEMORY = 4
+
+Progress = Callable[[int, int], None]  # (done, total)
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Reply:
 class _OpenChat:
     session: ChatSession
     stats: RestoreStats
+    kv_policy: str  # the policy name it was restored under: another name reopens it
 
 
 @dataclass
@@ -82,6 +87,7 @@ class ChatBackend:
         self._store: Store | None = None
         self._engines: dict[str, Engine] = {}
         self._writers: dict[str, KVWriter] = {}  # one background writer per model fingerprint
+        self._policies: dict[tuple[str, str], KVPolicy | None] = {}  # (model file, policy name) -> built policy
         self._open: OrderedDict[str, _OpenChat] = OrderedDict()  # restored chats, least recently used first
         self.model_lock = threading.RLock()  # one forward pass at a time, and no save racing a delete
         self._state_lock = threading.RLock()
@@ -113,6 +119,19 @@ class ChatBackend:
     def loaded_engine(self, model_path: str | Path) -> Engine | None:
         with self._state_lock:
             return self._engines.get(str(Path(model_path).resolve()))
+
+    def policy(self, engine: Engine, name: str, calibrating: Progress | None = None) -> KVPolicy | None:
+        """The chat policy `name` (None: the full cache) for the engine's model, built once. The round policy
+        calibrates a model on its first use (seconds to minutes, reported to `calibrating(done, total)`)."""
+        key = (str(engine.path), name)
+        with self.model_lock:  # calibrating runs the model; held, it also keeps two workers from calibrating twice
+            with self._state_lock:
+                if key in self._policies:
+                    return self._policies[key]
+            policy = chat_policy(name, engine, calibrating)
+            with self._state_lock:
+                self._policies[key] = policy
+            return policy
 
     def _writer(self, engine: Engine) -> KVWriter:
         fp = model_fingerprint(Path(engine.path), self.store)
@@ -166,38 +185,45 @@ class ChatBackend:
 
     # ---- restore and answer ----
 
-    def restore(self, sid: str, progress: Callable[[int, int], None] | None = None,
-                cancel: threading.Event | None = None) -> ChatStats:
-        """Bring the chat's KV cache into memory (from disk where it can); RestoreCancelled when `cancel` is set."""
+    def restore(self, sid: str, progress: Progress | None = None, cancel: threading.Event | None = None, *,
+                kv_policy: str = "full", calibrating: Progress | None = None) -> ChatStats:
+        """Bring the chat's KV cache into memory under `kv_policy` (from disk where it can); RestoreCancelled when
+        `cancel` is set. `calibrating` hears about the calibration the round policy may need first."""
         with self.model_lock:
-            self._session(sid, progress, cancel)
+            self._session(sid, kv_policy, progress, cancel, calibrating)
         return self.chat_stats(sid)
 
-    def _session(self, sid: str, progress=None, cancel: threading.Event | None = None) -> ChatSession:
-        """The chat's restored session; call with model_lock held."""
+    def _session(self, sid: str, kv_policy: str, progress=None, cancel: threading.Event | None = None,
+                 calibrating: Progress | None = None) -> ChatSession:
+        """The chat's session restored under `kv_policy`; call with model_lock held."""
         with self._state_lock:
-            if sid in self._open:
+            opened = self._open.get(sid)
+            if opened is not None and opened.kv_policy == kv_policy:
                 self._open.move_to_end(sid)
-                return self._open[sid].session
+                return opened.session
+        if opened is not None:  # restored under another policy: its rounds reach the disk, then it is reopened
+            self.forget(sid)
+            opened.session.close()
         info = self.store.session(sid)
         if not Path(info["model_path"]).exists():
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
         engine = self.engine(info["model_path"])
-        session = ChatSession(self.store, engine, sid, writer=self._writer(engine))
+        policy = self.policy(engine, kv_policy, calibrating)
+        session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy)
         stats = session.restore(progress=progress, cancel=cancel)
         with self._state_lock:
-            self._open[sid] = _OpenChat(session, stats)
+            self._open[sid] = _OpenChat(session, stats, kv_policy)
             while len(self._open) > CHATS_IN_MEMORY:
                 self._open.popitem(last=False)  # its cache is freed; its K/V is on disk
         return session
 
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
-             regenerate: bool = False) -> Reply:
-        """Answer `text` in the chat (restoring it first if needed) and save the round. With `regenerate`, the
-        last round is removed first and its message (`text` is ignored) is answered again."""
+             regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None) -> Reply:
+        """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
+        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again."""
         with self.model_lock:
-            session = self._session(sid)
+            session = self._session(sid, kv_policy, calibrating=calibrating)
             if regenerate:
                 row = session.retract_last_round()
                 if row is None:

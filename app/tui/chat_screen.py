@@ -153,6 +153,20 @@ class ChatScreen(Screen):
         """From a worker: the failure as an error notification."""
         self._later(self._error, describe(exc), doing)
 
+    def _calibrating(self, activity: str) -> Callable[[int, int], None]:
+        """For a worker: the round policy's first use on a model calibrates it, which holds the model for seconds
+        to minutes; say so once, count the chats in the status bar, then show `activity` again."""
+        told = threading.Event()
+
+        def progress(done: int, total: int) -> None:
+            if not told.is_set():
+                told.set()
+                self._later(self.notify, "Calibrating the model for the round KV policy (once per model)…")
+            self._later(self.status_bar.set_activity,
+                        f"calibrating the round policy: {done}/{total} chats…" if done < total else activity)
+
+        return progress
+
     def _model_for_new_chats(self) -> Path:
         prefs = self.app.preferences
         return Path(prefs.model_path) if prefs.model_path else default_model()
@@ -262,7 +276,8 @@ class ChatScreen(Screen):
         try:
             self._later(self._show_transcript, opening, self.backend.transcript(opening.sid))
             stats = self.backend.restore(opening.sid, progress=lambda done, total: self._later(
-                self._restore_progress, opening, done, total), cancel=opening.cancel)
+                self._restore_progress, opening, done, total), cancel=opening.cancel,
+                kv_policy=self.app.preferences.kv_policy, calibrating=self._calibrating("restoring…"))
         except RestoreCancelled:
             self._later(self._restore_ended, opening)  # the user moved on: nothing to say
             return
@@ -347,7 +362,8 @@ class ChatScreen(Screen):
                 self._later(self._chat_created, gen)
             reply = self.backend.send(gen.sid, text, max_tokens=prefs.max_tokens, sampling=prefs.sampling,
                                       on_token=lambda _tok, piece: self._later(self._streamed, gen, piece),
-                                      cancel=gen.cancel, regenerate=regenerate)
+                                      cancel=gen.cancel, regenerate=regenerate, kv_policy=prefs.kv_policy,
+                                      calibrating=self._calibrating("generating…"))
         except Exception as exc:  # noqa: BLE001
             self._later(self._reply_failed, gen, text, describe(exc))
             return
@@ -617,7 +633,8 @@ class ChatScreen(Screen):
         except Exception as exc:  # noqa: BLE001
             self._report(exc, "Settings not saved")
             return
-        self._later(self._preferences_saved, prefs)
+        # A new system prompt reopens the open chat anyway: the new policy then needs no reopening of its own.
+        self._later(self._preferences_saved, prefs, reopen=choice.system_prompt is None or sid is None)
         if choice.system_prompt is None:
             return
         if sid is None:
@@ -630,11 +647,29 @@ class ChatScreen(Screen):
             return
         self._later(self._system_prompt_changed, sid)
 
-    def _preferences_saved(self, prefs) -> None:
+    def _preferences_saved(self, prefs, reopen: bool = True) -> None:
+        policy_changed = prefs.kv_policy != self.app.preferences.kv_policy
         self.app.preferences = prefs
         self.notify("Settings saved.")
         if self.open_sid is None:
             self._start()  # load the model of new chats and show it
+        if policy_changed:
+            self._kv_policy_changed(prefs.kv_policy, reopen)
+
+    def _kv_policy_changed(self, name: str, reopen: bool) -> None:
+        """Chats opened from now on run under the new policy. The open chat is reopened under it at once, unless a
+        reply is being written: stopping that reply for a setting would lose more than it gains."""
+        sid = self.open_sid
+        if sid is None:
+            self.notify(f"KV policy: {name}, for the chats opened from now on.")
+        elif self.generation is not None:
+            self.notify(f"KV policy: {name}, for the chats opened from now on; “{self.sidebar.title_of(sid)}” "
+                        f"switches to it at its next message.")
+        else:
+            self.notify(f"KV policy: {name}; reopening “{self.sidebar.title_of(sid)}” under it.")
+            if reopen:
+                self.opening = None  # open_chat would otherwise keep the restore it already has
+                self.open_chat(sid)
 
     def _system_prompt_changed(self, sid: str) -> None:
         self.notify("System prompt changed; the chat's KV is recomputed.")

@@ -1,4 +1,4 @@
-"""The app's own settings (model file for new chats, sampling, reply length), kept as JSON in $KVCHAT_HOME.
+"""The app's own settings (model file for new chats, sampling, reply length, KV policy), kept as JSON in $KVCHAT_HOME.
 
 A chat's system prompt is not here: it belongs to the chat and lives in the store, as with `kvchat new --system`.
 """
@@ -10,6 +10,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from kvchat.engine.policies import CHAT_POLICIES
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.paths import data_dir
@@ -25,6 +26,7 @@ class Preferences:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 512
+    kv_policy: str = "full"  # one of CHAT_POLICIES: what the chats opened from now on run under
 
     @property
     def sampling(self) -> SamplingParams:
@@ -34,6 +36,8 @@ class Preferences:
         self.sampling.validate()
         if self.max_tokens < 1:
             raise KvchatError(f"the reply length must be at least 1 token, not {self.max_tokens}")
+        if self.kv_policy not in CHAT_POLICIES:
+            raise KvchatError(f"unknown KV policy {self.kv_policy!r} for chats (accepted: {', '.join(CHAT_POLICIES)})")
         return self
 
     @classmethod
@@ -43,7 +47,10 @@ class Preferences:
         try:
             raw = json.loads(path.read_text())
             known = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in raw.items() if k in known}).validate()
+            prefs = cls(**{k: v for k, v in raw.items() if k in known})
+            if prefs.kv_policy not in CHAT_POLICIES:  # a hand edit or another version's name: only it is reset
+                prefs.kv_policy = "full"
+            return prefs.validate()
         except (OSError, ValueError, TypeError, KvchatError):
             return cls()
 
