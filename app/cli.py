@@ -137,7 +137,7 @@ def info(model_path, as_json) -> None:
 @click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(min=0),
               help="Only chats at least this long in the model's tokens.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--watershed", default=None, type=click.IntRange(min=1),
+@click.option("--watershed", default=None, type=click.IntRange(min=0),
               help="Round policies: the watershed layer (default: the model's calibration, made on first use).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
 def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
