@@ -298,16 +298,8 @@ class ChatSession:
         """Round i's upper layers, token-major [n, L - split, 2, Hkv, D], from the store, or None (saying why) to
         recompute."""
         row, segments = self.rounds[i], self._upper_segments.get(i, [])
-        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
-        want = list(itertools.pairwise([self.split] + [hi for _, hi in covered]))
-        reason = None
-        if not covered:
-            reason = "no upper-layer K/V stored"
-        elif covered != want or covered[-1][1] != self.engine.config.n_layers:
-            reason = "upper-layer K/V incomplete"
-        elif any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
-            reason = "upper-layer K/V belongs to another model"
-        else:
+        reason = self._unusable(segments, range(self.split, self.engine.config.n_layers))
+        if reason is None:
             loaded = self._upper_fetcher.take(i)
             if isinstance(loaded, str):
                 reason = loaded
@@ -329,8 +321,11 @@ class ChatSession:
         if self.policy is None or self.restored is None:
             raise RuntimeError("store_tiers needs a tiered chat, restored")
         n_layers, done = self.engine.config.n_layers, 0
+        by_round: dict[int, list[dict]] = {}
+        for seg in self.store.segments(self.sid):
+            by_round.setdefault(seg["round_idx"], []).append(seg)
         for i, row in enumerate(self.rounds):
-            segs = [s for s in self.store.segments(self.sid) if s["round_idx"] == i]
+            segs = by_round.get(i, [])
             upper = self.cache.round_upper(i)
             if upper is None or not any(s["layer_start"] < self.split < s["layer_end"] for s in segs):
                 continue
@@ -374,18 +369,9 @@ class ChatSession:
         row = self.rounds[i]
         if (row.token_start, row.token_end) != (start, end) or end <= start:
             return "its stored token span is inconsistent"
-        layers_covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
-        if not layers_covered:
-            return "no K/V stored"
-        expect = 0
-        for lo, hi in layers_covered:
-            if lo != expect:
-                return f"K/V of layers {expect}..{lo - 1} missing"
-            expect = hi
-        if expect < self.split:
-            return f"K/V of layers {expect}..{self.split - 1} missing"
-        if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
-            return "K/V belongs to another model"
+        reason = self._unusable(segments, range(0, self.split))
+        if reason is not None:
+            return reason
         t0 = time.perf_counter()
         loaded = fetcher.get(i)
         self._waited += time.perf_counter() - t0
@@ -396,6 +382,22 @@ class ChatSession:
         for seg, (header, data) in zip(segments, loaded):
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
             self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv)
+        return None
+
+    def _unusable(self, segments: list[dict], layers: range) -> str | None:
+        """Why `segments` (one round's rows) cannot supply K/V of every layer in `layers`, or None."""
+        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
+        if not covered:
+            return "no K/V stored"
+        expect = layers.start
+        for lo, hi in covered:
+            if lo != expect:
+                return f"K/V of layers {expect}..{lo - 1} missing"
+            expect = hi
+        if expect < layers.stop:
+            return f"K/V of layers {expect}..{layers.stop - 1} missing"
+        if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
+            return "K/V belongs to another model"
         return None
 
     def _place(self, i: int, layers: range, start: int, kv: torch.Tensor) -> None:

@@ -23,10 +23,8 @@ def _store():
 
 def calibrating(done: int, total: int) -> None:
     """Progress of the calibration a model gets the first time a round policy runs on it (on stderr)."""
-    if done == 1:
-        click.echo("kvchat: calibrating the model's watershed layer (once per model)…", err=True)
-    if done == total:
-        click.echo(f"kvchat: calibrated on {total} chats", err=True)
+    click.echo(f"\rcalibrating the watershed layer (first use of this model): {done}/{total} chats", err=True,
+               nl=done == total)
 
 
 def register(main: click.Group, model_option, device_option) -> None:

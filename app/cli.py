@@ -143,6 +143,7 @@ def info(model_path, as_json) -> None:
 def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
           as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind and distance in rounds."""
+    from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
     from kvchat.engine.evaluate import evaluate, heldout_chats
     from kvchat.engine.policies import make_policy
@@ -151,10 +152,6 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
     if max_rounds < min_rounds:
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
     engine = Engine(model_path, device=_device(device))
-    def calibrating(done: int, total: int) -> None:
-        click.echo(f"\rcalibrating the watershed layer (first use of this model): {done}/{total} chats", err=True,
-                   nl=done == total)
-
     policy = make_policy(policy_name, engine, calibrating,
                          **({} if watershed is None else {"watershed": watershed}))
     try:

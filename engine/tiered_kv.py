@@ -186,18 +186,19 @@ class TieredKV:
         self.open_start, self.open_tokens = start, []
         self.lower.reserve(start + len(tokens))
         # Layers below w never depend on the choice: run them for the whole message first.
-        hs, positions = [], []
+        hs, positions, pieces = [], [], []
         for i in range(0, len(tokens), chunk):
-            pos = torch.arange(start + i, start + min(i + chunk, len(tokens)))
-            emb = m.embed(torch.tensor(tokens[i : i + chunk]))
-            hs.append(m.run_layers(emb, pos, self.lower, start + i, layers=range(w)))
+            piece = tokens[i : i + chunk]
+            pos = torch.arange(start + i, start + i + len(piece))
+            hs.append(m.run_layers(m.embed(torch.tensor(piece)), pos, self.lower, start + i, layers=range(w)))
             positions.append(pos)
+            pieces.append(piece)
         chosen = self._choose_for(hs, positions, start) if self.round_starts else []
         self.stats.chosen = chosen
         self._bring_in(chosen)
         logits = None
-        for h, pos in zip(hs, positions):
-            logits = self._finish(h, pos, tokens[int(pos[0]) - start : int(pos[-1]) - start + 1])
+        for h, pos, piece in zip(hs, positions, pieces):
+            logits = self._finish(h, pos, piece)
         self._drop_idle(chosen)
         return logits
 
@@ -337,10 +338,6 @@ class TieredKV:
             if r and self.host[r] is not None and r not in chosen and self.messages - last >= limit:
                 self.host[r] = None
                 self.stats.dropped.append(r)
-
-    def release_upper(self, r: int) -> None:
-        """Forget round r's host copy (tests and callers that know it is stale)."""
-        self.host[r] = None
 
 
 def host_layout(upper_kv: Tensor, dtype: torch.dtype, pin: bool = False) -> Tensor:
