@@ -254,6 +254,7 @@ class ChatSession:
         self.restored = stats
         if self.policy is not None:
             self.cache.upper_source, self.cache.token_source = self._fetch_upper, self._round_tokens
+            self.cache.upper_hint = self._hurry_upper
         self._save_recomputed(stats.recomputed_rounds)
         return stats
 
@@ -293,6 +294,20 @@ class ChatSession:
         """In a reader thread: one upper segment, token-major in host memory, as TieredKV keeps it."""
         kv = tensor_on(header, raw, "cpu")
         return host_layout(kv, self.engine.model.dtype)
+
+    def _hurry_upper(self, rounds: list[int]) -> None:
+        """A message picked these rounds and their upper layers are not in host memory yet: read them now, in
+        parallel, ahead of the background read."""
+        upper = range(self.split, self.engine.config.n_layers)
+        usable = [i for i in rounds if self._unusable(self._upper_segments.get(i, []), upper) is None]
+        if self._upper_fetcher is not None and usable:
+            self._upper_fetcher.hurry(usable)
+
+    def wait_for_upper(self) -> None:
+        """Until the background read of every round's upper layers is done (benchmarks: a user who types for a
+        while after opening the chat)."""
+        if self._upper_fetcher is not None:
+            self._upper_fetcher.wait()
 
     def _fetch_upper(self, i: int) -> torch.Tensor | None:
         """Round i's upper layers, token-major [n, L - split, 2, Hkv, D], from the store, or None (saying why) to
@@ -494,5 +509,9 @@ class ChatSession:
 
     def close(self) -> None:
         self.writer.drain()
+        self.stop_reading()
+
+    def stop_reading(self) -> None:
+        """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()

@@ -31,6 +31,7 @@ from kvchat.kernels.round_scores import round_mass
 
 # Round index -> its upper K/V token-major in host memory [n, L - split, 2, Hkv, D] (see `host_layout`), or None.
 UpperSource = Callable[[int], Tensor | None]
+UpperHint = Callable[[list[int]], None]  # rounds about to be asked of the UpperSource, all at once
 TokenSource = Callable[[int], list[int]]
 
 
@@ -70,6 +71,7 @@ class TieredKV:
         self.open_tokens: list[int] = []
         self.messages = 0
         self.upper_source: UpperSource | None = None
+        self.upper_hint: UpperHint | None = None
         self.token_source: TokenSource | None = None
         self.stats = TieredStats()
         self._pin = model.device.type == "cuda"
@@ -272,6 +274,9 @@ class TieredKV:
     @torch.inference_mode()
     def _bring_in(self, rounds: list[int]) -> None:
         """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block."""
+        missing = [r for r in rounds if self.host[r] is None]
+        if missing and self.upper_hint is not None:
+            self.upper_hint(missing)  # the source may read them side by side rather than one after another
         blocks = [self._upper_of(r) for r in rounds]
         n = sum(b.shape[0] for b in blocks)
         self.upper.truncate(0)

@@ -9,6 +9,7 @@ bounded however long the chat.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -33,6 +34,16 @@ class SegmentPrefetcher:
         self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read")
         self._decoders = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-decode")
         self._futures: list[Future] = []
+        # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
+        self._urgent: dict[int, Future] = {}
+        self._hurried = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-urgent")
+        # While hurried items are in flight the background work starts nothing new: the cores go to what a
+        # message is waiting for.
+        self._hurrying = 0
+        self._no_hurry = threading.Event()
+        self._no_hurry.set()
+        self._hurry_lock = threading.Lock()
+        self._closed = False
         self._in_flight = 0  # decoded bytes submitted and not yet taken
         self._taken = 0  # items before this one are taken (or skipped by the consumer)
 
@@ -56,12 +67,42 @@ class SegmentPrefetcher:
         """Begin reading ahead now, before anything is asked for."""
         self._read_ahead()
 
+    def hurry(self, items: list[int]) -> None:
+        """The consumer is about to take these items: read those not read yet now, side by side, each on a thread
+        of its own (a message waiting for several rounds waits for the slowest, not for their sum)."""
+        if self._closed:
+            return
+        for i in items:
+            pending = self._futures[i] if i < len(self._futures) else None
+            if i in self._urgent or (pending is not None and pending.done()) or not self.groups[i]:
+                continue
+            now: Future = Future()
+            self._urgent[i] = now
+            with self._hurry_lock:
+                self._hurrying += 1
+                self._no_hurry.clear()
+            now.add_done_callback(self._hurried_one)
+            self._hurried.submit(self._read, self.groups[i], now, True)
+
+    def _hurried_one(self, _done: Future) -> None:
+        with self._hurry_lock:
+            self._hurrying -= 1
+            if not self._hurrying:
+                self._no_hurry.set()
+
     def take(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
         """Item i, in any order, and forget it here (its memory is the caller's): asked again, it is read again."""
-        while len(self._futures) <= i:
-            self._submit(len(self._futures))
-        pending = self._futures[i]
-        self._futures[i] = None
+        urgent = self._urgent.pop(i, None)
+        if urgent is not None:
+            if i < len(self._futures):
+                self._futures[i] = None
+            return urgent.result()
+        if not self._closed:
+            while len(self._futures) <= i:
+                self._submit(len(self._futures))
+        pending = self._futures[i] if i < len(self._futures) else None
+        if i < len(self._futures):
+            self._futures[i] = None
         if pending is not None and pending.done():
             return pending.result()
         # Not read yet (or forgotten): read it here and now rather than behind the queue of every other item.
@@ -73,10 +114,17 @@ class SegmentPrefetcher:
             now.set_result([])
         return now.result()
 
+    def wait(self) -> None:
+        """Until every item submitted so far is read (a benchmark's "the user typed for a while")."""
+        for f in [*self._futures, *self._urgent.values()]:
+            if f is not None:
+                f.exception()
+
     def close(self) -> None:
-        """Stop: queued work is dropped, running work finishes in the background."""
-        self._readers.shutdown(wait=False, cancel_futures=True)
-        self._decoders.shutdown(wait=False, cancel_futures=True)
+        """Stop: queued work is dropped, running work finishes in the background; `take` still reads, here."""
+        self._closed = True
+        for pool in (self._readers, self._decoders, self._hurried):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, i: int) -> None:
         out: Future = Future()
@@ -88,10 +136,12 @@ class SegmentPrefetcher:
         self._readers.submit(self._read, self.groups[i], out)
 
     def _read(self, names: list[str], out: Future, decode_here: bool = False) -> None:
+        if not decode_here:
+            self._no_hurry.wait()
         try:
             data = [read_segment_file(self.folder / name) for name in names]
             if decode_here:
-                self._decode(names, data, out)
+                self._decode(names, data, out, waits=False)
             else:
                 self._decoders.submit(self._decode, names, data, out)
         except StorageError as exc:
@@ -99,7 +149,9 @@ class SegmentPrefetcher:
         except BaseException as exc:  # noqa: BLE001 - the consumer waits on `out`: it must always be resolved
             out.set_exception(exc)
 
-    def _decode(self, names: list[str], data: list, out: Future) -> None:
+    def _decode(self, names: list[str], data: list, out: Future, waits: bool = True) -> None:
+        if waits:
+            self._no_hurry.wait()
         try:
             decoded = []
             for name, blob in zip(names, data):

@@ -86,6 +86,7 @@ def small_run(tmp_path_factory) -> tuple[dict, str, Path]:
     folder = tmp_path_factory.mktemp("bench-resume")
     out = folder / "results.json"
     proc = kvchat("bench", "--models", "embedded", "--workloads", "2k,8k", "--repeats", "1", "--device", "cpu",
+                  "--methods", "prefill,kv-load,llama.cpp,policy:full,policy:round@2",
                   "--disk-probe-mib", "16", "--work-dir", str(folder / "work"), "--json", str(out),
                   "--markdown", str(folder / "results.md"), timeout=240)
     return json.loads(out.read_text()), proc.stdout, folder
@@ -99,13 +100,18 @@ def test_every_method_reports_every_figure(small_run):
     two_k, eight_k = entry["workloads"]
     assert 1800 <= two_k["tokens"] <= 2300 and two_k["floor"]["seconds"] > 0
     methods = {m["method"]: m for m in two_k["methods"]}
-    assert list(methods) == ["prefill", "kv-load", "llama.cpp", "policy:full"]
+    assert list(methods) == ["prefill", "kv-load", "llama.cpp", "policy:full", "policy:round@2"]
     for name, m in methods.items():
         assert m["status"] == "ok", (name, m["status"])
         assert m["ttft_cold_s"] > 0 and m["ttft_warm_s"] > 0 and m["decode_tok_s"] > 0
         assert m["floor_ratio_warm"] == pytest.approx(m["ttft_warm_s"] / two_k["floor"]["seconds"])
         assert m["recall"]["questions"] >= 2 and m["recall"]["correct"] >= 1
         assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m
+        if name != "llama.cpp":
+            assert 0 < m["message_ttft_warm_s"] < m["ttft_warm_s"]  # the message alone, restore excluded
+    tiered = methods["policy:round@2"]
+    assert 0 < tiered["tiered_kv_fraction"] < 1 and tiered["tiered_rounds"] >= 10
+    assert 0 < tiered["tiered_message_ttft_after_prefetch_s"]
     assert methods["prefill"]["bytes_on_disk"] == 0
     assert methods["kv-load"]["bytes_on_disk"] == two_k["kv_disk_bytes"] > 0
     assert methods["llama.cpp"]["bytes_on_disk"] > 0

@@ -87,6 +87,31 @@ def test_only_a_window_of_bytes_is_read_ahead(tmp_path, monkeypatch):
         fetcher.close()
 
 
+def test_hurried_items_are_read_at_once_and_taken_without_another_read(tmp_path, monkeypatch):
+    refs, kvs = saved_rounds(tmp_path, n=5)
+    reads = []
+    real = prefetch.read_segment_file
+    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs], finish=finish,
+                                window_bytes=0)  # nothing read in the background: only what is hurried
+    try:
+        fetcher.hurry([3, 1])
+        fetcher.wait()
+        assert sorted(reads) == sorted([refs[3].file, refs[1].file])
+        for i in (3, 1):
+            (tmp_path / refs[i].file).unlink()  # taken from memory: the file is no longer needed
+            [(header, got)] = fetcher.take(i)
+            assert header.token_start == i * 7 and torch.equal(got.view(torch.int16), kvs[i].view(torch.int16))
+        [(_, got)] = fetcher.take(4)  # not hurried: read on the spot
+        assert torch.equal(got.view(torch.int16), kvs[4].view(torch.int16))
+        fetcher.close()
+        fetcher.hurry([0])  # closed: nothing starts, and take still reads
+        assert "missing" in fetcher.take(1) and fetcher.take(0)[0][0].token_start == 0
+    finally:
+        fetcher.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("size", [0, 1, 4096, 8 << 20, (8 << 20) * 5 + 3])

@@ -148,3 +148,17 @@ def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
     tiered._bring_in([victim])
     assert tiered.stats.recomputed == [victim]
     assert tiered.round_upper(victim).shape == saved[victim].shape
+
+
+def test_rounds_to_fetch_are_announced_together_before_the_first_is_asked_for(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, max_idle=1)
+    start = tiered.length
+    saved = [tiered.round_upper(r) for r in range(len(ROUNDS))]
+    tiered.prefill(prompt)
+    dropped = tiered.stats.dropped
+    tiered.truncate(start)
+    calls = []
+    tiered.upper_hint = lambda rounds: calls.append(("hint", list(rounds)))
+    tiered.upper_source = lambda r: calls.append(("take", r)) or saved[r].permute(3, 0, 1, 2, 4).contiguous()
+    tiered._bring_in([0] + dropped)  # round 0 is still in host memory: not announced, not fetched
+    assert calls == [("hint", dropped)] + [("take", r) for r in dropped]

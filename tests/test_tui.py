@@ -435,3 +435,28 @@ def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
     # The chat goes on: reopened from the store, the old round's K/V is recomputed from its text.
     again = backend.send(sid, "What is my name?", max_tokens=16, sampling=SamplingParams())
     assert again.result.text
+
+
+def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
+    from kvchat.app.tui.backend import CHATS_IN_MEMORY, ChatBackend
+    from kvchat.engine.calibration import Calibration, save_calibration
+    from kvchat.storage.fingerprint import model_fingerprint
+    from kvchat.assets import DEFAULT_MODEL
+
+    sids = [seed_chat(f"chat {n}", [f"My name is Ada{n}."]) for n in range(CHATS_IN_MEMORY + 1)]
+    fp = model_fingerprint(DEFAULT_MODEL, store())
+    save_calibration(Calibration(fingerprint=fp, model_name="demo", n_layers=8, watershed=2, curve=[0.0] * 8,
+                                 chats=1, source="memory-dialogues", seed=0, date="2026-11-22T00:00:00+00:00"))
+    backend = ChatBackend(device="cpu")
+    try:
+        for sid in sids[:CHATS_IN_MEMORY]:
+            backend.restore(sid, kv_policy="round")
+        first = backend._open[sids[0]].session
+        assert not first._upper_fetcher._closed
+        backend.restore(sids[-1], kv_policy="round")  # one chat too many: the least recently used goes
+        assert sids[0] not in backend._open and first._upper_fetcher._closed
+        second = backend._open[sids[1]].session
+        backend.forget(sids[1])
+        assert second._upper_fetcher._closed
+    finally:
+        backend.close()

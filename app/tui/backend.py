@@ -214,7 +214,7 @@ class ChatBackend:
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)
             while len(self._open) > CHATS_IN_MEMORY:
-                self._open.popitem(last=False)  # its cache is freed; its K/V is on disk
+                self._open.popitem(last=False)[1].session.stop_reading()  # its cache is freed; its K/V is on disk
         return session
 
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
@@ -237,8 +237,7 @@ class ChatBackend:
             except BaseException:
                 if regenerate:  # no new reply: the old one comes back (its K/V is recomputed on the next open)
                     self.store.add_round(sid, row)
-                    with self._state_lock:
-                        self._open.pop(sid, None)
+                    self.forget(sid)
                 raise
             title = session.info["title"]
             if not title:  # as `kvchat send`: an untitled chat takes its first message as title
@@ -279,7 +278,9 @@ class ChatBackend:
     def forget(self, sid: str) -> None:
         """Drop the chat's in-memory cache (it will be restored from the store next time)."""
         with self._state_lock:
-            self._open.pop(sid, None)
+            opened = self._open.pop(sid, None)
+        if opened is not None:
+            opened.session.stop_reading()
 
     # ---- chat management ----
 
