@@ -17,6 +17,7 @@ probes (disk read bandwidth with a cold cache, host-to-device bandwidth, matmul 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -461,8 +462,9 @@ def _run_engine(spec: dict) -> dict:
         attend = None
         if policy is not None and not tiered:
             attend = policy.visible_slots(cache, starts, prompt, model=model)
-        return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
-                        stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
+        with sessions[-1].answering() if sessions else contextlib.nullcontext():  # as ChatSession.send answers
+            return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                            stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
 
     sessions: list[ChatSession] = []
     if tiered:  # the chat stored as the round policy stores it: a lower and an upper segment per round

@@ -12,6 +12,7 @@ into host memory in the background, from where a message's chosen rounds are cop
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -138,6 +139,7 @@ class ChatSession:
         self.restored: RestoreStats | None = None
         self._waited = 0.0
         self._upper_fetcher: SegmentPrefetcher | None = None
+        self._upper_segments: dict[int, list[dict]] = {}  # tiered: each round's upper-layer segment rows
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
         if self.policy is None:
@@ -181,11 +183,10 @@ class ChatSession:
             into = upper_only if seg["layer_start"] >= self.split else by_round
             into.setdefault(seg["round_idx"], []).append(seg)
         self._upper_parts: dict[int, list[tuple[range, torch.Tensor]]] = {}
+        self._upper_segments = upper_only  # emptied if the restore finds the stored spans stale
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()
             self._upper_fetcher = None
-        if self.policy is not None:
-            self._start_upper_fetch(upper_only, stats)
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
         groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(len(self.rounds))]
@@ -198,9 +199,14 @@ class ChatSession:
             finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
         fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
         try:
-            return self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
+            restored = self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
         finally:
             fetcher.close()
+        if self.policy is not None:
+            # Only once the lower layers are in: started earlier, this read competed with the restore for the disk
+            # and the cores (at 32k on an H200 it made the restore slower than the full cache's).
+            self._start_upper_fetch()
+        return restored
 
     def _restore_rounds(self, by_round: dict[int, list[dict]], fetcher: SegmentPrefetcher, stats: RestoreStats,
                         started: float, progress: RestoreProgress | None,
@@ -279,12 +285,11 @@ class ChatSession:
             upper = torch.cat([kv for _, kv in parts])
         self.cache.add_closed_round(start, end, upper, tokens)
 
-    def _start_upper_fetch(self, upper_only: dict[int, list[dict]], stats: RestoreStats) -> None:
+    def _start_upper_fetch(self) -> None:
         """Read every round's upper-layer segments into host memory in the background, starting now."""
-        n = len(self.rounds)
+        upper_only, n = self._upper_segments, len(self.rounds)
         groups = [[seg["file"] for seg in upper_only.get(i, [])] for i in range(n)]
         sizes = [sum(seg["raw_size"] for seg in upper_only.get(i, [])) for i in range(n)]
-        self._upper_segments = upper_only
         self._upper_fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
                                                 finish=self._upper_to_host,
                                                 window_bytes=sum(sizes) + 1)
@@ -302,6 +307,20 @@ class ChatSession:
         usable = [i for i in rounds if self._unusable(self._upper_segments.get(i, []), upper) is None]
         if self._upper_fetcher is not None and usable:
             self._upper_fetcher.hurry(usable)
+
+    @contextlib.contextmanager
+    def answering(self):
+        """While the model answers, the background read of upper layers starts nothing new: its threads would take
+        the cores and the GIL from the decode loop (at 32k on an H200 decoding fell below the full cache's speed).
+        Rounds a message picks are still read at once; the rest resumes when the answer is done."""
+        fetcher = self._upper_fetcher
+        if fetcher is not None:
+            fetcher.pause()
+        try:
+            yield
+        finally:
+            if fetcher is not None:
+                fetcher.resume()
 
     def wait_for_upper(self) -> None:
         """Until the background read of every round's upper layers is done (benchmarks: a user who types for a
@@ -448,9 +467,10 @@ class ChatSession:
             self.restore()
         idx, start = len(self.rounds), self.cache.length
         prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
-        result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
-                          max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                          stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
+        with self.answering():
+            result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
+                              max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
         row = RoundRow(idx, text, result.text, start, start + len(closed), now())
         crash_point("round-text")

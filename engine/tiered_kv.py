@@ -150,8 +150,9 @@ class TieredKV:
             del lst[keep:]
         self.open_start, self.open_tokens = None, []
         self.lower.truncate(position)
-        self.resident, self.upper_base = [], 0
-        self.upper.truncate(0)
+        if any(r >= keep for r in self.resident):
+            self.resident, self.upper_base = [], 0
+        self.upper.truncate(self.upper_base)  # the closed rounds still there serve the next message
 
     @torch.inference_mode()
     def close_round(self) -> int:
@@ -273,30 +274,53 @@ class TieredKV:
 
     @torch.inference_mode()
     def _bring_in(self, rounds: list[int]) -> None:
-        """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block."""
-        missing = [r for r in rounds if self.host[r] is None]
+        """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block. Rounds
+        still on the device from the previous message move there; only the others cross from host memory."""
+        on_device = self._resident_slots()
+        missing = [r for r in rounds if r not in on_device and self.host[r] is None]
         if missing and self.upper_hint is not None:
             self.upper_hint(missing)  # the source may read them side by side rather than one after another
-        blocks = [self._upper_of(r) for r in rounds]
-        n = sum(b.shape[0] for b in blocks)
+        blocks = {r: self._upper_of(r) for r in rounds if r not in on_device}
+        n = sum(self._round_length(r) for r in rounds)
+        t0 = time.perf_counter()
+        buf = self.upper.kv
+        staged = torch.empty((n, *buf.shape[:3], buf.shape[4]), dtype=buf.dtype, device=buf.device)
+        at, copied = 0, 0
+        for r in rounds:
+            size = self._round_length(r)
+            if r in on_device:
+                first = on_device[r]
+                staged[at : at + size].copy_(buf[:, :, :, first : first + size].permute(3, 0, 1, 2, 4))
+            else:
+                staged[at : at + size].copy_(blocks[r], non_blocking=True)
+                copied += size
+            at += size
         self.upper.truncate(0)
         self.upper.reserve(n + 512)
-        t0 = time.perf_counter()
-        if blocks:
-            staged = torch.empty((n, *blocks[0].shape[1:]), dtype=self.upper.kv.dtype, device=self.upper.kv.device)
-            at = 0
-            for b in blocks:
-                staged[at : at + b.shape[0]].copy_(b, non_blocking=True)
-                at += b.shape[0]
-            self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
-            self._account_transfer(t0, staged)
+        self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
+        if copied:
+            self._account_transfer(t0, staged, staged[:copied])
         self.resident, self.upper_base, self.upper.length = list(rounds), n, n
 
-    def _account_transfer(self, t0: float, staged: Tensor) -> None:
+    def _round_length(self, r: int) -> int:
+        end = self.round_starts[r + 1] if r + 1 < len(self.round_starts) else self.closed_end
+        return end - self.round_starts[r]
+
+    def _resident_slots(self) -> dict[int, int]:
+        """Round -> its first slot in `upper`, for the rounds the previous message left there."""
+        slots, at = {}, 0
+        for r in self.resident:
+            slots[r] = at
+            at += self._round_length(r)
+        return slots
+
+    def _account_transfer(self, t0: float, staged: Tensor, moved: Tensor | None = None) -> None:
+        """Time the copies into `staged` (waiting for them); `moved`: as many elements as crossed from the host."""
         if staged.is_cuda:
             torch.cuda.current_stream(staged.device).synchronize()
+        moved = staged if moved is None else moved
         self.stats.transfer_ms += 1000 * (time.perf_counter() - t0)
-        self.stats.transfer_bytes += staged.numel() * staged.element_size()
+        self.stats.transfer_bytes += moved.numel() * moved.element_size()
 
     def _upper_of(self, r: int) -> Tensor:
         """Round r's token-major upper K/V in host memory: kept, fetched from the store, or recomputed."""

@@ -37,12 +37,13 @@ class SegmentPrefetcher:
         # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
         self._urgent: dict[int, Future] = {}
         self._hurried = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-urgent")
-        # While hurried items are in flight the background work starts nothing new: the cores go to what a
-        # message is waiting for.
+        # While hurried items are in flight, or while the consumer says it is busy (pause), the background work
+        # starts nothing new: the cores and the GIL go to what a message is waiting for.
         self._hurrying = 0
-        self._no_hurry = threading.Event()
-        self._no_hurry.set()
-        self._hurry_lock = threading.Lock()
+        self._paused = 0
+        self._go = threading.Event()
+        self._go.set()
+        self._gate_lock = threading.Lock()
         self._closed = False
         self._in_flight = 0  # decoded bytes submitted and not yet taken
         self._taken = 0  # items before this one are taken (or skipped by the consumer)
@@ -78,17 +79,26 @@ class SegmentPrefetcher:
                 continue
             now: Future = Future()
             self._urgent[i] = now
-            with self._hurry_lock:
-                self._hurrying += 1
-                self._no_hurry.clear()
-            now.add_done_callback(self._hurried_one)
+            self._hold(hurrying=1)
+            now.add_done_callback(lambda _done: self._hold(hurrying=-1))
             self._hurried.submit(self._read, self.groups[i], now, True)
 
-    def _hurried_one(self, _done: Future) -> None:
-        with self._hurry_lock:
-            self._hurrying -= 1
-            if not self._hurrying:
-                self._no_hurry.set()
+    def pause(self) -> None:
+        """Start no new background work until `resume` (the consumer is busy: a model answering); hurried items
+        and `take` still read."""
+        self._hold(paused=1)
+
+    def resume(self) -> None:
+        self._hold(paused=-1)
+
+    def _hold(self, hurrying: int = 0, paused: int = 0) -> None:
+        with self._gate_lock:
+            self._hurrying += hurrying
+            self._paused += paused
+            if (self._hurrying or self._paused) and not self._closed:
+                self._go.clear()
+            else:
+                self._go.set()
 
     def take(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
         """Item i, in any order, and forget it here (its memory is the caller's): asked again, it is read again."""
@@ -123,6 +133,7 @@ class SegmentPrefetcher:
     def close(self) -> None:
         """Stop: queued work is dropped, running work finishes in the background; `take` still reads, here."""
         self._closed = True
+        self._go.set()  # waiting workers finish rather than hold their threads
         for pool in (self._readers, self._decoders, self._hurried):
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -137,7 +148,7 @@ class SegmentPrefetcher:
 
     def _read(self, names: list[str], out: Future, decode_here: bool = False) -> None:
         if not decode_here:
-            self._no_hurry.wait()
+            self._go.wait()
         try:
             data = [read_segment_file(self.folder / name) for name in names]
             if decode_here:
@@ -151,7 +162,7 @@ class SegmentPrefetcher:
 
     def _decode(self, names: list[str], data: list, out: Future, waits: bool = True) -> None:
         if waits:
-            self._no_hurry.wait()
+            self._go.wait()
         try:
             decoded = []
             for name, blob in zip(names, data):

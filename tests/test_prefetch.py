@@ -112,6 +112,28 @@ def test_hurried_items_are_read_at_once_and_taken_without_another_read(tmp_path,
         fetcher.close()
 
 
+def test_paused_background_reads_start_nothing_while_hurried_and_taken_items_still_come(tmp_path, monkeypatch):
+    refs, kvs = saved_rounds(tmp_path, n=6)
+    reads = []
+    real = prefetch.read_segment_file
+    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs])
+    try:
+        fetcher.pause()
+        fetcher.start()
+        fetcher.hurry([4])
+        [(header, _)] = fetcher.take(4)
+        [(other, _)] = fetcher.take(2)  # not hurried: read on the spot
+        time.sleep(0.2)
+        assert header.token_start == 28 and other.token_start == 14
+        assert sorted(reads) == sorted([refs[4].file, refs[2].file])  # nothing else while paused
+        fetcher.resume()
+        fetcher.wait()
+        assert len(reads) == 2 + 6  # the background read goes on over every item (results of taken ones dropped)
+    finally:
+        fetcher.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("size", [0, 1, 4096, 8 << 20, (8 << 20) * 5 + 3])

@@ -55,6 +55,7 @@ def masked(engine, tiered: TieredKV, rounds: list[int]) -> SplitAttend:
 def test_tiered_prefill_computes_what_split_attention_over_the_same_kv_computes(engine):
     tiered, prompt = tiered_chat(engine, k=2, progressive=False)
     reference = flat_cache(engine, tiered)
+    left_on_device = set(tiered.resident)  # by the chat's last round
     got = tiered.prefill(prompt)
     chosen = tiered.stats.chosen
     assert chosen[0] == 0 and len(chosen) == 3 and tiered.resident == chosen
@@ -66,7 +67,8 @@ def test_tiered_prefill_computes_what_split_attention_over_the_same_kv_computes(
     assert tiered.upper.length == kept + len(prompt)
     assert tiered.device_bytes() == (tiered.length * tiered.lower.slot_bytes()
                                      + (kept + len(prompt)) * tiered.upper.slot_bytes()) < tiered.full_bytes()
-    assert tiered.stats.transfer_bytes == kept * tiered.upper.slot_bytes()
+    crossed = sum(bounds[r + 1] - bounds[r] for r in chosen if r not in left_on_device)
+    assert tiered.stats.transfer_bytes == crossed * tiered.upper.slot_bytes()
 
 
 def test_keeping_every_round_answers_as_the_full_cache(engine):
@@ -142,7 +144,8 @@ def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
     assert all(torch.equal(tiered.round_upper(r), saved[r]) for r in dropped)
     # Nothing stored: recomputed from the round's tokens, close to what the chat computed.
     victim = dropped[0]
-    tiered.host[victim] = None  # gone from host memory
+    tiered._bring_in([0])  # off the device
+    tiered.host[victim] = None  # and gone from host memory
     tiered.upper_source = lambda r: None
     tiered.stats.recomputed.clear()
     tiered._bring_in([victim])
@@ -162,3 +165,25 @@ def test_rounds_to_fetch_are_announced_together_before_the_first_is_asked_for(en
     tiered.upper_source = lambda r: calls.append(("take", r)) or saved[r].permute(3, 0, 1, 2, 4).contiguous()
     tiered._bring_in([0] + dropped)  # round 0 is still in host memory: not announced, not fetched
     assert calls == [("hint", dropped)] + [("take", r) for r in dropped]
+
+
+def test_rounds_still_on_the_device_are_not_copied_again(engine):
+    tiered, prompt = tiered_chat(engine, k=2, progressive=False)
+    start = tiered.length
+    first = tiered.prefill(prompt)
+    chosen = tiered.stats.chosen
+    tiered.truncate(start)  # the question's round is gone; the rounds it picked stay on the device
+    assert tiered.resident == chosen and tiered.upper.length == tiered.upper_base
+    again = tiered.prefill(prompt)
+    assert tiered.stats.chosen == chosen and tiered.stats.transfer_bytes == 0
+    assert torch.equal(again, first)
+    # Picking a round that is not there copies that round alone.
+    tiered.truncate(start)
+    extra = next(r for r in range(len(tiered.round_starts)) if r not in chosen)
+    tiered.stats = type(tiered.stats)()
+    tiered._bring_in(chosen + [extra])
+    per_token = tiered.upper.slot_bytes()
+    assert tiered.stats.transfer_bytes == tiered._round_length(extra) * per_token
+    assert all(torch.equal(tiered.round_upper(r).to(tiered.upper.kv.dtype),
+                           tiered.upper.kv[:, :, :, at : at + tiered._round_length(r)])
+               for r, at in tiered._resident_slots().items())

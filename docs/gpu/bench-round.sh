@@ -2,7 +2,8 @@
 # Round Attention figures of docs/benchmarks.md on a CUDA machine (H100), in parts that each fit a 10-minute command:
 #
 #   bash docs/gpu/bench-round.sh 8b-32k   # Llama-3.1-8B shape at 32k: full cache (kv-load) against policy:round@4
-#   bash docs/gpu/bench-round.sh 8b-8k    # the same at 8k, then recall per strategy on the embedded model (GPU)
+#   bash docs/gpu/bench-round.sh 8b-8k    # the same at 8k
+#   bash docs/gpu/bench-round.sh recall   # recall per strategy on the embedded model (GPU)
 #
 # The 8B shape has random weights, so its watershed is not calibrated: @4 is the paper's L_w = 5 for Llama-3 8B
 # (counted from 1), the rounds it picks are arbitrary, and only its speed and memory figures mean something.
@@ -29,6 +30,7 @@ recall() {
 }
 case "${1:-8b-32k}" in
   8b-32k) part 32k 8b-32k 560 ;;
-  8b-8k)  part 8k 8b-8k 330; recall ;;
-  *) echo "usage: $0 8b-32k|8b-8k" >&2; exit 2 ;;
+  8b-8k)  part 8k 8b-8k 330 ;;
+  recall) recall ;;
+  *) echo "usage: $0 8b-32k|8b-8k|recall" >&2; exit 2 ;;
 esac
