@@ -26,6 +26,14 @@ def saved_rounds(folder, n=6, tokens=7):
     return refs, kvs
 
 
+def counted_reads(monkeypatch) -> list[str]:
+    """The names of the segment files read from now on, in order."""
+    reads = []
+    real = prefetch.read_segment_file
+    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    return reads
+
+
 def test_items_come_back_in_order_with_their_headers(tmp_path):
     refs, kvs = saved_rounds(tmp_path)
     fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs] + [[]], [r.raw_size for r in refs] + [0],
@@ -71,9 +79,7 @@ def test_an_unexpected_failure_reaches_the_consumer(tmp_path, monkeypatch):
 
 def test_only_a_window_of_bytes_is_read_ahead(tmp_path, monkeypatch):
     refs, _ = saved_rounds(tmp_path, n=8)
-    reads = []
-    real = prefetch.read_segment_file
-    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    reads = counted_reads(monkeypatch)
     monkeypatch.setattr(SegmentPrefetcher, "WINDOW_BYTES", 3 * refs[0].raw_size)
     fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs])
     try:
@@ -89,9 +95,7 @@ def test_only_a_window_of_bytes_is_read_ahead(tmp_path, monkeypatch):
 
 def test_hurried_items_are_read_at_once_and_taken_without_another_read(tmp_path, monkeypatch):
     refs, kvs = saved_rounds(tmp_path, n=5)
-    reads = []
-    real = prefetch.read_segment_file
-    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    reads = counted_reads(monkeypatch)
     finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
     fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs], finish=finish,
                                 window_bytes=0)  # nothing read in the background: only what is hurried
@@ -114,9 +118,7 @@ def test_hurried_items_are_read_at_once_and_taken_without_another_read(tmp_path,
 
 def test_paused_background_reads_start_nothing_while_hurried_and_taken_items_still_come(tmp_path, monkeypatch):
     refs, kvs = saved_rounds(tmp_path, n=6)
-    reads = []
-    real = prefetch.read_segment_file
-    monkeypatch.setattr(prefetch, "read_segment_file", lambda path: reads.append(path.name) or real(path))
+    reads = counted_reads(monkeypatch)
     fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs])
     try:
         fetcher.pause()

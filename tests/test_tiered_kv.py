@@ -129,15 +129,22 @@ def test_truncating_the_open_round_and_back_to_a_round(engine):
         tiered.truncate(tiered.round_starts[-1] + 1)
 
 
-def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
+def with_dropped_rounds(engine) -> tuple[TieredKV, list, list[int]]:
+    """A chat whose question dropped idle rounds from host memory, then was taken back: (cache, every round's
+    upper K/V as it was saved, the dropped rounds)."""
     tiered, prompt = tiered_chat(engine, k=1, progressive=False, max_idle=1)
     start = tiered.length
     saved = [tiered.round_upper(r) for r in range(len(ROUNDS))]
     tiered.prefill(prompt)
     dropped = tiered.stats.dropped
+    tiered.truncate(start)
+    return tiered, saved, dropped
+
+
+def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
+    tiered, saved, dropped = with_dropped_rounds(engine)
     assert dropped and all(tiered.host[r] is None for r in dropped) and 0 not in dropped
     # From the store, exactly as saved.
-    tiered.truncate(start)
     tiered.upper_source = lambda r: saved[r].permute(3, 0, 1, 2, 4).contiguous()
     tiered._bring_in(dropped)
     assert tiered.stats.fetched == dropped
@@ -154,12 +161,7 @@ def test_idle_rounds_are_dropped_then_fetched_or_recomputed(engine):
 
 
 def test_rounds_to_fetch_are_announced_together_before_the_first_is_asked_for(engine):
-    tiered, prompt = tiered_chat(engine, k=1, progressive=False, max_idle=1)
-    start = tiered.length
-    saved = [tiered.round_upper(r) for r in range(len(ROUNDS))]
-    tiered.prefill(prompt)
-    dropped = tiered.stats.dropped
-    tiered.truncate(start)
+    tiered, saved, dropped = with_dropped_rounds(engine)
     calls = []
     tiered.upper_hint = lambda rounds: calls.append(("hint", list(rounds)))
     tiered.upper_source = lambda r: calls.append(("take", r)) or saved[r].permute(3, 0, 1, 2, 4).contiguous()

@@ -4,74 +4,55 @@
 
     .venv/bin/python docs/probes/round_progressive.py W K MODE CHATS [SKIP] [-v]   # e.g. 3 0.1 top1 10
 """
-import sys, math, time, torch
-from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.engine import Engine
-from kvchat.engine.evaluate import heldout_chats, reply_matches
-from kvchat.engine.chat_format import Conversation
-from kvchat.engine.generate import prefill
-from kvchat.kernels.round_scores import round_mass_ref
+import sys
+import time
+
+import torch
+
 from kvchat.engine.policies.round_attention import select_rounds
+from kvchat.kernels.round_scores import round_mass_ref
+from probe_chats import Recall, asked_rounds, greedy, load
 
-torch.set_grad_enabled(False)
-eng = Engine(DEFAULT_MODEL, device="cpu")
+lw, k, mode, n_chats = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+skip = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else 0
+eng, chats = load(n_chats, skip)
 m, L = eng.model, eng.config.n_layers
-lw = int(sys.argv[1]); k = float(sys.argv[2]); dec = sys.argv[3]; nchats = int(sys.argv[4]); skip = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-chats = heldout_chats(nchats + skip, 0, 44, 52, eng, 2000)[skip:]
-verbose = "-v" in sys.argv
 
-def mass_at(h, pos, cache, start, starts):
-    q = m.layers[lw].queries(h, m.rope(pos))
-    return round_mass_ref(q, cache.kv[lw, 0, :, :start], torch.tensor(starts))
 
-def pick_dec(md):
-    md = md.clone(); md[0] = 0; md = md / md.sum()
-    if dec == "none": return set()
-    if dec.startswith("top"): return set(torch.topk(md, min(int(dec[3:]), md.numel())).indices.tolist())
-    if dec.startswith("thr"): return set((md >= float(dec[3:])).nonzero().flatten().tolist()) | {int(md.argmax())}
-    raise SystemExit(dec)
+def mass_at(h, pos, a):
+    """Per-round mass at the watershed, the first round left out and the rest renormalized."""
+    mass = round_mass_ref(m.layers[lw].queries(h, m.rope(pos)), a.cache.kv[lw, 0, :, :a.base], torch.tensor(a.starts))
+    mass[0] = 0
+    return mass / mass.sum()
 
-tot = ok = 0; frac = []; fails = {}
-t0 = time.time()
-for dlg in chats:
-    closed = eng.chat.round_spans(Conversation(dlg.rounds, dlg.system))
-    cache, starts = eng.new_cache(4096), []
-    qs = {q.round_index: q for q in dlg.questions}
-    for i, rnd in enumerate(dlg.rounds):
-        q = qs.get(i)
-        if q is not None:
-            base = cache.length
-            prompt = eng.chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
-            bounds = starts + [base]
-            pos = torch.arange(base, base + len(prompt))
-            h = m.run_layers(m.embed(torch.tensor(prompt)), pos, cache, base, layers=range(lw + 1))
-            ms = mass_at(h, pos, cache, base, starts)
-            ms[0] = 0; ms = ms / ms.sum()
-            chosen = set(select_rounds(ms, "topk", k)) | {0}
-            prompt_chosen = set(chosen)
-            vis = lambda end: torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in sorted(chosen)] + [torch.arange(base, end)])
-            h = m.run_layers(h, pos, cache, base, layers=range(lw + 1, L), attend=vis(base))
-            cache.length = base + len(prompt)
-            tok = int(m.head(h[-1:])[-1].argmax())
-            out = []
-            for _ in range(48):
-                if tok in eng.tokenizer.eog_ids: break
-                out.append(tok)
-                s = cache.length; p = torch.tensor([s])
-                hh = m.run_layers(m.embed(torch.tensor([tok])), p, cache, s, layers=range(lw + 1))
-                chosen |= pick_dec(mass_at(hh, p, cache, base, starts))
-                hh = m.run_layers(hh, p, cache, s, layers=range(lw + 1, L), attend=vis(s))
-                cache.length = s + 1
-                tok = int(m.head(hh)[-1].argmax())
-            text = eng.tokenizer.decode(out)
-            good = reply_matches(text, rnd.assistant)
-            tot += 1; ok += good; frac.append(len(chosen) / len(starts))
-            if not good:
-                src = {v: [j for j in range(i) if v in dlg.rounds[j].user or v in dlg.rounds[j].assistant] for v in q.values}
-                fails[q.kind] = fails.get(q.kind, 0) + 1
-                if verbose:
-                    print(f"{q.kind:9} d={q.distance:2} src={src} prompt={sorted(prompt_chosen)} all={sorted(chosen)}\n   exp={rnd.assistant!r}\n   got={text!r}")
-            cache.truncate(base)
-        starts.append(cache.length)
-        prefill(m, cache, closed[i])
-print(f"lw={lw} k={k} dec={dec}: recall {ok}/{tot} = {ok/tot:.3f}; kept {sum(frac)/len(frac):.3f}; fails {fails}; {time.time()-t0:.0f}s")
+
+def picked_while_decoding(mass):
+    if mode == "none":
+        return set()
+    if mode.startswith("top"):
+        return set(torch.topk(mass, min(int(mode[3:]), mass.numel())).indices.tolist())
+    if mode.startswith("thr"):
+        return set((mass >= float(mode[3:])).nonzero().flatten().tolist()) | {int(mass.argmax())}
+    raise SystemExit(f"unknown decode mode {mode}")
+
+
+recall, t0 = Recall("-v" in sys.argv), time.time()
+for a in asked_rounds(eng, chats):
+    pos = torch.arange(a.base, a.base + len(a.prompt))
+    h = m.run_layers(m.embed(torch.tensor(a.prompt)), pos, a.cache, a.base, layers=range(lw + 1))
+    chosen = set(select_rounds(mass_at(h, pos, a), "topk", k)) | {0}
+    at_prompt = set(chosen)
+    h = m.run_layers(h, pos, a.cache, a.base, layers=range(lw + 1, L), attend=a.slots(chosen, a.base))
+    a.cache.length = a.base + len(a.prompt)
+
+    def step(token):
+        s = a.cache.length
+        p = torch.tensor([s])
+        hh = m.run_layers(m.embed(torch.tensor([token])), p, a.cache, s, layers=range(lw + 1))
+        chosen.update(picked_while_decoding(mass_at(hh, p, a)))
+        hh = m.run_layers(hh, p, a.cache, s, layers=range(lw + 1, L), attend=a.slots(chosen, s))
+        a.cache.length = s + 1
+        return int(m.head(hh)[-1].argmax())
+
+    recall.add(a, greedy(eng, int(m.head(h[-1:])[-1].argmax()), step), at_prompt, chosen)
+print(f"w={lw} k={k} decode={mode}: {recall.line()}; {time.time() - t0:.0f} s")
