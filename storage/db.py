@@ -116,6 +116,17 @@ class Store:
                 raise
             self.db.execute("COMMIT")
 
+    # Every thread shares the one connection: reads take the writers' lock too and fetch their rows at once, so a
+    # read never runs inside another thread's transaction nor interleaves with sqlite-utils' savepoints (seen as
+    # "no such savepoint: sqlite_utils_query" when a chat's K/V writer committed during a sidebar refresh).
+    def _query(self, sql: str, params=()) -> list[dict]:
+        with self._lock:
+            return list(self.db.query(sql, params))
+
+    def _fetch(self, sql: str, params=()) -> list[tuple]:
+        with self._lock:
+            return self.db.execute(sql, params).fetchall()
+
     def _migrate(self) -> None:
         known = [name for name, _ in MIGRATIONS]
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -140,9 +151,9 @@ class Store:
     # ---- models ----
 
     def cached_file_hash(self, path: Path, size: int, mtime_ns: int) -> str | None:
-        row = self.db.execute("SELECT sha256 FROM model_files WHERE path = ? AND size = ? AND mtime_ns = ?",
-                              [str(path), size, mtime_ns]).fetchone()
-        return row[0] if row else None
+        rows = self._fetch("SELECT sha256 FROM model_files WHERE path = ? AND size = ? AND mtime_ns = ?",
+                           [str(path), size, mtime_ns])
+        return rows[0][0] if rows else None
 
     def remember_file_hash(self, path: Path, size: int, mtime_ns: int, sha256: str) -> None:
         with self.transaction() as db:
@@ -180,14 +191,14 @@ class Store:
         return sid
 
     def sessions(self) -> list[dict]:
-        return list(self.db.query(
+        return self._query(
             "SELECT s.*, (SELECT COUNT(*) FROM rounds r WHERE r.session_id = s.id) AS n_rounds, "
             "(SELECT COALESCE(SUM(byte_size), 0) FROM kv_segments k WHERE k.session_id = s.id) AS kv_bytes "
-            "FROM sessions s ORDER BY updated DESC"))
+            "FROM sessions s ORDER BY updated DESC")
 
     def session(self, ref: str) -> dict:
         """A session by id or unique id prefix."""
-        rows = list(self.db.query("SELECT * FROM sessions WHERE id LIKE ? || '%'", [ref])) if ref else []
+        rows = self._query("SELECT * FROM sessions WHERE id LIKE ? || '%'", [ref]) if ref else []
         if not rows:
             raise StoreError(f"no session {ref!r} (see `kvchat sessions`)")
         if len(rows) > 1:
@@ -273,7 +284,7 @@ class Store:
 
     def rounds(self, sid: str) -> list[RoundRow]:
         return [RoundRow(r["idx"], r["user_text"], r["assistant_text"], r["token_start"], r["token_end"], r["created"])
-                for r in self.db.query("SELECT * FROM rounds WHERE session_id = ? ORDER BY idx", [sid])]
+                for r in self._query("SELECT * FROM rounds WHERE session_id = ? ORDER BY idx", [sid])]
 
     def add_round(self, sid: str, row: RoundRow) -> None:
         with self.transaction() as db:
@@ -301,8 +312,7 @@ class Store:
                                      pk=("session_id", "round_idx", "layer_start"))
 
     def segments(self, sid: str) -> list[dict]:
-        return list(self.db.query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, layer_start",
-                                  [sid]))
+        return self._query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, layer_start", [sid])
 
     def drop_segments(self, sid: str, round_idx: int) -> None:
         with self.transaction() as db:
@@ -310,12 +320,12 @@ class Store:
 
     def unreferenced(self, files: list[str]) -> list[str]:
         """Those of `files` that no session's segment rows name any more (safe to unlink once that is committed)."""
-        still = {r[0] for r in self.db.execute(
+        still = {r[0] for r in self._fetch(
             "SELECT DISTINCT file FROM kv_segments WHERE file IN (SELECT value FROM json_each(?))", [json.dumps(files)])}
         return [f for f in files if f not in still]
 
     def referenced_files(self) -> set[str]:
-        return {r[0] for r in self.db.execute("SELECT DISTINCT file FROM kv_segments")}
+        return {r[0] for r in self._fetch("SELECT DISTINCT file FROM kv_segments")}
 
     # ---- restores ----
 
@@ -327,11 +337,11 @@ class Store:
                                    "ttft_ms": ttft_ms, "notes": json.dumps(notes)})
 
     def last_restore(self, sid: str) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM restores WHERE session_id = ? ORDER BY id DESC LIMIT 1", [sid]))
+        rows = self._query("SELECT * FROM restores WHERE session_id = ? ORDER BY id DESC LIMIT 1", [sid])
         if not rows:
             return None
         rows[0]["notes"] = json.loads(rows[0]["notes"] or "[]")
         return rows[0]
 
     def integrity_ok(self) -> bool:
-        return self.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        return self._fetch("PRAGMA integrity_check")[0][0] == "ok"
