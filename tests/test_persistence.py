@@ -282,3 +282,41 @@ def test_restore_on_cuda_is_bit_exact_through_the_staging_ring(kvchat_home, monk
     never_stopped = ChatSession(other, engine, new_session(other))
     expected = [never_stopped.send(m).text for m in MESSAGES[:4]][-1]
     assert reopened.send(MESSAGES[3]).text == expected
+
+
+def test_one_store_read_and_written_from_many_threads_at_once(kvchat_home):
+    """The app reads the store (sidebar, chat stats) while the K/V writer thread commits segment rows."""
+    import threading
+
+    from kvchat.storage.db import RoundRow
+
+    store = Store()
+    sid = store.create_session(title="busy", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
+    errors, done = [], threading.Event()
+
+    def write():
+        try:
+            for i in range(150):
+                store.add_round(sid, RoundRow(i, "u", "a", i, i + 1, "2026-11-22T00:00:00"))
+                store.add_segment(sid, round_idx=i, layer_start=0, layer_end=8, token_start=i, token_end=i + 1,
+                                  codec="zstd", dtype="float16", byte_size=1, raw_size=1, checksum="c" * 64,
+                                  file=f"{i:064x}.kvs", model_fingerprint="ab" * 32)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def read():
+        try:
+            while not done.is_set():
+                store.sessions(), store.rounds(sid), store.segments(sid), store.last_restore(sid)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(store.rounds(sid)) == len(store.segments(sid)) == 150
