@@ -299,7 +299,7 @@ class TieredKV:
         self.upper.reserve(n + 512)
         self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
         if copied:
-            self._account_transfer(t0, staged, staged[:copied])
+            self._account_transfer(t0, staged[:copied])  # the bytes that crossed (the device copies are not counted)
         self.resident, self.upper_base, self.upper.length = list(rounds), n, n
 
     def _round_length(self, r: int) -> int:
@@ -314,11 +314,10 @@ class TieredKV:
             at += self._round_length(r)
         return slots
 
-    def _account_transfer(self, t0: float, staged: Tensor, moved: Tensor | None = None) -> None:
-        """Time the copies into `staged` (waiting for them); `moved`: as many elements as crossed from the host."""
-        if staged.is_cuda:
-            torch.cuda.current_stream(staged.device).synchronize()
-        moved = staged if moved is None else moved
+    def _account_transfer(self, t0: float, moved: Tensor) -> None:
+        """Time the copies since t0 (waiting for the stream) and count `moved`'s bytes as transferred."""
+        if moved.is_cuda:
+            torch.cuda.current_stream(moved.device).synchronize()
         self.stats.transfer_ms += 1000 * (time.perf_counter() - t0)
         self.stats.transfer_bytes += moved.numel() * moved.element_size()
 

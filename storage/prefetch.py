@@ -103,18 +103,16 @@ class SegmentPrefetcher:
     def take(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
         """Item i, in any order, and forget it here (its memory is the caller's): asked again, it is read again."""
         urgent = self._urgent.pop(i, None)
-        if urgent is not None:
-            if i < len(self._futures):
-                self._futures[i] = None
-            return urgent.result()
-        if not self._closed:
+        if urgent is None and not self._closed:
             while len(self._futures) <= i:
                 self._submit(len(self._futures))
-        pending = self._futures[i] if i < len(self._futures) else None
+        queued = None
         if i < len(self._futures):
-            self._futures[i] = None
-        if pending is not None and pending.done():
-            return pending.result()
+            queued, self._futures[i] = self._futures[i], None
+        if urgent is not None:
+            return urgent.result()
+        if queued is not None and queued.done():
+            return queued.result()
         # Not read yet (or forgotten): read it here and now rather than behind the queue of every other item.
         # A queued read of the same item still runs; its result is dropped.
         now: Future = Future()
@@ -144,25 +142,26 @@ class SegmentPrefetcher:
         if not self.groups[i]:
             out.set_result([])
             return
-        self._readers.submit(self._read, self.groups[i], out)
+        self._readers.submit(self._when_free, self._read, self.groups[i], out)
+
+    def _when_free(self, work, *args) -> None:
+        """Background work waits here while hurried items are in flight or the consumer has paused it."""
+        self._go.wait()
+        work(*args)
 
     def _read(self, names: list[str], out: Future, decode_here: bool = False) -> None:
-        if not decode_here:
-            self._go.wait()
         try:
             data = [read_segment_file(self.folder / name) for name in names]
             if decode_here:
-                self._decode(names, data, out, waits=False)
+                self._decode(names, data, out)
             else:
-                self._decoders.submit(self._decode, names, data, out)
+                self._decoders.submit(self._when_free, self._decode, names, data, out)
         except StorageError as exc:
             out.set_result(str(exc))
         except BaseException as exc:  # noqa: BLE001 - the consumer waits on `out`: it must always be resolved
             out.set_exception(exc)
 
-    def _decode(self, names: list[str], data: list, out: Future, waits: bool = True) -> None:
-        if waits:
-            self._go.wait()
+    def _decode(self, names: list[str], data: list, out: Future) -> None:
         try:
             decoded = []
             for name, blob in zip(names, data):

@@ -338,7 +338,7 @@ def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "c
         data = np.frombuffer(raw, dtype=np.uint8)
         if not data.size:
             return torch.empty(header.shape, dtype=header.dtype)
-        values = _merge_planes_host(data, header.dtype.itemsize) if _planes(header, data.size) else data.copy()
+        values = kvcodec.from_planes(data, header.dtype.itemsize) if header.codec == "planes+zstd" else data.copy()
         return torch.from_numpy(values).view(header.dtype).reshape(header.shape)  # owns its memory
     return merge_planes(header, (staging or HostToDevice.shared(device)).copy(raw).wait())
 
@@ -346,23 +346,9 @@ def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "c
 def merge_planes(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
     """The segment's tensor from its decoded bytes (a uint8 tensor on any device): byte planes merged back into
     values (a byte transpose: on the GPU it costs nothing next to the disk read), then shaped."""
-    if _planes(header, flat.numel()):
+    if header.codec == "planes+zstd" and flat.numel():
         flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
     return flat.view(header.dtype).reshape(header.shape)
-
-
-def _planes(header: SegmentHeader, n_bytes: int) -> bool:
-    return header.codec == "planes+zstd" and n_bytes > 0
-
-
-def _merge_planes_host(data: np.ndarray, size: int) -> np.ndarray:
-    """Byte planes -> values on the host, plane by plane into strided columns: several times faster than a byte
-    transpose, and it runs in reader threads while a message may be waiting for the round (numpy drops the GIL)."""
-    planes = data.reshape(size, -1)
-    values = np.empty((planes.shape[1], size), dtype=np.uint8)
-    for i in range(size):
-        values[:, i] = planes[i]
-    return values.reshape(-1)
 
 
 def _decompress(payload: bytes, header: SegmentHeader, name: str) -> bytes:

@@ -34,6 +34,14 @@ def round_chat(engine, store: Store, rounds: int = 3) -> ChatSession:
     return chat
 
 
+def reopened_without_segment(engine, store: Store, round_idx: int, layer_start: int):
+    """A round-policy chat whose one segment file is gone, and a session about to reopen it: (chat, reopened)."""
+    chat = round_chat(engine, store)
+    gone = next(s for s in store.segments(chat.sid) if s["round_idx"] == round_idx and s["layer_start"] == layer_start)
+    (store.kv_dir / gone["file"]).unlink()
+    return chat, ChatSession(store, engine, chat.sid, policy=policy(engine))
+
+
 def policy(engine):
     # Every round kept: the answers must then be the full cache's.
     return make_policy("round-topk", engine, watershed=2, k=8)
@@ -86,10 +94,7 @@ def test_a_full_cache_chat_opens_under_the_round_policy_and_back(engine, kvchat_
 
 def test_missing_upper_kv_is_recomputed_and_said(engine, kvchat_home):
     store = Store()
-    chat = round_chat(engine, store)
-    upper = next(s for s in store.segments(chat.sid) if s["round_idx"] == 1 and s["layer_start"] == 3)
-    (store.kv_dir / upper["file"]).unlink()
-    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    chat, reopened = reopened_without_segment(engine, store, round_idx=1, layer_start=3)
     assert reopened.restore().tokens_recomputed == 0  # the lower layers were all there
     assert reopened.send(MESSAGES[3]).text
     assert reopened.cache.stats.recomputed == [1]
@@ -99,11 +104,7 @@ def test_missing_upper_kv_is_recomputed_and_said(engine, kvchat_home):
 
 
 def test_missing_lower_kv_is_recomputed(engine, kvchat_home):
-    store = Store()
-    chat = round_chat(engine, store)
-    lower = next(s for s in store.segments(chat.sid) if s["round_idx"] == 2 and s["layer_start"] == 0)
-    (store.kv_dir / lower["file"]).unlink()
-    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    chat, reopened = reopened_without_segment(engine, Store(), round_idx=2, layer_start=0)
     stats = reopened.restore()
     assert stats.recomputed_rounds == [2] and stats.notes[0].startswith("round 2:")
     n = chat.cache.length
