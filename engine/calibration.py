@@ -5,6 +5,12 @@ above it. The paper (Round Attention, Appendix B) finds L_w per model: run dialo
 every layer the distribution of the new message's attention over the earlier rounds, average for every layer the KL
 divergence to each later layer, and take the first significant local minimum of that curve.
 
+That layer is then checked, which the paper does not do: the KL rule sees where the per-round attention stops
+changing, not whether the layers above still read rounds the choice leaves out (the embedded model copies names at
+its layer 3, one above its KL minimum: docs/benchmarks.md). Along the full cache's own greedy reply to each
+calibration message, wherever the full cache is sure of the next token, Round Attention at L_w must predict the same
+token; if it does not often enough, the next layer up is checked (`agreement`).
+
 Here: `layer_round_distributions` measures the [L, R] distributions of one chat, `kl_curve` averages the divergences
 over chats, `pick_watershed` reads L_w off the curve, and a `Calibration` is stored per model fingerprint in
 data_dir()/calibrations/<fingerprint>.json; `ensure_calibration` makes one on a model's first use.
@@ -32,7 +38,7 @@ from kvchat.kernels.round_scores import round_mass
 from kvchat.paths import data_dir
 
 # Bumped when what is measured or how L_w is read changes: files of another version are recalibrated, not trusted.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 DEFAULT_CHATS = 8
 DEFAULT_SEED = 0
 MIN_ROUNDS, MAX_ROUNDS = 10, 20
@@ -45,6 +51,12 @@ KL_EPSILON = 1e-6
 SIGNIFICANT_DROP = 0.5
 # Below this range (relative to the curve's largest value) the curve counts as flat: no layer stands out.
 FLAT_RANGE = 1e-3
+# The check of L_w: over the first CHECK_TOKENS tokens of the full cache's greedy replies, at the tokens the full
+# cache gives at least SURE probability (near-ties flip with any change of numerics and say nothing about the rounds
+# chosen), Round Attention must pick the same next token at least AGREEMENT of the time.
+CHECK_TOKENS = 32
+SURE = 0.5
+AGREEMENT = 0.99
 
 ProgressCallback = Callable[[int, int], None]  # (chats done, chats in all)
 
@@ -156,6 +168,8 @@ class Calibration:
     date: str  # ISO 8601, UTC
     version: int = CALIBRATION_VERSION
     rounds: list[int] = field(default_factory=list)  # closed rounds before the new message, per chat
+    kl_watershed: int = -1  # the KL curve's first significant local minimum (Appendix B); watershed >= it
+    agreement: dict[str, float] = field(default_factory=dict)  # layer checked -> share of sure tokens agreed on
 
 
 def calibration_path(fingerprint: str) -> Path:
@@ -251,7 +265,8 @@ def calibration_chats(engine, count: int = DEFAULT_CHATS,
 
 def calibrate(engine, fingerprint: str, chats: int = DEFAULT_CHATS, seed: int = DEFAULT_SEED,
               progress: ProgressCallback | None = None) -> Calibration:
-    """Measure the KL curve on `chats` calibration chats and read L_w off it (not stored: see ensure_calibration)."""
+    """Measure the KL curve on `chats` calibration chats, read L_w off it and check it (not stored: see
+    ensure_calibration). Progress counts chats: one pass for the curve, one per layer checked."""
     if engine.config.n_layers < 3:  # refused before minutes of measuring, not after
         raise KvchatError(f"a watershed layer needs a model of at least 3 layers; this one has "
                           f"{engine.config.n_layers}")
@@ -260,13 +275,88 @@ def calibrate(engine, fingerprint: str, chats: int = DEFAULT_CHATS, seed: int = 
     for n, (conv, message) in enumerate(pairs):
         distributions.append(layer_round_distributions(engine, conv, message))
         if progress is not None:
-            progress(n + 1, len(pairs))
+            progress(n + 1, 2 * len(pairs))
     curve = kl_curve(distributions)
+    kl_watershed = pick_watershed(curve)
+    watershed, agreed = checked_watershed(engine, pairs, kl_watershed, progress)
     return Calibration(
         fingerprint=fingerprint, model_name=str(engine.metadata.get("general.name", "")) or Path(engine.path).stem,
-        n_layers=engine.config.n_layers, watershed=pick_watershed(curve), curve=[round(float(v), 6) for v in curve],
+        n_layers=engine.config.n_layers, watershed=watershed, curve=[round(float(v), 6) for v in curve],
         chats=len(pairs), source=source, seed=seed, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        rounds=[len(conv.rounds) for conv, _ in pairs])
+        rounds=[len(conv.rounds) for conv, _ in pairs], kl_watershed=kl_watershed,
+        agreement={str(layer): round(a, 4) for layer, a in agreed.items()})
+
+
+def checked_watershed(engine, pairs: list[tuple[Conversation, str]], first: int,
+                      progress: ProgressCallback | None = None) -> tuple[int, dict[int, float]]:
+    """(L_w, {layer: agreement}): the first layer from `first` up whose agreement reaches AGREEMENT; if none does
+    (up to L - 2, the last layer that leaves one above it), the layer that agreed most."""
+    references = [reference_reply(engine, conv, message) for conv, message in pairs]
+    agreed: dict[int, float] = {}
+    for layer in range(first, engine.config.n_layers - 1):
+        done = len(pairs) * (1 + len(agreed))
+
+        def step(n: int, total: int) -> None:
+            if progress is not None:
+                progress(done + n, done + total)
+
+        agreed[layer] = agreement(engine, references, layer, step)
+        if agreed[layer] >= AGREEMENT:
+            return layer, agreed
+    return max(agreed, key=lambda layer: (agreed[layer], -layer)), agreed
+
+
+@dataclass
+class ReferenceReply:
+    history: list[list[int]]  # the closed rounds' tokens
+    prompt: list[int]  # the new message and the assistant header
+    reply: list[int]  # the full cache's greedy reply (at most CHECK_TOKENS)
+    sure: list[bool]  # per reply token: the full cache gave it at least SURE probability
+
+
+@torch.inference_mode()
+def reference_reply(engine, conversation: Conversation, message: str) -> ReferenceReply:
+    model, history = engine.model, engine.chat.round_spans(conversation)
+    prompt = engine.chat.open_round_tokens(conversation, message)
+    cache = model.new_cache(sum(map(len, history)) + len(prompt) + CHECK_TOKENS)
+    prefill(model, cache, [t for span in history for t in span])
+    logits, reply, sure = prefill(model, cache, prompt), [], []
+    for _ in range(CHECK_TOKENS):
+        probs = torch.softmax(logits.float(), dim=-1)
+        token = int(probs.argmax())
+        if token in engine.tokenizer.eog_ids:
+            break
+        reply.append(token)
+        sure.append(float(probs[token]) >= SURE)
+        logits = prefill(model, cache, [token])
+    return ReferenceReply(history, prompt, reply, sure)
+
+
+@torch.inference_mode()
+def agreement(engine, references: list[ReferenceReply], watershed: int,
+              progress: ProgressCallback | None = None) -> float:
+    """Share of the references' sure tokens that Round Attention at `watershed` predicts too, fed the references'
+    own replies (teacher forcing: one early difference does not count twice). Every round is read under the
+    policy, as in a chat; 1.0 when no token is sure."""
+    from kvchat.engine.policies.round_attention import RoundAttention
+    from kvchat.engine.tiered_kv import TieredKV
+
+    hits = count = 0
+    for n, ref in enumerate(references):
+        cache = TieredKV(engine.model, RoundAttention(watershed=watershed), len(ref.prompt) + CHECK_TOKENS)
+        for span in ref.history:
+            cache.prefill(span)
+            cache.close_round()
+        logits = cache.prefill(ref.prompt)
+        for i, (token, sure) in enumerate(zip(ref.reply, ref.sure)):
+            if i:
+                logits = cache.step(ref.reply[i - 1])
+            if sure:
+                hits += int(logits.argmax()) == token
+                count += 1
+        if progress is not None:
+            progress(n + 1, len(references))
+    return hits / count if count else 1.0
 
 
 def ensure_calibration(engine, fingerprint: str, progress: ProgressCallback | None = None,
@@ -286,7 +376,14 @@ def curve_lines(cal: Calibration) -> list[str]:
         if layer == cal.n_layers - 1:
             lines.append(f"layer {layer:>3}  (no later layer)")
             continue
-        mark = "  <- watershed" if layer == cal.watershed else ""
+        marks = []
+        if layer == cal.kl_watershed:
+            marks.append("first significant minimum")
+        if str(layer) in cal.agreement:
+            marks.append(f"agrees with the full cache on {100 * cal.agreement[str(layer)]:.1f}% of sure tokens")
+        if layer == cal.watershed:
+            marks.append("watershed")
+        mark = "  <- " + "; ".join(marks) if marks else ""
         lines.append(f"layer {layer:>3}  mean KL to later layers {value:.4f}{mark}")
     return lines
 
@@ -301,6 +398,9 @@ def plot_curve(cal: Calibration, path: Path) -> Path:
     layers = list(range(cal.n_layers - 1))  # the last layer has no later layer to compare with
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     ax.plot(layers, cal.curve[:-1], marker="o", color="#1f77b4")
+    if 0 <= cal.kl_watershed != cal.watershed:
+        ax.axvline(cal.kl_watershed, color="#7f7f7f", linestyle=":",
+                   label=f"first significant minimum (layer {cal.kl_watershed}): failed the check")
     ax.axvline(cal.watershed, color="#d62728", linestyle="--", label=f"watershed layer L_w = {cal.watershed}")
     ax.set_xlabel("layer l")
     ax.set_ylabel("mean KL(P_l || P_l'), l' > l")

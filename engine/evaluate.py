@@ -145,7 +145,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             result.tokens += len(prompt) + len(out.tokens)
             if tiered and round_starts:
                 result.kv_fractions.append(cache.device_bytes() / cache.full_bytes())
-                kept = len(set(cache.stats.chosen) | set(cache.stats.added))
+                kept = len(set(cache.stats.chosen) | set(cache.stats.added) | set(cache.stats.found))
                 result.round_fractions.append(kept / len(round_starts))
             if not ok and len(result.failures) < 20:
                 result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})

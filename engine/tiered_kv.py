@@ -11,7 +11,10 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
        staging block, to the front of `upper`, a KVCache of the upper layers; the message's own upper K/V follow;
     4. the message finishes layer w and the upper layers attend to `upper` as a plain prefix: fewer keys, no mask;
     5. during decoding (progressive selection, LoopServe's idea) each token's query at layer w may name a round
-       that is not yet in `upper`; it is brought in before the token's upper layers run.
+       that is not yet in `upper`; it is brought in before the token's upper layers run;
+    6. a decoded token the model is unsure of (top probability below the policy's `recheck_below`) is run again
+       with every round visible in the upper layers, one layer at a time (each layer's K/V of the whole chat goes
+       to a scratch cache, used, and freed), and the rounds it attended to are brought in for the tokens after it.
 
 A closed round's upper K/V is copied back to host memory. A round not picked for `max_idle` messages is dropped
 from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
@@ -49,6 +52,9 @@ class TieredStats:
     fetched: list[int] = field(default_factory=list)  # rounds whose upper K/V had to come from `upper_source`
     recomputed: list[int] = field(default_factory=list)  # rounds whose upper K/V had to be recomputed
     dropped: list[int] = field(default_factory=list)  # rounds whose host copy was released after this message
+    rechecks: int = 0  # decoded tokens run again with every round visible
+    recheck_ms: float = 0.0
+    found: list[int] = field(default_factory=list)  # rounds the rechecks brought in
 
 
 class TieredKV:
@@ -75,6 +81,7 @@ class TieredKV:
         self.token_source: TokenSource | None = None
         self.stats = TieredStats()
         self._pin = model.device.type == "cuda"
+        self._rechecking = True  # until a recheck of this reply finds nothing
 
     # ---- sizes ----
 
@@ -132,7 +139,10 @@ class TieredKV:
         """Decode one token of the open round: logits [V]."""
         if self.open_start is None:
             raise RuntimeError("no round is open: prefill the message first")
-        return self._run([token], progressive=self.policy.progressive)
+        logits = self._run([token], progressive=self.policy.progressive)
+        if self._should_recheck(logits):
+            logits = self._recheck()
+        return logits
 
     def truncate(self, position: int) -> None:
         """Forget every token from `position` on: inside the open round, or back to a closed round's start (the
@@ -185,6 +195,7 @@ class TieredKV:
         m, w = self.model, self.split - 1
         self.stats = TieredStats(rounds=len(self.round_starts))
         self.messages += 1
+        self._rechecking = True
         start = self.lower.length
         self.open_start, self.open_tokens = start, []
         self.lower.reserve(start + len(tokens))
@@ -252,25 +263,97 @@ class TieredKV:
             return
         self.last_chosen[top] = self.messages
         self.stats.added.append(top)
-        self._insert_before_open(top)
+        self._insert_before_open([top])
 
     @torch.inference_mode()
-    def _insert_before_open(self, r: int) -> None:
-        """Put round r's upper K/V right after the resident rounds, moving the open round's slots up."""
-        kv = self._upper_of(r)
-        n, open_n = kv.shape[0], self.upper.length - self.upper_base
+    def _insert_before_open(self, rounds: list[int]) -> None:
+        """Put `rounds`' upper K/V right after the resident rounds, moving the open round's slots up once."""
+        missing = [r for r in rounds if self.host[r] is None]
+        if missing and self.upper_hint is not None:
+            self.upper_hint(missing)
+        blocks = [self._upper_of(r) for r in rounds]
+        n, open_n = sum(kv.shape[0] for kv in blocks), self.upper.length - self.upper_base
         self.upper.reserve(self.upper.length + n)
         buf = self.upper.kv
         if open_n:
             moved = buf[:, :, :, self.upper_base : self.upper.length].clone()
             buf[:, :, :, self.upper_base + n : self.upper_base + n + open_n] = moved
-        t0 = time.perf_counter()
-        staged = kv.to(buf.device, non_blocking=True)
-        buf[:, :, :, self.upper_base : self.upper_base + n] = staged.permute(1, 2, 3, 0, 4)
-        self._account_transfer(t0, staged)
-        self.resident.append(r)
+        t0, at = time.perf_counter(), self.upper_base
+        for kv in blocks:  # one round at a time: no staging block as large as all of them
+            staged = kv.to(buf.device, non_blocking=True)
+            buf[:, :, :, at : at + kv.shape[0]] = staged.permute(1, 2, 3, 0, 4)
+            at += kv.shape[0]
+        self._account_transfer(t0, sum(kv.numel() * kv.element_size() for kv in blocks))
+        self.resident.extend(rounds)
         self.upper_base += n
         self.upper.length += n
+
+    # ---- rechecks ----
+
+    def _should_recheck(self, logits: Tensor) -> bool:
+        below = getattr(self.policy, "recheck_below", 0.0)
+        if not below or not self._rechecking or self.stats.rechecks >= self.policy.max_rechecks:
+            return False
+        if len(self.resident) >= len(self.round_starts):
+            return False  # every round is already visible
+        return float(torch.softmax(logits.float(), dim=-1).max()) < below
+
+    @torch.inference_mode()
+    def _recheck(self) -> Tensor:
+        """Run the latest token again with every round visible in the upper layers; bring in the rounds that got
+        at least `recheck_mass` of its attention (the first round aside) at any of them. Logits [V]."""
+        t0 = time.perf_counter()
+        m, p = self.model, self.lower.length - 1
+        pos = torch.tensor([p])
+        h = m.run_layers(m.embed(torch.tensor(self.open_tokens[-1:])), pos, self.lower, p, layers=range(self.split))
+        starts, slot = torch.tensor(self.round_starts), self.upper_base + p - self.open_start
+        sources = self._recheck_sources()
+        best = torch.zeros(len(self.round_starts))
+        for layer in range(self.split, m.cfg.n_layers):
+            scratch = self._whole_layer(layer, sources, p)
+            mass = round_mass(m.layers[layer].queries(h, m.rope(pos)), scratch.layer(layer)[0, :, : self.open_start],
+                              starts).float().cpu()
+            mass[0] = 0
+            best = torch.maximum(best, mass / mass.sum().clamp_min(1e-30))
+            h = m.run_layers(h, pos, scratch, p, layers=range(layer, layer + 1))
+            self.upper.layer(layer)[:, :, slot] = scratch.layer(layer)[:, :, p]  # the token's K/V, all rounds seen
+            del scratch
+        found = [r for r in (best >= self.policy.recheck_mass).nonzero().flatten().tolist() if r not in self.resident]
+        if found:
+            for r in found:
+                self.last_chosen[r] = self.messages
+            self.stats.found.extend(found)
+            self._insert_before_open(found)
+        else:
+            self._rechecking = False  # the doubt is not about a round the reply cannot see
+        self.stats.rechecks += 1
+        self.stats.recheck_ms += 1000 * (time.perf_counter() - t0)
+        return m.head(h)[-1]
+
+    def _recheck_sources(self) -> list[tuple[Tensor, int | None]]:
+        """Per closed round: (its token-major host K/V, None) or (the device buffer, its first slot) if resident."""
+        on_device = self._resident_slots()
+        missing = [r for r in range(len(self.round_starts)) if r not in on_device and self.host[r] is None]
+        if missing and self.upper_hint is not None:
+            self.upper_hint(missing)
+        return [(self.upper.kv, on_device[r]) if r in on_device else (self._upper_of(r), None)
+                for r in range(len(self.round_starts))]
+
+    def _whole_layer(self, layer: int, sources, p: int) -> KVCache:
+        """A one-layer cache of `layer`'s K/V for every closed round and the open round before position p, in
+        chat order (slots = positions)."""
+        scratch = self.model.new_cache(p + 1, range(layer, layer + 1))
+        kv, at = scratch.layer(layer), self.split
+        for r, (source, first) in enumerate(sources):
+            start, n = self.round_starts[r], self._round_length(r)
+            if first is None:
+                block = source[:, layer - at]  # [n, 2, Hkv, D], strided in host memory
+                kv[:, :, start : start + n] = block.to(kv.device, non_blocking=True).permute(1, 2, 0, 3)
+            else:
+                kv[:, :, start : start + n] = source[layer - at, :, :, first : first + n]
+        kv[:, :, self.open_start : p] = self.upper.layer(layer)[:, :, self.upper_base : self.upper_base + p - self.open_start]
+        scratch.length = p
+        return scratch
 
     @torch.inference_mode()
     def _bring_in(self, rounds: list[int]) -> None:
@@ -314,12 +397,12 @@ class TieredKV:
             at += self._round_length(r)
         return slots
 
-    def _account_transfer(self, t0: float, moved: Tensor) -> None:
-        """Time the copies since t0 (waiting for the stream) and count `moved`'s bytes as transferred."""
-        if moved.is_cuda:
-            torch.cuda.current_stream(moved.device).synchronize()
+    def _account_transfer(self, t0: float, moved: Tensor | int) -> None:
+        """Time the copies since t0 (waiting for the stream) and count what was moved (a tensor, or its bytes)."""
+        if self.upper.kv.is_cuda:
+            torch.cuda.current_stream(self.upper.kv.device).synchronize()
         self.stats.transfer_ms += 1000 * (time.perf_counter() - t0)
-        self.stats.transfer_bytes += moved.numel() * moved.element_size()
+        self.stats.transfer_bytes += moved if isinstance(moved, int) else moved.numel() * moved.element_size()
 
     def _upper_of(self, r: int) -> Tensor:
         """Round r's token-major upper K/V in host memory: kept, fetched from the store, or recomputed."""

@@ -142,6 +142,33 @@ def test_other_models_calibrate_on_mt_bench_chats(models):
         calibrate(Engine(models.get(n_layers=2), device="cpu"), "56" * 32, chats=1)
 
 
+# ---- the check of L_w ----
+
+def test_the_check_climbs_to_the_first_layer_that_agrees_enough(monkeypatch):
+    measured = {2: 0.95, 3: 0.995, 4: 1.0}
+    monkeypatch.setattr(calibration, "reference_reply", lambda engine, conv, message: None)
+    monkeypatch.setattr(calibration, "agreement", lambda engine, refs, layer, progress=None: measured[layer])
+    engine = type("E", (), {"config": type("C", (), {"n_layers": 6})()})()
+    assert calibration.checked_watershed(engine, [("chat", "message")], 2) == (3, {2: 0.95, 3: 0.995})
+    measured.update({3: 0.9, 4: 0.95})  # none reaches it: the best, the lowest of equals
+    assert calibration.checked_watershed(engine, [("chat", "message")], 2) == (2, {2: 0.95, 3: 0.9, 4: 0.95})
+
+
+def test_agreement_is_measured_on_the_full_caches_sure_tokens(engine):
+    from kvchat.engine.calibration import agreement, calibration_chats, reference_reply
+
+    _, pairs = calibration_chats(engine, 2)
+    refs = [reference_reply(engine, conv, message) for conv, message in pairs]
+    assert all(ref.reply and any(ref.sure) for ref in refs)
+    text = engine.tokenizer.decode(refs[0].reply)
+    assert text.startswith("You") and pairs[0][0].rounds  # a real answer to a real question
+    top = engine.config.n_layers - 2  # the highest watershed: the upper tier is one layer
+    assert agreement(engine, refs, top) >= agreement(engine, refs, 1)
+    assert 0.5 < agreement(engine, refs, top) <= 1.0
+    # Sure tokens only: with no sure token there is nothing to disagree on.
+    assert agreement(engine, [replace(refs[0], sure=[False] * len(refs[0].reply))], 1) == 1.0
+
+
 # ---- stored calibrations ----
 
 def _calibration(fingerprint="ab" * 32, n_layers=8, watershed=2) -> Calibration:
@@ -159,6 +186,11 @@ def test_save_and_load_round_trip(kvchat_home):
     assert load_calibration("cd" * 32) is None
 
 
+def test_a_file_of_an_older_calibration_version_is_measured_again(kvchat_home):
+    save_calibration(replace(_calibration(), version=1))  # before L_w was checked: not trusted
+    assert load_calibration("ab" * 32, 8) is None
+
+
 def test_a_file_of_another_model_is_refused():
     save_calibration(_calibration("ab" * 32))
     calibration_path("ab" * 32).rename(calibration_path("cd" * 32))
@@ -170,7 +202,7 @@ def test_a_file_of_another_model_is_refused():
         load_calibration("ef" * 32, n_layers=12)
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"version": 1, "fingerprint": "ab" * 32}),
+@pytest.mark.parametrize("content", ["{not json", "[]", json.dumps({"version": calibration.CALIBRATION_VERSION, "fingerprint": "ab" * 32}),
                                      "WATERSHED_OUT_OF_RANGE"])
 def test_a_corrupt_file_is_refused(content):
     if content == "WATERSHED_OUT_OF_RANGE":
@@ -186,8 +218,10 @@ def test_a_corrupt_file_is_refused(content):
 def test_ensure_calibration_calibrates_once_then_reuses(engine, monkeypatch):
     seen = []
     cal = ensure_calibration(engine, "12" * 32, progress=lambda done, total: seen.append((done, total)), chats=1)
-    assert seen == [(1, 1)]
-    assert 1 <= cal.watershed <= engine.config.n_layers - 2 and cal.source == "memory-dialogues"
+    assert seen[0] == (1, 2) and seen[-1][0] == seen[-1][1]  # the curve's chat, then one per layer checked
+    assert len(seen) == 1 + len(cal.agreement)
+    assert 1 <= cal.kl_watershed <= cal.watershed <= engine.config.n_layers - 2 and cal.source == "memory-dialogues"
+    assert str(cal.watershed) in cal.agreement
     assert load_calibration("12" * 32, engine.config.n_layers) == cal
     save_calibration(replace(cal, watershed=5))  # what is stored is what is used, without measuring again
     monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))

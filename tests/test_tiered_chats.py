@@ -130,7 +130,8 @@ def test_send_takes_the_kv_policy(kvchat_home):
     out = kvchat("send", sid, MESSAGES[3], "--device", "cpu", "--kv-policy", "round").stdout.strip()
     assert out
     store = Store()
-    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 3), (3, 8)}
+    # the embedded model's calibrated watershed is layer 3: layers [0, 4) and [4, 8) are stored apart
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 4), (4, 8)}
     bad = kvchat("send", sid, "hi", "--device", "cpu", "--kv-policy", "nearest", check=False)
     assert bad.returncode != 0 and "unknown KV policy 'nearest' for chats" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -27,7 +27,8 @@ def engine():
 
 
 def tiered_chat(engine, **options) -> tuple[TieredKV, list[int]]:
-    policy = make_policy(options.pop("name", "round-topk"), engine, **{"watershed": 2, **options})
+    # Rechecks (tested on their own below) off unless asked for: the other tests check the choice alone.
+    policy = make_policy(options.pop("name", "round-topk"), engine, **{"watershed": 2, "recheck_below": 0, **options})
     tiered = TieredKV(engine.model, policy, 512)
     for span in engine.chat.round_spans(Conversation(ROUNDS, SYSTEM)):
         tiered.prefill(span)
@@ -89,7 +90,7 @@ def test_a_round_brought_in_while_decoding_is_seen_by_the_next_token(engine):
     missing = next(r for r in range(len(ROUNDS)) if r not in tiered.resident)
     tiered.step(int(engine.tokenizer.encode(" Your")[0]))
     reference = flat_cache(engine, tiered)
-    tiered._insert_before_open(missing)  # what progressive selection does when a token names this round
+    tiered._insert_before_open([missing])  # what progressive selection does when a token names this round
     token = int(engine.tokenizer.encode(" sister")[0])
     got = tiered.step(token)
     opened = torch.arange(tiered.open_start, tiered.length - 1)
@@ -102,6 +103,75 @@ def test_a_round_brought_in_while_decoding_is_seen_by_the_next_token(engine):
     want = engine.model(torch.tensor([token]), reference,
                         attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def open_round_reference(engine, tiered: TieredKV):
+    """A full cache of every closed round plus the open round's tokens as the tiered cache computed them."""
+    reference = flat_cache(engine, tiered)
+    reference.write(range(engine.config.n_layers), tiered.open_start,
+                    torch.cat([tiered.lower.kv[:, :, :, tiered.open_start : tiered.length],
+                               tiered.upper.kv[:, :, :, tiered.upper_base : tiered.upper.length]]))
+    reference.length = tiered.length
+    return reference
+
+
+def test_an_unsure_token_is_rechecked_with_every_round_and_what_it_reads_is_brought_in(engine):
+    # recheck_below near 1: every token is unsure; k=1 and no progressive choice leave most rounds out
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.05)
+    tiered.prefill(prompt)
+    before = list(tiered.resident)
+    reference = open_round_reference(engine, tiered)
+    token = int(engine.tokenizer.encode(" Your")[0])
+    got = tiered.step(token)
+    want = engine.model(torch.tensor([token]), reference)[-1]  # every round visible in every layer
+    assert torch.allclose(got, want, atol=1e-4)
+    stats = tiered.stats
+    assert stats.rechecks == 1 and stats.found and not set(stats.found) & set(before)
+    assert tiered.resident == before + stats.found and stats.recheck_ms > 0
+    # The token's own upper K/V are the ones computed with every round in view, and the found rounds are in place:
+    # the next token, with no recheck, sees exactly the resident rounds.
+    tiered.policy.recheck_below = 0
+    following = int(engine.tokenizer.encode(" sister")[0])
+    opened = torch.arange(tiered.open_start, tiered.length)
+    reference = open_round_reference(engine, tiered)
+    attend = masked(engine, tiered, sorted(tiered.resident))
+    want = engine.model(torch.tensor([following]), reference,
+                        attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
+    assert torch.allclose(tiered.step(following), want, atol=1e-4)
+
+
+def test_a_recheck_that_finds_nothing_ends_the_replys_rechecks(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.99)
+    tiered.prefill(prompt)
+    resident = list(tiered.resident)
+    for word in (" Your", " sister", "'s"):
+        tiered.step(int(engine.tokenizer.encode(word)[0]))
+    assert tiered.stats.rechecks == 1 and not tiered.stats.found and tiered.resident == resident
+    tiered.truncate(tiered.open_start)  # the next message may recheck again
+    tiered.prefill(prompt)
+    tiered.step(int(engine.tokenizer.encode(" Your")[0]))
+    assert tiered.stats.rechecks == 1
+
+
+@pytest.mark.parametrize("options", [{"recheck_below": 0}, {"max_rechecks": 0},
+                                     {"recheck_below": 0.999999, "k": len(ROUNDS)}])
+def test_no_recheck_when_off_or_when_every_round_is_visible(engine, options):
+    tiered, prompt = tiered_chat(engine, **{"k": 1, "progressive": False, "recheck_below": 0.999999, **options})
+    tiered.prefill(prompt)
+    for word in (" Your", " sister"):
+        tiered.step(int(engine.tokenizer.encode(word)[0]))
+    assert tiered.stats.rechecks == 0
+
+
+def test_rechecks_stop_at_the_limit(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.3,
+                                 max_rechecks=1)
+    tiered.prefill(prompt)
+    for word in (" Your", " sister", "'s", " name"):
+        tiered.step(int(engine.tokenizer.encode(word)[0]))
+    # the first recheck found rounds (so rechecking goes on) but left some out: only the limit stops the next
+    assert tiered.stats.found and len(tiered.resident) < len(ROUNDS)
+    assert tiered.stats.rechecks == 1
 
 
 def test_progressive_selection_adds_rounds_while_decoding(engine):

@@ -11,6 +11,12 @@ With `progressive` (the default; LoopServe's progressive decode-time selection) 
 also names its top round, which is brought in if missing: a small model often looks up a fact only when it writes
 the answer, not while it reads the question (docs/benchmarks.md).
 
+A recheck catches what both choices missed: a decoded token whose most likely next token has a probability below
+`recheck_below` is run again with every round visible in the upper layers (streamed one layer at a time, so the
+device never holds more than one layer of the whole chat), and the rounds that got at least `recheck_mass` of its
+attention at any upper layer are brought in for the tokens after it. A recheck that finds no such round shows the
+doubt is not about the chat, and ends the rechecks of that reply; at most `max_rechecks` per reply.
+
 The paper's three strategies pick from the per-round attention mass m (summing to 1 over the earlier rounds):
   threshold  rounds with m >= 0.1;
   topk       the k rounds of most mass (k a count, or a fraction of the rounds: 0.1 = top-10%);
@@ -58,14 +64,22 @@ class RoundAttention(KVPolicy):
     tiered = True
 
     def __init__(self, watershed: int | None = None, k: float = 0.1, threshold: float = 0.1, sigmas: float = 3.0,
-                 progressive: bool = True, max_idle: int = 16):
+                 progressive: bool = True, max_idle: int = 16, recheck_below: float = 0.9,
+                 recheck_mass: float = 0.15, max_rechecks: int = 8):
         if k <= 0 or (k > 1 and k != int(k)):
             raise KvchatError(f"k must be a positive count of rounds or a fraction in (0, 1], not {k}")
         if not 0 < threshold < 1:
             raise KvchatError(f"the mass threshold must be in (0, 1), not {threshold}")
         if max_idle < 0:
             raise KvchatError(f"max_idle must be a count of messages (0: never drop), not {max_idle}")
+        if not 0 <= recheck_below < 1:
+            raise KvchatError(f"recheck_below is a probability in [0, 1) (0: never recheck), not {recheck_below}")
+        if not 0 < recheck_mass < 1:
+            raise KvchatError(f"recheck_mass must be in (0, 1), not {recheck_mass}")
+        if max_rechecks < 0:
+            raise KvchatError(f"max_rechecks must be a count of decoded tokens, not {max_rechecks}")
         self.watershed, self.k, self.threshold, self.sigmas = watershed, k, threshold, sigmas
+        self.recheck_below, self.recheck_mass, self.max_rechecks = recheck_below, recheck_mass, max_rechecks
         self.progressive, self.max_idle = progressive, max_idle
         self.last_selection: list[int] = []  # the rounds chosen for the latest message (for stats and tests)
 
