@@ -343,7 +343,9 @@ def agreement(engine, references: list[ReferenceReply], watershed: int,
 
     hits = count = 0
     for n, ref in enumerate(references):
-        cache = TieredKV(engine.model, RoundAttention(watershed=watershed), len(ref.prompt) + CHECK_TOKENS)
+        # Rechecks off: the check is of the choice at L_w itself, not of the safety net behind it.
+        policy = RoundAttention(watershed=watershed, recheck_below=0)
+        cache = TieredKV(engine.model, policy, len(ref.prompt) + CHECK_TOKENS)
         for span in ref.history:
             cache.prefill(span)
             cache.close_round()
