@@ -340,13 +340,15 @@ async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_cha
         assert isinstance(app.screen, SettingsDialog)
         assert app.screen.query_one("#kv-policy", Select).value == "full"
         app.screen.query_one("#kv-policy", Select).value = "round"
+        told, notify = [], app.notify  # every notification, also those that time out during the calibration
+        app.notify = lambda message, *args, **kwargs: (told.append(message), notify(message, *args, **kwargs))[1]
         await pilot.press("ctrl+s")
-        await wait_idle(pilot)
+        await wait_idle(pilot, timeout=180)  # the model's calibration: the KL curve, then the check of L_w
         assert app.preferences.kv_policy == "round"
         assert json.loads((data_dir() / "app-settings.json").read_text())["kv_policy"] == "round"
         # The model had no calibration in this fresh home: it is made now, and said.
-        assert any("Calibrating the model for the round KV policy" in n for n in notifications(app))
-        assert any("reopening “ada” under it" in n for n in notifications(app))
+        assert any("Calibrating the model for the round KV policy" in n for n in told)
+        assert any("reopening “ada” under it" in n for n in told)
         session = app.backend._open[sid].session
         assert isinstance(session.cache, TieredKV)
         assert_restored_from_disk(app)  # the full cache's segments hold the lower and the upper layers

@@ -8,6 +8,8 @@ or storage error.
 
 from __future__ import annotations
 
+from functools import partial
+
 import inspect
 import itertools
 import re
@@ -161,7 +163,9 @@ class ChatScreen(Screen):
         def progress(done: int, total: int) -> None:
             if not told.is_set():
                 told.set()
-                self._later(self.notify, "Calibrating the model for the round KV policy (once per model)…")
+                # shown for as long as a calibration usually takes (the status bar counts its chats meanwhile)
+                self._later(partial(self.notify, "Calibrating the model for the round KV policy (once per model)…",
+                                    timeout=120))
             self._later(self.status_bar.set_activity,
                         f"calibrating the round policy: {done}/{total} chats…" if done < total else activity)
 
