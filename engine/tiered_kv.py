@@ -268,9 +268,7 @@ class TieredKV:
     @torch.inference_mode()
     def _insert_before_open(self, rounds: list[int]) -> None:
         """Put `rounds`' upper K/V right after the resident rounds, moving the open round's slots up once."""
-        missing = [r for r in rounds if self.host[r] is None]
-        if missing and self.upper_hint is not None:
-            self.upper_hint(missing)
+        self._announce(rounds)
         blocks = [self._upper_of(r) for r in rounds]
         n, open_n = sum(kv.shape[0] for kv in blocks), self.upper.length - self.upper_base
         self.upper.reserve(self.upper.length + n)
@@ -291,7 +289,7 @@ class TieredKV:
     # ---- rechecks ----
 
     def _should_recheck(self, logits: Tensor) -> bool:
-        below = getattr(self.policy, "recheck_below", 0.0)
+        below = self.policy.recheck_below
         if not below or not self._rechecking or self.stats.rechecks >= self.policy.max_rechecks:
             return False
         if len(self.resident) >= len(self.round_starts):
@@ -307,17 +305,18 @@ class TieredKV:
         pos = torch.tensor([p])
         h = m.run_layers(m.embed(torch.tensor(self.open_tokens[-1:])), pos, self.lower, p, layers=range(self.split))
         starts, slot = torch.tensor(self.round_starts), self.upper_base + p - self.open_start
-        sources = self._recheck_sources()
+        on_device = self._resident_slots()
+        self._announce([r for r in range(len(self.round_starts)) if r not in on_device])
         best = torch.zeros(len(self.round_starts))
         for layer in range(self.split, m.cfg.n_layers):
-            scratch = self._whole_layer(layer, sources, p)
+            scratch = self._whole_layer(layer, on_device, p)
             mass = round_mass(m.layers[layer].queries(h, m.rope(pos)), scratch.layer(layer)[0, :, : self.open_start],
                               starts).float().cpu()
             mass[0] = 0
             best = torch.maximum(best, mass / mass.sum().clamp_min(1e-30))
             h = m.run_layers(h, pos, scratch, p, layers=range(layer, layer + 1))
             self.upper.layer(layer)[:, :, slot] = scratch.layer(layer)[:, :, p]  # the token's K/V, all rounds seen
-            del scratch
+            del scratch  # before the next layer's is allocated: one layer of the whole chat on the device at a time
         found = [r for r in (best >= self.policy.recheck_mass).nonzero().flatten().tolist() if r not in self.resident]
         if found:
             for r in found:
@@ -330,28 +329,19 @@ class TieredKV:
         self.stats.recheck_ms += 1000 * (time.perf_counter() - t0)
         return m.head(h)[-1]
 
-    def _recheck_sources(self) -> list[tuple[Tensor, int | None]]:
-        """Per closed round: (its token-major host K/V, None) or (the device buffer, its first slot) if resident."""
-        on_device = self._resident_slots()
-        missing = [r for r in range(len(self.round_starts)) if r not in on_device and self.host[r] is None]
-        if missing and self.upper_hint is not None:
-            self.upper_hint(missing)
-        return [(self.upper.kv, on_device[r]) if r in on_device else (self._upper_of(r), None)
-                for r in range(len(self.round_starts))]
-
-    def _whole_layer(self, layer: int, sources, p: int) -> KVCache:
-        """A one-layer cache of `layer`'s K/V for every closed round and the open round before position p, in
-        chat order (slots = positions)."""
+    def _whole_layer(self, layer: int, on_device: dict[int, int], p: int) -> KVCache:
+        """A one-layer cache of `layer`'s K/V for every closed round (from `upper` where `on_device` gives its first
+        slot, else from host memory) and the open round before position p, in chat order (slots = positions)."""
         scratch = self.model.new_cache(p + 1, range(layer, layer + 1))
-        kv, at = scratch.layer(layer), self.split
-        for r, (source, first) in enumerate(sources):
-            start, n = self.round_starts[r], self._round_length(r)
-            if first is None:
-                block = source[:, layer - at]  # [n, 2, Hkv, D], strided in host memory
-                kv[:, :, start : start + n] = block.to(kv.device, non_blocking=True).permute(1, 2, 0, 3)
+        kv, upper = scratch.layer(layer), self.upper.layer(layer)
+        for r, start in enumerate(self.round_starts):
+            n = self._round_length(r)
+            if r in on_device:
+                kv[:, :, start : start + n] = upper[:, :, on_device[r] : on_device[r] + n]
             else:
-                kv[:, :, start : start + n] = source[layer - at, :, :, first : first + n]
-        kv[:, :, self.open_start : p] = self.upper.layer(layer)[:, :, self.upper_base : self.upper_base + p - self.open_start]
+                block = self._upper_of(r)[:, layer - self.split]  # [n, 2, Hkv, D], strided in host memory
+                kv[:, :, start : start + n] = block.to(kv.device, non_blocking=True).permute(1, 2, 0, 3)
+        kv[:, :, self.open_start : p] = upper[:, :, self.upper_base : self.upper_base + p - self.open_start]
         scratch.length = p
         return scratch
 
@@ -360,9 +350,7 @@ class TieredKV:
         """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block. Rounds
         still on the device from the previous message move there; only the others cross from host memory."""
         on_device = self._resident_slots()
-        missing = [r for r in rounds if r not in on_device and self.host[r] is None]
-        if missing and self.upper_hint is not None:
-            self.upper_hint(missing)  # the source may read them side by side rather than one after another
+        self._announce([r for r in rounds if r not in on_device])
         blocks = {r: self._upper_of(r) for r in rounds if r not in on_device}
         n = sum(self._round_length(r) for r in rounds)
         t0 = time.perf_counter()
@@ -382,7 +370,8 @@ class TieredKV:
         self.upper.reserve(n + 512)
         self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
         if copied:
-            self._account_transfer(t0, staged[:copied])  # the bytes that crossed (the device copies are not counted)
+            # the bytes that crossed (the device-to-device copies are not counted)
+            self._account_transfer(t0, copied * staged[0].numel() * staged.element_size())
         self.resident, self.upper_base, self.upper.length = list(rounds), n, n
 
     def _round_length(self, r: int) -> int:
@@ -397,12 +386,19 @@ class TieredKV:
             at += self._round_length(r)
         return slots
 
-    def _account_transfer(self, t0: float, moved: Tensor | int) -> None:
-        """Time the copies since t0 (waiting for the stream) and count what was moved (a tensor, or its bytes)."""
+    def _account_transfer(self, t0: float, moved_bytes: int) -> None:
+        """Time the copies since t0 (waiting for the stream) and count the bytes moved."""
         if self.upper.kv.is_cuda:
             torch.cuda.current_stream(self.upper.kv.device).synchronize()
         self.stats.transfer_ms += 1000 * (time.perf_counter() - t0)
-        self.stats.transfer_bytes += moved if isinstance(moved, int) else moved.numel() * moved.element_size()
+        self.stats.transfer_bytes += moved_bytes
+
+    def _announce(self, rounds: list[int]) -> None:
+        """Tell the upper source which of `rounds` it is about to be asked for, all at once, so it may read them
+        side by side rather than one after another."""
+        missing = [r for r in rounds if self.host[r] is None]
+        if missing and self.upper_hint is not None:
+            self.upper_hint(missing)
 
     def _upper_of(self, r: int) -> Tensor:
         """Round r's token-major upper K/V in host memory: kept, fetched from the store, or recomputed."""

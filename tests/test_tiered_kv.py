@@ -89,15 +89,11 @@ def test_a_round_brought_in_while_decoding_is_seen_by_the_next_token(engine):
     tiered.prefill(prompt)
     missing = next(r for r in range(len(ROUNDS)) if r not in tiered.resident)
     tiered.step(int(engine.tokenizer.encode(" Your")[0]))
-    reference = flat_cache(engine, tiered)
     tiered._insert_before_open([missing])  # what progressive selection does when a token names this round
     token = int(engine.tokenizer.encode(" sister")[0])
     got = tiered.step(token)
     opened = torch.arange(tiered.open_start, tiered.length - 1)
-    reference.write(range(engine.config.n_layers), tiered.open_start,
-                    torch.cat([tiered.lower.kv[:, :, :, tiered.open_start : tiered.length - 1],
-                               tiered.upper.kv[:, :, :, tiered.upper_base : tiered.upper.length - 1]]))
-    reference.length = tiered.length - 1
+    reference = open_round_reference(engine, tiered, tiered.length - 1)
     rounds = sorted(tiered.resident)
     attend = masked(engine, tiered, rounds)
     want = engine.model(torch.tensor([token]), reference,
@@ -105,13 +101,16 @@ def test_a_round_brought_in_while_decoding_is_seen_by_the_next_token(engine):
     assert torch.allclose(got, want, atol=1e-4)
 
 
-def open_round_reference(engine, tiered: TieredKV):
-    """A full cache of every closed round plus the open round's tokens as the tiered cache computed them."""
+def open_round_reference(engine, tiered: TieredKV, end: int | None = None):
+    """A full cache of every closed round plus the open round's tokens before `end` (default: all of them) as the
+    tiered cache computed them."""
+    end = tiered.length if end is None else end
+    n = end - tiered.open_start
     reference = flat_cache(engine, tiered)
     reference.write(range(engine.config.n_layers), tiered.open_start,
-                    torch.cat([tiered.lower.kv[:, :, :, tiered.open_start : tiered.length],
-                               tiered.upper.kv[:, :, :, tiered.upper_base : tiered.upper.length]]))
-    reference.length = tiered.length
+                    torch.cat([tiered.lower.kv[:, :, :, tiered.open_start : end],
+                               tiered.upper.kv[:, :, :, tiered.upper_base : tiered.upper_base + n]]))
+    reference.length = end
     return reference
 
 
