@@ -550,7 +550,9 @@ def _tiered_figures(cache, out) -> dict:
     return {"tiered_select_ms": st.select_ms, "tiered_transfer_ms": st.transfer_ms,
             "tiered_decode_select_ms": st.decode_select_ms,
             "tiered_transfer_mib": st.transfer_bytes / 2**20, "tiered_prefill_ms": ttft_ms,
-            "tiered_overhead_share": (st.select_ms + st.transfer_ms) / ttft_ms if ttft_ms else 0.0,
+            "tiered_prompt_transfer_ms": st.prompt_transfer_ms,
+            # what delays the first token: selection and the prompt's transfer (not rounds brought in while decoding)
+            "tiered_overhead_share": (st.select_ms + st.prompt_transfer_ms) / ttft_ms if ttft_ms else 0.0,
             "tiered_rounds": st.rounds, "tiered_chosen": len(st.chosen), "tiered_added": len(st.added),
             "tiered_rechecks": st.rechecks, "tiered_recheck_ms": st.recheck_ms, "tiered_found": len(st.found),
             "tiered_device_kv_mib": cache.device_bytes() / 2**20, "tiered_full_kv_mib": cache.full_bytes() / 2**20,

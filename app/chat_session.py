@@ -28,13 +28,14 @@ import torch
 from kvchat.engine.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
+from kvchat.engine.key_bounds import BLOCK
 from kvchat.engine.model import KVCache
 from kvchat.engine.policies import KVPolicy
 from kvchat.engine.tiered_kv import TieredKV, host_layout
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError, KvchatError
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import RoundRow, Store, now
+from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.prefetch import SegmentPrefetcher
@@ -72,13 +73,15 @@ class KVWriter:
         self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
-        """`kv` must not change afterwards (a copy, as KVCache.read returns)."""
+    def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range,
+               kind: str = SEGMENT_KV) -> None:
+        """`kv` (or, by `kind`, the round's key bounds) must not change afterwards (a copy, as KVCache.read
+        returns)."""
         ready = None
         if kv.is_cuda:  # the writer's stream must not read the copy before the main stream has made it
             ready = torch.cuda.Event()
             ready.record()
-        self._jobs.put((sid, round_idx, kv, layers, tokens, ready))
+        self._jobs.put((sid, round_idx, kv, layers, tokens, kind, ready))
 
     @property
     def busy(self) -> bool:
@@ -95,17 +98,17 @@ class KVWriter:
         except (AttributeError, OSError):
             pass
         while True:
-            sid, round_idx, kv, layers, tokens, ready = self._jobs.get()
+            sid, round_idx, kv, layers, tokens, kind, ready = self._jobs.get()
             try:
                 if ready is None:
-                    self._save(sid, round_idx, kv, layers, tokens)
+                    self._save(sid, round_idx, kv, layers, tokens, kind)
                 else:
                     # Its own CUDA stream: copying K/V to the host overlaps decoding instead of queueing behind it.
                     stream = self._stream or torch.cuda.Stream(kv.device)
                     self._stream = stream
                     stream.wait_event(ready)
                     with torch.cuda.stream(stream):
-                        self._save(sid, round_idx, kv, layers, tokens)
+                        self._save(sid, round_idx, kv, layers, tokens, kind)
             except Exception as exc:  # noqa: BLE001 - the writer must outlive any one failed save
                 # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
                 reason = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
@@ -114,10 +117,11 @@ class KVWriter:
             finally:
                 self._jobs.task_done()
 
-    def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range) -> None:
-        ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens)
+    def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None:
+        ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens,
+                            kind=kind)
         crash_point("segment-durable")
-        self.store.add_segment(sid, round_idx=round_idx, layer_start=layers.start, layer_end=layers.stop,
+        self.store.add_segment(sid, kind=kind, round_idx=round_idx, layer_start=layers.start, layer_end=layers.stop,
                                token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
                                dtype=str(kv.dtype).removeprefix("torch."), byte_size=ref.byte_size,
                                raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
@@ -139,6 +143,7 @@ class ChatSession:
         self.restored: RestoreStats | None = None
         self._waited = 0.0
         self._upper_fetcher: SegmentPrefetcher | None = None
+        self._bounds_fetcher: SegmentPrefetcher | None = None  # during a tiered restore
         self._upper_segments: dict[int, list[dict]] = {}  # tiered: each round's upper-layer segment rows
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
@@ -179,8 +184,12 @@ class ChatSession:
         stats, self._waited = RestoreStats(), 0.0
         by_round: dict[int, list[dict]] = {}
         upper_only: dict[int, list[dict]] = {}  # tiered: segments of upper layers only, read in the background
+        bounds: dict[int, list[dict]] = {}  # tiered: each round's key bounds, read with the lower layers
         for seg in self.store.segments(self.sid):
-            into = upper_only if seg["layer_start"] >= self.split else by_round
+            if seg["kind"] == SEGMENT_KEY_BOUNDS:
+                into = bounds if self.policy is not None and seg["layer_start"] == self.split else {}
+            else:
+                into = upper_only if seg["layer_start"] >= self.split else by_round
             into.setdefault(seg["round_idx"], []).append(seg)
         self._upper_parts: dict[int, list[tuple[range, torch.Tensor]]] = {}
         self._upper_segments = upper_only  # emptied if the restore finds the stored spans stale
@@ -198,10 +207,14 @@ class ChatSession:
         else:
             finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
         fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
+        self._bounds_fetcher = self._start_bounds_fetch(bounds, finish)
         try:
             restored = self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
         finally:
             fetcher.close()
+            if self._bounds_fetcher is not None:
+                self._bounds_fetcher.close()
+                self._bounds_fetcher = None
         if self.policy is not None:
             # Only once the lower layers are in: started earlier, this read competed with the restore for the disk
             # and the cores (at 32k on an H200 it made the restore slower than the full cache's).
@@ -276,14 +289,45 @@ class ChatSession:
 
     def _add_tiered_round(self, i: int, start: int, end: int, tokens: list[int] | None) -> None:
         """Tiered: register round i with the upper layers that came with its lower ones (a segment of every
-        layer, as the full cache stores), else none yet: the background reads bring them."""
+        layer, as the full cache stores), else none yet: the background reads bring them; and its key bounds."""
         if self.policy is None:
             return
         parts = sorted(self._upper_parts.pop(i, []), key=lambda p: p[0].start)
         upper = None
         if parts and parts[0][0].start == self.split and parts[-1][0].stop == self.engine.config.n_layers:
             upper = torch.cat([kv for _, kv in parts])
-        self.cache.add_closed_round(start, end, upper, tokens)
+        bounds = self._stored_bounds(i, start, end) if upper is None and tokens is None else None
+        self.cache.add_closed_round(start, end, upper, tokens, bounds=bounds)
+
+    def _start_bounds_fetch(self, bounds: dict[int, list[dict]], finish) -> SegmentPrefetcher | None:
+        """Tiered: read every round's key bounds (1/32 of its upper keys) beside the lower layers."""
+        if self.policy is None:
+            return None
+        groups = [[seg["file"] for seg in bounds.get(i, [])][:1] for i in range(len(self.rounds))]
+        sizes = [sum(seg["raw_size"] for seg in bounds.get(i, [])[:1]) for i in range(len(self.rounds))]
+        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
+        fetcher.start()
+        return fetcher
+
+    def _stored_bounds(self, i: int, start: int, end: int) -> torch.Tensor | None:
+        """Round i's stored key bounds, or None (they are computed from its upper layers at the first recheck
+        that needs them; a chat stored before they were kept has none)."""
+        fetcher = self._bounds_fetcher
+        if fetcher is None or not fetcher.groups[i]:
+            return None
+        loaded = fetcher.get(i)
+        if isinstance(loaded, str):
+            reason = loaded
+        else:
+            header, data = loaded[0]
+            bounds = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
+            want = tuple(self.cache.key_bounds.bounds.shape[:3]) + (-(-(end - start) // BLOCK),
+                                                                   self.cache.key_bounds.bounds.shape[4])
+            if (header.token_start, header.token_end) == (start, end) and tuple(bounds.shape) == want:
+                return bounds
+            reason = "key bounds of another shape or token span"
+        log.info("round %d of %s: stored key bounds unusable (%s); computed when needed", i, self.sid, reason)
+        return None
 
     def _start_upper_fetch(self) -> None:
         """Read every round's upper-layer segments into host memory in the background, starting now."""
@@ -332,12 +376,14 @@ class ChatSession:
         """Round i's upper layers, token-major [n, L - split, 2, Hkv, D], from the store, or None (saying why) to
         recompute."""
         row, segments = self.rounds[i], self._upper_segments.get(i, [])
+        row_tokens = range(row.token_start, row.token_end)
         reason = self._unusable(segments, range(self.split, self.engine.config.n_layers))
         if reason is None:
             loaded = self._upper_fetcher.take(i)
             if isinstance(loaded, str):
                 reason = loaded
-            elif any((h.token_start, h.token_end) != (row.token_start, row.token_end) for h, _ in loaded):
+            elif any((h.token_start, h.token_end, h.shape[3]) != (row.token_start, row.token_end, len(row_tokens))
+                     for h, _ in loaded):
                 reason = "upper-layer segment holds another token span"
             else:
                 parts = [kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)]
@@ -369,6 +415,7 @@ class ChatSession:
             lower = self.cache.lower.read(range(self.split), row.token_start, row.token_end)
             self.writer.submit(self.sid, i, lower, range(self.split), tokens)
             self.writer.submit(self.sid, i, upper, range(self.split, n_layers), tokens)
+            self._save_bounds(i, tokens)
             self.writer.drain()
             self.store.unlink_files(self.store.unreferenced(old))
             done += 1
@@ -411,7 +458,8 @@ class ChatSession:
         self._waited += time.perf_counter() - t0
         if isinstance(loaded, str):
             return loaded
-        if any((header.token_start, header.token_end) != (start, end) for header, _ in loaded):
+        if any((header.token_start, header.token_end, header.shape[3]) != (start, end, end - start)
+               for header, _ in loaded):
             return "segment holds another token span"
         for seg, (header, data) in zip(segments, loaded):
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
@@ -498,6 +546,13 @@ class ChatSession:
         lower = range(self.split)
         self.writer.submit(self.sid, idx, self.cache.lower.read(lower, row.token_start, row.token_end), lower, tokens)
         self.writer.submit(self.sid, idx, self.cache.round_upper(idx), range(self.split, n_layers), tokens)
+        self._save_bounds(idx, tokens)
+
+    def _save_bounds(self, idx: int, tokens: range) -> None:
+        bounds = self.cache.round_bounds(idx)
+        if bounds is not None:
+            upper = range(self.split, self.engine.config.n_layers)
+            self.writer.submit(self.sid, idx, bounds, upper, tokens, kind=SEGMENT_KEY_BOUNDS)
 
     @torch.inference_mode()
     def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> None:

@@ -213,15 +213,17 @@ class DecoderLayer(nn.Module):
         self.round_gate_up, self.round_down = w.round_gate_up, w.round_down
 
     def forward(self, h: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
-                attend: Tensor | None, step: "DecodeStep | None" = None) -> Tensor:
-        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step)
+                attend: Tensor | None, step: "DecodeStep | None" = None, queries: list | None = None) -> Tensor:
+        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step, queries)
         x = self.ffn_norm(h)
         gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
         return h + F.linear(self.round_down(F.silu(gate) * up), self.w_down)
 
     def _attention(self, x: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
-                   attend: Tensor | None, step: "DecodeStep | None") -> Tensor:
+                   attend: Tensor | None, step: "DecodeStep | None", queries: list | None = None) -> Tensor:
         q, k, v = self._qkv(x, rot)
+        if queries is not None:
+            queries.append(q)
         if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
             kv = cache.layer(layer)
             kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
@@ -349,13 +351,16 @@ class Transformer(nn.Module):
         return F.embedding(tokens.to(self.device), self.tok_embeddings)
 
     def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
-                   layers: range | None = None, attend: Attend = None, step: DecodeStep | None = None) -> Tensor:
+                   layers: range | None = None, attend: Attend = None, step: DecodeStep | None = None,
+                   queries: list | None = None) -> Tensor:
         """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
 
         Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
         restricts what the new tokens see, in every layer or (SplitAttend) in the upper ones; the default is every
         slot before `start`. Does not move cache.length.
         With `step` (one token, CUDA-graph decode) positions, slot and visibility come from its device tensors.
+        `queries`, if given, receives each layer's queries [T, H, D] (a tiered cache's rechecks score rounds with
+        them without running the layers again).
         """
         layers = range(self.cfg.n_layers) if layers is None else layers
         if step is None:
@@ -364,7 +369,7 @@ class Transformer(nn.Module):
         else:
             rot = step.rot
         for i in layers:
-            h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step)
+            h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step, queries)
         return h
 
     def head(self, h: Tensor) -> Tensor:

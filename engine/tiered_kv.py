@@ -12,9 +12,10 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
     4. the message finishes layer w and the upper layers attend to `upper` as a plain prefix: fewer keys, no mask;
     5. during decoding (progressive selection, LoopServe's idea) each token's query at layer w may name a round
        that is not yet in `upper`; it is brought in before the token's upper layers run;
-    6. a decoded token the model is unsure of (top probability below the policy's `recheck_below`) is run again
-       with every round visible in the upper layers, one layer at a time (each layer's K/V of the whole chat goes
-       to a scratch cache, used, and freed), and the rounds it attended to are brought in for the tokens after it.
+    6. a decoded token the model is unsure of (top probability below the policy's `recheck_below`) is rechecked:
+       its queries at the upper layers are scored against every closed round's key bounds (engine.key_bounds, kept
+       on the device at 1/32 of the upper keys), and a round that could hold at least `recheck_mass` of its
+       attention at any of them is brought in and the token's upper layers run again with it.
 
 A closed round's upper K/V is copied back to host memory. A round not picked for `max_idle` messages is dropped
 from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from kvchat.engine.key_bounds import BoundsTable, key_bounds
 from kvchat.engine.model import KVCache, Transformer
 from kvchat.kernels.round_scores import round_mass
 
@@ -47,14 +49,16 @@ class TieredStats:
     added: list[int] = field(default_factory=list)  # brought in while decoding
     select_ms: float = 0.0  # scoring and picking at the prompt (the lower-layer prefill itself not counted)
     decode_select_ms: float = 0.0  # scoring each decoded token (progressive selection)
-    transfer_ms: float = 0.0  # host-to-device copies of picked rounds' upper K/V
+    transfer_ms: float = 0.0  # host-to-device copies of picked rounds' upper K/V (prompt and decoding)
     transfer_bytes: int = 0
+    prompt_transfer_ms: float = 0.0  # the part before the first token
     fetched: list[int] = field(default_factory=list)  # rounds whose upper K/V had to come from `upper_source`
     recomputed: list[int] = field(default_factory=list)  # rounds whose upper K/V had to be recomputed
     dropped: list[int] = field(default_factory=list)  # rounds whose host copy was released after this message
     rechecks: int = 0  # decoded tokens run again with every round visible
     recheck_ms: float = 0.0
     found: list[int] = field(default_factory=list)  # rounds the rechecks brought in
+    bounds_computed: list[int] = field(default_factory=list)  # rounds whose key bounds had to be computed
 
 
 class TieredKV:
@@ -79,9 +83,13 @@ class TieredKV:
         self.upper_source: UpperSource | None = None
         self.upper_hint: UpperHint | None = None
         self.token_source: TokenSource | None = None
+        self.key_bounds = BoundsTable(cfg.n_layers - self.split, cfg.n_kv_heads, cfg.head_dim, model.dtype,
+                                      model.device)
         self.stats = TieredStats()
         self._pin = model.device.type == "cuda"
-        self._rechecking = True  # until a recheck of this reply finds nothing
+        # The latest decoded token's hidden state entering the upper layers and its queries [1, H, D] at each.
+        self._upper_input: Tensor | None = None
+        self._upper_queries: list[Tensor] = []
 
     # ---- sizes ----
 
@@ -95,8 +103,8 @@ class TieredKV:
         return self.lower.length if self.open_start is None else self.open_start
 
     def device_bytes(self) -> int:
-        """K/V bytes held on the device for the valid slots of both tiers."""
-        return self.lower.nbytes() + self.upper.nbytes()
+        """K/V bytes held on the device for the valid slots of both tiers, and the key bounds."""
+        return self.lower.nbytes() + self.upper.nbytes() + self.key_bounds.nbytes()
 
     def full_bytes(self) -> int:
         """What a full cache would hold on the device for the same tokens."""
@@ -108,13 +116,19 @@ class TieredKV:
     # ---- building from stored K/V ----
 
     @torch.inference_mode()
-    def add_closed_round(self, start: int, end: int, upper_kv: Tensor | None, tokens: list[int] | None = None) -> None:
+    def add_closed_round(self, start: int, end: int, upper_kv: Tensor | None, tokens: list[int] | None = None,
+                         bounds: Tensor | None = None) -> None:
         """Append a closed round whose lower K/V the caller has written to `lower` slots [start, end);
-        `upper_kv` in segment layout [L - split, 2, Hkv, n, D], or None to fetch or recompute when needed."""
+        `upper_kv` in segment layout [L - split, 2, Hkv, n, D], or None to fetch or recompute when needed;
+        `bounds` its stored key bounds [L - split, 2, Hkv, nb, D], or None to compute them from `upper_kv` (now)
+        or when a recheck needs them."""
         if self.open_start is not None or start != self.closed_end or end <= start:
             raise ValueError(f"round [{start}, {end}) does not follow the closed rounds (end {self.closed_end})")
+        if bounds is None and upper_kv is not None:
+            bounds = key_bounds(upper_kv[:, 0].to(self.model.device))
         self.round_starts.append(start)
         self.host.append(None if upper_kv is None else self._to_host(upper_kv))
+        self.key_bounds.append(end - start, bounds)
         self.tokens.append(tokens)
         self.last_chosen.append(self.messages)
         self.lower.length = end
@@ -141,7 +155,7 @@ class TieredKV:
             raise RuntimeError("no round is open: prefill the message first")
         logits = self._run([token], progressive=self.policy.progressive)
         if self._should_recheck(logits):
-            logits = self._recheck()
+            logits = self._recheck(logits)
         return logits
 
     def truncate(self, position: int) -> None:
@@ -160,6 +174,7 @@ class TieredKV:
             del lst[keep:]
         self.open_start, self.open_tokens = None, []
         self.lower.truncate(position)
+        self.key_bounds.truncate(keep)
         if any(r >= keep for r in self.resident):
             self.resident, self.upper_base = [], 0
         self.upper.truncate(self.upper_base)  # the closed rounds still there serve the next message
@@ -176,6 +191,7 @@ class TieredKV:
         idx = len(self.round_starts)
         self.round_starts.append(self.open_start)
         self.host.append(self._to_host(upper_kv))
+        self.key_bounds.append(n, key_bounds(upper_kv[:, 0]))
         self.tokens.append(list(self.open_tokens))
         self.last_chosen.append(self.messages)
         # The round's upper K/V stay where they are, now as one more resident round.
@@ -189,13 +205,17 @@ class TieredKV:
         host = self.host[r]
         return None if host is None else host.permute(1, 2, 3, 0, 4).contiguous()
 
+    def round_bounds(self, r: int) -> Tensor | None:
+        """Round r's key bounds [L - split, 2, Hkv, nb, D] (a copy, for saving), or None if not computed."""
+        bounds = self.key_bounds.round(r)
+        return None if bounds is None else bounds.clone()
+
     # ---- internals ----
 
     def _open_round(self, tokens: list[int], chunk: int) -> Tensor:
         m, w = self.model, self.split - 1
         self.stats = TieredStats(rounds=len(self.round_starts))
         self.messages += 1
-        self._rechecking = True
         start = self.lower.length
         self.open_start, self.open_tokens = start, []
         self.lower.reserve(start + len(tokens))
@@ -210,6 +230,7 @@ class TieredKV:
         chosen = self._choose_for(hs, positions, start) if self.round_starts else []
         self.stats.chosen = chosen
         self._bring_in(chosen)
+        self.stats.prompt_transfer_ms = self.stats.transfer_ms
         logits = None
         for h, pos, piece in zip(hs, positions, pieces):
             logits = self._finish(h, pos, piece)
@@ -244,7 +265,10 @@ class TieredKV:
         m, w, first = self.model, self.split - 1, int(pos[0])
         h = m.run_layers(h, pos, self.lower, first, layers=range(w, self.split))
         slot = self.upper_base + first - self.open_start
-        h = m.run_layers(h, pos, self.upper, slot, layers=range(self.split, m.cfg.n_layers))
+        recheckable = len(tokens) == 1 and bool(self.policy.recheck_below)  # a recheck would need these
+        self._upper_input, self._upper_queries = (h if recheckable else None), []
+        h = m.run_layers(h, pos, self.upper, slot, layers=range(self.split, m.cfg.n_layers),
+                         queries=self._upper_queries if recheckable else None)
         self.lower.length = first + len(tokens)
         self.upper.length = slot + len(tokens)
         self.open_tokens.extend(tokens)
@@ -290,60 +314,44 @@ class TieredKV:
 
     def _should_recheck(self, logits: Tensor) -> bool:
         below = self.policy.recheck_below
-        if not below or not self._rechecking or self.stats.rechecks >= self.policy.max_rechecks:
+        if not below or self._upper_input is None or self.stats.rechecks >= self.policy.max_rechecks:
             return False
         if len(self.resident) >= len(self.round_starts):
             return False  # every round is already visible
         return float(torch.softmax(logits.float(), dim=-1).max()) < below
 
     @torch.inference_mode()
-    def _recheck(self) -> Tensor:
-        """Run the latest token again with every round visible in the upper layers; bring in the rounds that got
-        at least `recheck_mass` of its attention (the first round aside) at any of them. Logits [V]."""
+    def _recheck(self, logits: Tensor) -> Tensor:
+        """Score every closed round against the latest token's queries at the upper layers, through the rounds'
+        key bounds; bring in those that could get at least `recheck_mass` of its attention (the first round aside)
+        at any upper layer, and run the token's upper layers again with them. Logits [V]."""
         t0 = time.perf_counter()
         m, p = self.model, self.lower.length - 1
-        pos = torch.tensor([p])
-        h = m.run_layers(m.embed(torch.tensor(self.open_tokens[-1:])), pos, self.lower, p, layers=range(self.split))
-        starts, slot = torch.tensor(self.round_starts), self.upper_base + p - self.open_start
-        on_device = self._resident_slots()
-        self._announce([r for r in range(len(self.round_starts)) if r not in on_device])
-        best = torch.zeros(len(self.round_starts))
-        for layer in range(self.split, m.cfg.n_layers):
-            scratch = self._whole_layer(layer, on_device, p)
-            mass = round_mass(m.layers[layer].queries(h, m.rope(pos)), scratch.layer(layer)[0, :, : self.open_start],
-                              starts).float().cpu()
-            mass[0] = 0
-            best = torch.maximum(best, mass / mass.sum().clamp_min(1e-30))
-            h = m.run_layers(h, pos, scratch, p, layers=range(layer, layer + 1))
-            self.upper.layer(layer)[:, :, slot] = scratch.layer(layer)[:, :, p]  # the token's K/V, all rounds seen
-            del scratch  # before the next layer's is allocated: one layer of the whole chat on the device at a time
+        self._complete_bounds()
+        shares = self.key_bounds.round_shares(torch.stack([q[-1] for q in self._upper_queries]))  # [Lu, R]
+        best = shares.amax(0)
         found = [r for r in (best >= self.policy.recheck_mass).nonzero().flatten().tolist() if r not in self.resident]
         if found:
             for r in found:
                 self.last_chosen[r] = self.messages
             self.stats.found.extend(found)
+            h, pos = self._upper_input, torch.tensor([p])
             self._insert_before_open(found)
-        else:
-            self._rechecking = False  # the doubt is not about a round the reply cannot see
+            slot = self.upper_base + p - self.open_start
+            logits = m.head(m.run_layers(h, pos, self.upper, slot, layers=range(self.split, m.cfg.n_layers)))[-1]
         self.stats.rechecks += 1
         self.stats.recheck_ms += 1000 * (time.perf_counter() - t0)
-        return m.head(h)[-1]
+        return logits
 
-    def _whole_layer(self, layer: int, on_device: dict[int, int], p: int) -> KVCache:
-        """A one-layer cache of `layer`'s K/V for every closed round (from `upper` where `on_device` gives its first
-        slot, else from host memory) and the open round before position p, in chat order (slots = positions)."""
-        scratch = self.model.new_cache(p + 1, range(layer, layer + 1))
-        kv, upper = scratch.layer(layer), self.upper.layer(layer)
-        for r, start in enumerate(self.round_starts):
-            n = self._round_length(r)
-            if r in on_device:
-                kv[:, :, start : start + n] = upper[:, :, on_device[r] : on_device[r] + n]
-            else:
-                block = self._upper_of(r)[:, layer - self.split]  # [n, 2, Hkv, D], strided in host memory
-                kv[:, :, start : start + n] = block.to(kv.device, non_blocking=True).permute(1, 2, 0, 3)
-        kv[:, :, self.open_start : p] = upper[:, :, self.upper_base : self.upper_base + p - self.open_start]
-        scratch.length = p
-        return scratch
+    @torch.inference_mode()
+    def _complete_bounds(self) -> None:
+        """Compute the key bounds of rounds stored without them (chats saved before they were kept), once."""
+        missing = [r for r, known in enumerate(self.key_bounds.known) if not known]
+        self._announce(missing)
+        for r in missing:
+            keys = self._upper_of(r)[:, :, 0].to(self.model.device, non_blocking=True)  # [n, Lu, Hkv, D]
+            self.key_bounds.fill(r, key_bounds(keys.permute(1, 2, 0, 3)))
+            self.stats.bounds_computed.append(r)
 
     @torch.inference_mode()
     def _bring_in(self, rounds: list[int]) -> None:
@@ -410,7 +418,10 @@ class TieredKV:
             self.host[r] = kv
         else:
             self.stats.recomputed.append(r)
-            self.host[r] = self._to_host(self._recompute_upper(r))
+            upper_kv = self._recompute_upper(r)
+            if not self.key_bounds.known[r]:
+                self.key_bounds.fill(r, key_bounds(upper_kv[:, 0]))
+            self.host[r] = self._to_host(upper_kv)
         return self.host[r]
 
     def _recompute_upper(self, r: int) -> Tensor:

@@ -2,7 +2,8 @@
 transaction, through sqlite-utils.
 
 Tables: models (fingerprints), sessions, rounds (the text, committed as soon as a reply ends), kv_segments (one row
-per stored K/V piece, committed only once its file is durable) and restores (what the last restores cost).
+per stored piece of a round, of a kind: its K/V or its key bounds; committed only once its file is durable) and
+restores (what the last restores cost).
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+# What a kv_segments row holds: a round's K/V ([layers, 2, Hkv, tokens, D]) or its key bounds (per block of tokens,
+# the per-dimension min and max of the keys: [layers, 2, Hkv, blocks, D]).
+SEGMENT_KV = "kv"
+SEGMENT_KEY_BOUNDS = "key-bounds"
+SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS)
+_SEGMENT_PK = ("session_id", "round_idx", "layer_start", "kind")
+
+
+def check_segment_kind(kind: str) -> None:
+    if kind not in SEGMENT_KINDS:
+        raise ValueError(f"unknown KV segment kind {kind!r}; known kinds are {', '.join(SEGMENT_KINDS)}")
+
+
 # ---- migrations: append only; a name is never reused or edited once released ----
 
 def _m001_initial(db: Database) -> None:
@@ -56,7 +70,17 @@ def _m001_initial(db: Database) -> None:
     db["restores"].create_index(["session_id", "at"])
 
 
-MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial)]
+def _m002_segment_kind(db: Database) -> None:
+    # A round may store, beside its K/V, other per-round pieces (key bounds); the kind joins the primary key so one
+    # round and layer group can hold one piece of each kind. Rows written before are all K/V.
+    segments = db["kv_segments"]
+    segments.add_column("kind", str, not_null_default=SEGMENT_KV)
+    segments.transform(pk=_SEGMENT_PK)
+    segments.create_index(["file"], if_not_exists=True)  # transform recreates it; make sure across versions
+
+
+MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
+                                                            ("002_segment_kind", _m002_segment_kind)]
 
 
 @dataclass
@@ -180,6 +204,8 @@ class Store:
                        settings: dict, rounds: list[RoundRow], segments: list[dict]) -> str:
         """A whole chat in one transaction (imports): it is there completely or not at all."""
         sid, stamp = uuid.uuid4().hex[:12], now()
+        for seg in segments:
+            check_segment_kind(seg.get("kind", SEGMENT_KV))
         with self.transaction() as db:
             db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
                                    "model_fingerprint": model_fingerprint, "model_path": model_path,
@@ -187,7 +213,9 @@ class Store:
             db["rounds"].insert_all({"session_id": sid, "idx": r.idx, "user_text": r.user_text,
                                      "assistant_text": r.assistant_text, "token_start": r.token_start,
                                      "token_end": r.token_end, "created": r.created} for r in rounds)
-            db["kv_segments"].insert_all({"session_id": sid, "created": stamp, **seg} for seg in segments)
+            # Every row names its kind: insert_all fills a key missing from some rows with NULL, not the default.
+            db["kv_segments"].insert_all({"session_id": sid, "created": stamp, "kind": SEGMENT_KV, **seg}
+                                         for seg in segments)
         return sid
 
     def sessions(self) -> list[dict]:
@@ -306,13 +334,14 @@ class Store:
 
     # ---- KV segments ----
 
-    def add_segment(self, sid: str, **row) -> None:
+    def add_segment(self, sid: str, *, kind: str = SEGMENT_KV, **row) -> None:
+        check_segment_kind(kind)
         with self.transaction() as db:
-            db["kv_segments"].upsert({"session_id": sid, "created": now(), **row},
-                                     pk=("session_id", "round_idx", "layer_start"))
+            db["kv_segments"].upsert({"session_id": sid, "created": now(), "kind": kind, **row}, pk=_SEGMENT_PK)
 
     def segments(self, sid: str) -> list[dict]:
-        return self._query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, layer_start", [sid])
+        return self._query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, kind, layer_start",
+                           [sid])
 
     def drop_segments(self, sid: str, round_idx: int) -> None:
         with self.transaction() as db:

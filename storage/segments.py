@@ -9,6 +9,9 @@ A file is a fixed little-endian header followed by the encoded payload:
 Files are named by the sha256 of their whole content, so identical K/V is stored once, a name can be shared by
 several chats, and a file that no longer hashes to its name is known to be damaged. A segment is only a cache: every
 way of reading it wrong is reported as a StorageError subclass, and the caller recomputes.
+
+A segment of kind "key-bounds" holds a round's key bounds instead of its K/V, in the same format with blocks of tokens
+in place of tokens ([layers, 2 (min, max), Hkv, blocks, D]); the header does not record the kind, the database row does.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
+from kvchat.storage.db import SEGMENT_KV, check_segment_kind
 
 if TYPE_CHECKING:
     from kvchat.storage.staging import HostToDevice
@@ -119,14 +123,15 @@ def header_size(ndim: int) -> int:
 
 
 def write_segment(folder: Path, kv: torch.Tensor, *, fingerprint: str, layers: range, tokens: range,
-                  codec: str = "planes+zstd") -> SegmentRef:
-    """Save `kv` ([len(layers), 2, Hkv, len(tokens), D], any device, fp32/bf16/fp16) durably under `folder`.
+                  codec: str = "planes+zstd", kind: str = SEGMENT_KV) -> SegmentRef:
+    """Save `kv` ([len(layers), 2, Hkv, len(tokens), D], any device, fp32/bf16/fp16) durably under `folder`; for
+    kind "key-bounds", the keys' per-block min and max ([len(layers), 2, Hkv, blocks, D], 1 <= blocks <= len(tokens)).
 
     When this returns, the file is on disk and survives a crash; when it raises StorageError, nothing new is left
     in `folder`.
     """
     _check_fingerprint(fingerprint)
-    _check_kv(kv, layers, tokens)
+    _check_kv(kv, layers, tokens, kind)
     if codec not in CODECS:
         raise StorageError(f"unknown KV codec {codec!r}; accepted codecs are {', '.join(CODECS)}.")
     raw_size = kv.numel() * kv.element_size()
@@ -158,18 +163,32 @@ def _check_fingerprint(fingerprint: str) -> None:
         raise ValueError(f"model fingerprint must be a sha256 hex string (64 hex digits), not {fingerprint!r}")
 
 
-def _check_kv(kv: torch.Tensor, layers: range, tokens: range) -> None:
+def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None:
+    check_segment_kind(kind)
+    name, rows = ("K/V", "tokens") if kind == SEGMENT_KV else ("key bounds", "blocks")
     if kv.dtype not in DTYPES:
-        raise ValueError(f"K/V of dtype {kv.dtype} cannot be saved; supported: {', '.join(map(str, DTYPES))}")
+        raise ValueError(f"{name} of dtype {kv.dtype} cannot be saved; supported: {', '.join(map(str, DTYPES))}")
     if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"K/V must be [layers, 2, kv_heads, tokens, head_dim], not {list(kv.shape)}")
-    for what, r, n in (("layers", layers, kv.shape[0]), ("tokens", tokens, kv.shape[3])):
+        raise ValueError(f"{name} must be [layers, 2, kv_heads, {rows}, head_dim], not {list(kv.shape)}")
+    for what, r in (("layers", layers), ("tokens", tokens)):
         if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
             raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
-        if len(r) != n:
-            raise ValueError(f"K/V holds {n} {what} but {what} {r} has {len(r)}")
+    if len(layers) != kv.shape[0]:
+        raise ValueError(f"{name} for layers {layers} must hold {len(layers)} layers, not {kv.shape[0]}")
+    if not token_rows_fit(kind, kv.shape[3], len(tokens)):
+        allowed = len(tokens) if kind == SEGMENT_KV else f"1 to {len(tokens)}"
+        raise ValueError(f"{name} for tokens {tokens} must hold {allowed} {rows}, not {kv.shape[3]}")
     if any(d > _U32_MAX for d in kv.shape):
         raise ValueError(f"K/V shape {list(kv.shape)} does not fit the segment format")
+
+
+def token_rows_fit(kind: str | None, rows: int, n_tokens: int) -> bool:
+    """Whether a segment's dimension 3 fits its token range: one row per token for K/V, 1 to n_tokens blocks for
+    key bounds. kind None (a file read without its database row) accepts either."""
+    per_token, blocks = rows == n_tokens, 1 <= rows <= n_tokens
+    if kind is None:
+        return per_token or blocks
+    return per_token if kind == SEGMENT_KV else blocks
 
 
 def _host_bytes(kv: torch.Tensor, split_planes: bool) -> np.ndarray:
@@ -395,7 +414,9 @@ def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[Segm
         raise corrupt(f"it declares {raw_size} raw bytes, more than the {max_raw_size} allowed")
     if math.prod(shape) * header.dtype.itemsize != raw_size:
         raise corrupt(f"shape {list(shape)} of {header.dtype} does not make {raw_size} bytes")
-    if ndim != 5 or shape[1] != 2 or l0 > l1 or t0 > t1 or shape[0] != l1 - l0 or shape[3] != t1 - t0:
+    # The header does not record the kind, so dimension 3 may be one row per token (K/V) or fewer (key bounds).
+    if ndim != 5 or shape[1] != 2 or l0 > l1 or t0 > t1 or shape[0] != l1 - l0 or not token_rows_fit(
+            None, shape[3], t1 - t0):
         raise corrupt(f"shape {list(shape)} does not match layers [{l0}, {l1}) and tokens [{t0}, {t1})")
     return header, prefix + rest
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import RoundRow, Store, now
-from kvchat.storage.segments import SUFFIX, parse_segment, store_segment_bytes
+from kvchat.storage.db import SEGMENT_KINDS, SEGMENT_KV, RoundRow, Store, now
+from kvchat.storage.segments import SUFFIX, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
 VERSION = 1
@@ -55,8 +55,9 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"]},
         "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
                     "token_end": r.token_end} for r in rounds],
-        "segments": [{k: s[k] for k in ("round_idx", "layer_start", "layer_end", "token_start", "token_end", "codec",
-                                        "dtype", "byte_size", "raw_size", "checksum", "file")} for s in segments],
+        "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
+                                        "codec", "dtype", "byte_size", "raw_size", "checksum", "file")}
+                     for s in segments],
     }
     out = Path(out)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
@@ -90,8 +91,10 @@ def import_state(store: Store, path: Path, *, current_fingerprint: str, model_pa
         segments, blobs = [], {}
     for seg in segments:
         header, _ = parse_segment(blobs[seg["file"]], seg["file"], fingerprint=manifest["model"]["fingerprint"])
-        if (header.layer_start, header.layer_end, header.token_start, header.token_end, header.checksum) != (
-                seg["layer_start"], seg["layer_end"], seg["token_start"], seg["token_end"], seg["checksum"]):
+        held = (header.layer_start, header.layer_end, header.token_start, header.token_end, header.checksum)
+        said = (seg["layer_start"], seg["layer_end"], seg["token_start"], seg["token_end"], seg["checksum"])
+        # The blob's header does not record its kind: its shape must fit the kind the manifest gives.
+        if held != said or not token_rows_fit(seg["kind"], header.shape[3], len(header.tokens)):
             raise StateFileError(f"{path.name}: blob {seg['file'][:12]}… does not hold what the manifest says")
     # Everything is valid: write the blobs first (content-addressed, so harmless if we stop here), then the rows.
     for name, data in blobs.items():
@@ -192,6 +195,10 @@ def _validate_manifest(m, bad) -> dict:
         raise bad("the segments list is malformed")
     ints = ("round_idx", "layer_start", "layer_end", "token_start", "token_end", "byte_size", "raw_size")
     for j, s in enumerate(segments):
+        if isinstance(s, dict):
+            kind = s.setdefault("kind", SEGMENT_KV)  # files exported before segments had kinds hold only K/V
+            if not (isinstance(kind, str) and kind in SEGMENT_KINDS):
+                raise bad(f"segment {j} is of an unknown kind {str(kind)[:40]!r}")
         ok = (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ints)
               and isinstance(s.get("file"), str) and _BLOB_NAME.fullmatch(s["file"])
               and _is_hex64(s.get("checksum")) and isinstance(s.get("codec"), str) and isinstance(s.get("dtype"), str)

@@ -320,3 +320,64 @@ def test_one_store_read_and_written_from_many_threads_at_once(kvchat_home):
         t.join()
     assert not errors
     assert len(store.rounds(sid)) == len(store.segments(sid)) == 150
+
+
+# ---- segment kinds ----
+
+def segment_row(round_idx: int, name: str, layer_start: int = 0) -> dict:
+    return dict(round_idx=round_idx, layer_start=layer_start, layer_end=layer_start + 8, token_start=0, token_end=40,
+                codec="zstd", dtype="float16", byte_size=1, raw_size=1, checksum="c" * 64, file=f"{name * 64}.kvs",
+                model_fingerprint="ab" * 32)
+
+
+def kinds_and_files(store: Store, sid: str) -> list[tuple[int, str, str]]:
+    return [(s["round_idx"], s["kind"], s["file"][0]) for s in store.segments(sid)]
+
+
+def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch):
+    from kvchat.storage import db as store_db
+
+    with monkeypatch.context() as m:  # a database as kvchat left it before segments had kinds
+        m.setattr(store_db, "MIGRATIONS", store_db.MIGRATIONS[:1])
+        old = Store()
+        sid = old.create_session(title="old", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
+        old.db["kv_segments"].insert({"session_id": sid, "created": store_db.now(), **segment_row(0, "a")})
+        assert "kind" not in old.db["kv_segments"].columns_dict
+        old.close()
+    store = Store()
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 2
+    assert kinds_and_files(store, sid) == [(0, "kv", "a")]
+    table = store.db["kv_segments"]
+    assert table.pks == ["session_id", "round_idx", "layer_start", "kind"]
+    assert [ix.columns for ix in table.indexes if ix.origin == "c"] == [["file"]]
+    assert [(fk.column, fk.other_table, fk.other_column) for fk in table.foreign_keys] == [("session_id", "sessions",
+                                                                                          "id")]
+    store.add_segment(sid, kind="key-bounds", **segment_row(0, "b"))  # same round and layer_start, another kind
+    assert kinds_and_files(store, sid) == [(0, "key-bounds", "b"), (0, "kv", "a")]
+    assert store.integrity_ok() and not store._fetch("PRAGMA foreign_key_check")
+
+
+def test_segments_of_each_kind_are_kept_copied_and_dropped_alike(kvchat_home):
+    from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KINDS, SEGMENT_KV, RoundRow, now
+
+    assert SEGMENT_KINDS == (SEGMENT_KV, SEGMENT_KEY_BOUNDS) == ("kv", "key-bounds")
+    store = Store()
+    sid = store.create_session(title="kinds", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
+    for i in range(2):
+        store.add_round(sid, RoundRow(i, "u", "a", 40 * i, 40 * i + 40, now()))
+    store.add_segment(sid, **segment_row(0, "a"))  # kind "kv" unless told
+    store.add_segment(sid, kind=SEGMENT_KEY_BOUNDS, **segment_row(0, "b"))
+    store.add_segment(sid, kind=SEGMENT_KV, **segment_row(0, "c"))  # replaces the K/V row only
+    store.add_segment(sid, kind=SEGMENT_KEY_BOUNDS, **segment_row(1, "d", layer_start=8))
+    store.add_segment(sid, **segment_row(1, "e", layer_start=8))
+    with pytest.raises(ValueError, match="unknown KV segment kind 'bounds'"):
+        store.add_segment(sid, kind="bounds", **segment_row(1, "f"))
+    assert kinds_and_files(store, sid) == [(0, "key-bounds", "b"), (0, "kv", "c"), (1, "key-bounds", "d"),
+                                           (1, "kv", "e")]
+    fork = store.fork_session(sid, 1, "fork")
+    assert kinds_and_files(store, fork) == kinds_and_files(store, sid)[:2]
+    b, c = "b" * 64 + ".kvs", "c" * 64 + ".kvs"
+    store.drop_segments(sid, 1)
+    assert kinds_and_files(store, sid) == [(0, "key-bounds", "b"), (0, "kv", "c")]
+    assert store.delete_session(sid) == [] and store.referenced_files() == {b, c}  # they live on in the fork
+    assert sorted(store.set_round_spans(fork, [0], [41])) == [b, c] and store.segments(fork) == []

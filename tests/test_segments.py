@@ -142,11 +142,28 @@ def test_damaged_file_is_repaired_by_writing_again(saved):
     dict(tokens=range(-1, 2)),
     dict(fingerprint="ab" * 31),
     dict(fingerprint="xy" * 32),
+    dict(kind="bounds"),
+    dict(kind="key-bounds", tokens=range(2)),
 ])
 def test_bad_arguments_are_value_errors(tmp_path, bad):
     args = dict(kv=torch.zeros(2, 2, 1, 3, 4), fingerprint=FP, layers=range(2), tokens=range(3)) | bad
     with pytest.raises(ValueError):
         write_segment(tmp_path, args.pop("kv"), **args)
+    assert debris(tmp_path) == []
+
+
+def test_key_bounds_hold_blocks_of_tokens(tmp_path):
+    bounds = random_kv(tokens=3)  # min and max per block of 32 tokens: 3 blocks for 70 tokens
+    ref = write_segment(tmp_path, bounds, fingerprint=FP, layers=range(8, 10), tokens=range(10, 80), kind="key-bounds")
+    header, back = read_segment(tmp_path / ref.file, fingerprint=FP)
+    assert same_bits(back, bounds) and (header.shape, header.tokens) == (tuple(bounds.shape), range(10, 80))
+
+
+@pytest.mark.parametrize("blocks,tokens", [(6, 5), (0, 5), (1, 0)])
+def test_key_bounds_need_one_to_len_tokens_blocks(tmp_path, blocks, tokens):
+    with pytest.raises(ValueError, match=f"must hold 1 to {tokens} blocks, not {blocks}"):
+        write_segment(tmp_path, random_kv(tokens=blocks), fingerprint=FP, layers=range(2), tokens=range(tokens),
+                      kind="key-bounds")
     assert debris(tmp_path) == []
 
 

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.fingerprint import model_fingerprint
+from kvchat.storage.segments import write_segment
 from kvchat.storage.statefile import StateFileError, export_session, import_state
 
 
@@ -222,3 +224,60 @@ def test_export_failure_leaves_no_file(chat, tmp_path, monkeypatch):
     with pytest.raises(StateFileError, match="No space left on device"):
         export_session(store, sid, out / "x.kvstate")
     assert list(out.iterdir()) == []
+
+
+# ---- segment kinds ----
+
+FP = "c" * 64
+
+
+@pytest.fixture
+def bounded(kvchat_home, tmp_path):
+    """A chat (no model needed) whose round stored its K/V and its key bounds (2 blocks of 32 for 40 tokens),
+    exported."""
+    store = Store()
+    sid = store.create_session(title="bounds", model_fingerprint=FP, model_path="/m.gguf", system_prompt=None)
+    store.add_round(sid, RoundRow(0, "u", "a", 0, 40, now()))
+    g = torch.Generator().manual_seed(0)
+    for kind, rows in (("kv", 40), ("key-bounds", 2)):
+        tensor = torch.randn(2, 2, 1, rows, 4, generator=g).half()
+        ref = write_segment(store.kv_dir, tensor, fingerprint=FP, layers=range(2, 4), tokens=range(40), kind=kind)
+        store.add_segment(sid, kind=kind, round_idx=0, layer_start=2, layer_end=4, token_start=0, token_end=40,
+                          codec=ref.codec, dtype="float16", byte_size=ref.byte_size, raw_size=ref.raw_size,
+                          checksum=ref.checksum, file=ref.file, model_fingerprint=FP)
+    return store, sid, export_session(store, sid, tmp_path / "bounds.kvstate")
+
+
+def kinds(store: Store, sid: str) -> list[tuple[str, str]]:
+    return [(s["kind"], s["file"]) for s in store.segments(sid)]
+
+
+def test_round_trip_keeps_each_segments_kind(bounded):
+    store, sid, path = bounded
+    with zipfile.ZipFile(path) as zf:
+        assert [s["kind"] for s in json.loads(zf.read("manifest.json"))["segments"]] == ["key-bounds", "kv"]
+    new = import_state(store, path, current_fingerprint=FP, model_path="/m.gguf")
+    assert new.segments == 2 and kinds(store, new.session_id) == kinds(store, sid)
+
+
+def test_manifest_without_kinds_imports_as_kv(bounded, tmp_path):
+    store, sid, path = bounded
+
+    def before_kinds(mf):  # as kvchat exported before segments had kinds: K/V only, no "kind"
+        mf["segments"] = [{k: v for k, v in s.items() if k != "kind"} for s in mf["segments"] if s["kind"] == "kv"]
+
+    new = import_state(store, rewrite(path, tmp_path / "old.kvstate", before_kinds), current_fingerprint=FP,
+                       model_path="/m.gguf")
+    assert kinds(store, new.session_id) == [k for k in kinds(store, sid) if k[0] == "kv"]
+
+
+@pytest.mark.parametrize("kind,needle", [("bounds", "segment 0 is of an unknown kind 'bounds'"),
+                                         (7, "segment 0 is of an unknown kind '7'"),
+                                         ("kv", "does not hold what the manifest says")])  # key bounds called K/V
+def test_unknown_or_wrong_kind_is_refused(bounded, tmp_path, kind, needle):
+    store, sid, path = bounded
+    bad = rewrite(path, tmp_path / "bad.kvstate", lambda mf: mf["segments"][0].update(kind=kind))
+    before = snapshot(store)
+    with pytest.raises(StateFileError, match=needle) as err:
+        import_state(store, bad, current_fingerprint=FP, model_path="/m.gguf")
+    assert "\n" not in str(err.value) and snapshot(store) == before

@@ -37,7 +37,8 @@ def round_chat(engine, store: Store, rounds: int = 3) -> ChatSession:
 def reopened_without_segment(engine, store: Store, round_idx: int, layer_start: int):
     """A round-policy chat whose one segment file is gone, and a session about to reopen it: (chat, reopened)."""
     chat = round_chat(engine, store)
-    gone = next(s for s in store.segments(chat.sid) if s["round_idx"] == round_idx and s["layer_start"] == layer_start)
+    gone = next(s for s in store.segments(chat.sid)
+                if s["round_idx"] == round_idx and s["layer_start"] == layer_start and s["kind"] == "kv")
     (store.kv_dir / gone["file"]).unlink()
     return chat, ChatSession(store, engine, chat.sid, policy=policy(engine))
 
@@ -51,8 +52,8 @@ def test_rounds_are_stored_as_lower_and_upper_segments_and_restored(engine, kvch
     store = Store()
     chat = round_chat(engine, store)
     segs = store.segments(chat.sid)
-    assert sorted((s["round_idx"], s["layer_start"], s["layer_end"]) for s in segs) == [
-        (i, lo, hi) for i in range(3) for lo, hi in ((0, 3), (3, 8))]
+    assert sorted((s["round_idx"], s["kind"], s["layer_start"], s["layer_end"]) for s in segs) == [
+        (i, kind, lo, hi) for i in range(3) for kind, lo, hi in (("key-bounds", 3, 8), ("kv", 0, 3), ("kv", 3, 8))]
     reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
     stats = reopened.restore()
     assert isinstance(reopened.cache, TieredKV)
@@ -60,7 +61,10 @@ def test_rounds_are_stored_as_lower_and_upper_segments_and_restored(engine, kvch
     n = chat.cache.length
     assert torch.equal(reopened.cache.lower.kv[:, :, :, :n], chat.cache.lower.kv[:, :, :, :n])
     # Upper layers are not on the device until a message picks their round; the background read brings them.
+    # Their key bounds come with the lower layers, for rechecks.
     assert reopened.cache.upper.length == 0
+    for i in range(3):
+        assert torch.equal(reopened.cache.round_bounds(i), chat.cache.round_bounds(i))
     assert torch.equal(reopened._fetch_upper(1).permute(1, 2, 3, 0, 4), chat.cache.round_upper(1))
     assert reopened.send(MESSAGES[3]).text == "Your sister's name is Mira."
     reopened.close()
@@ -86,7 +90,7 @@ def test_a_full_cache_chat_opens_under_the_round_policy_and_back(engine, kvchat_
     assert split.store_tiers() == 3
     split.close()
     assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 3), (3, 8)}
-    assert len(list(store.kv_dir.glob("*.kvs"))) == 8
+    assert len(list(store.kv_dir.glob("*.kvs"))) == 12  # and key bounds of each of the 4 rounds
     final = ChatSession(store, engine, sid)
     assert final.restore().tokens_recomputed == 0
     assert torch.equal(final.cache.kv[:, :, :, : again.cache.length], again.cache.kv[:, :, :, : again.cache.length])
@@ -100,6 +104,19 @@ def test_missing_upper_kv_is_recomputed_and_said(engine, kvchat_home):
     assert reopened.cache.stats.recomputed == [1]
     last = store.last_restore(chat.sid)
     assert any(note.startswith("round 1:") and "upper layers recomputed" in note for note in last["notes"])
+    reopened.close()
+
+
+def test_missing_key_bounds_cost_no_recompute_and_are_computed_when_needed(engine, kvchat_home):
+    store = Store()
+    chat = round_chat(engine, store)
+    gone = next(s for s in store.segments(chat.sid) if s["round_idx"] == 1 and s["kind"] == "key-bounds")
+    (store.kv_dir / gone["file"]).unlink()
+    reopened = ChatSession(store, engine, chat.sid, policy=policy(engine))
+    assert reopened.restore().tokens_recomputed == 0
+    assert reopened.cache.round_bounds(1) is None and reopened.cache.round_bounds(2) is not None
+    reopened.cache._complete_bounds()  # what the first recheck does
+    assert torch.equal(reopened.cache.round_bounds(1), chat.cache.round_bounds(1))
     reopened.close()
 
 

@@ -10,6 +10,7 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
+from kvchat.engine.key_bounds import BoundsTable, key_bounds
 from kvchat.engine.model import SplitAttend
 from kvchat.engine.policies import make_policy
 from kvchat.engine.tiered_kv import TieredKV
@@ -66,10 +67,13 @@ def test_tiered_prefill_computes_what_split_attention_over_the_same_kv_computes(
     bounds = tiered.round_starts + [tiered.closed_end]
     kept = sum(bounds[r + 1] - bounds[r] for r in chosen)
     assert tiered.upper.length == kept + len(prompt)
+    # every round's key bounds too: per block of 32 tokens, as much as one token's upper K/V
+    blocks = sum(-(-(bounds[r + 1] - bounds[r]) // 32) for r in range(len(ROUNDS)))
     assert tiered.device_bytes() == (tiered.length * tiered.lower.slot_bytes()
-                                     + (kept + len(prompt)) * tiered.upper.slot_bytes()) < tiered.full_bytes()
+                                     + (kept + len(prompt) + blocks) * tiered.upper.slot_bytes()) < tiered.full_bytes()
     crossed = sum(bounds[r + 1] - bounds[r] for r in chosen if r not in left_on_device)
     assert tiered.stats.transfer_bytes == crossed * tiered.upper.slot_bytes()
+    assert tiered.stats.prompt_transfer_ms == tiered.stats.transfer_ms
 
 
 def test_keeping_every_round_answers_as_the_full_cache(engine):
@@ -114,42 +118,88 @@ def open_round_reference(engine, tiered: TieredKV, end: int | None = None):
     return reference
 
 
-def test_an_unsure_token_is_rechecked_with_every_round_and_what_it_reads_is_brought_in(engine):
+def bounded_shares(engine, tiered: TieredKV, token: int) -> torch.Tensor:
+    """Each round's best share over the upper layers, from bounds of the flat cache's keys and the queries of `token`
+    run as the step ran it (the resident rounds and the open round visible above the split)."""
+    m, reference = engine.model, open_round_reference(engine, tiered, tiered.length - 1)
+    table = BoundsTable(engine.config.n_layers - tiered.split, engine.config.n_kv_heads, engine.config.head_dim,
+                        m.dtype, m.device)
+    bounds = tiered.round_starts + [tiered.closed_end]
+    for r in range(len(tiered.round_starts)):
+        table.append(bounds[r + 1] - bounds[r], key_bounds(reference.kv[tiered.split:, 0, :, bounds[r]:bounds[r + 1]]))
+    p = tiered.length - 1
+    pos = torch.tensor([p])
+    attend = masked(engine, tiered, sorted(tiered.resident))
+    visible = torch.cat([attend.upper, torch.arange(tiered.open_start, p)])
+    h = m.run_layers(m.embed(torch.tensor([token])), pos, reference, p, layers=range(tiered.split))
+    best = torch.zeros(len(tiered.round_starts))
+    for i, layer in enumerate(range(tiered.split, engine.config.n_layers)):
+        best = torch.maximum(best, table.round_share(m.layers[layer].queries(h, m.rope(pos))[-1], i))
+        h = m.run_layers(h, pos, reference, p, layers=range(layer, layer + 1), attend=visible)
+    return best
+
+
+def test_an_unsure_token_is_rechecked_and_the_rounds_it_could_read_are_brought_in(engine):
     # recheck_below near 1: every token is unsure; k=1 and no progressive choice leave most rounds out
     tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.05)
     tiered.prefill(prompt)
     before = list(tiered.resident)
-    reference = open_round_reference(engine, tiered)
     token = int(engine.tokenizer.encode(" Your")[0])
     got = tiered.step(token)
-    want = engine.model(torch.tensor([token]), reference)[-1]  # every round visible in every layer
-    assert torch.allclose(got, want, atol=1e-4)
     stats = tiered.stats
     assert stats.rechecks == 1 and stats.found and not set(stats.found) & set(before)
     assert tiered.resident == before + stats.found and stats.recheck_ms > 0
-    # The token's own upper K/V are the ones computed with every round in view, and the found rounds are in place:
-    # the next token, with no recheck, sees exactly the resident rounds.
+    assert stats.transfer_ms > stats.prompt_transfer_ms  # the found rounds crossed after the first token
+    want_found = [r for r in (bounded_shares(engine, tiered, token) >= 0.05).nonzero().flatten().tolist()
+                  if r not in before]
+    assert sorted(stats.found) == want_found
+    # The token ran again with the found rounds in view, and its upper K/V are the ones computed so.
+    opened = torch.arange(tiered.open_start, tiered.length - 1)
+    reference = open_round_reference(engine, tiered, tiered.length - 1)
+    attend = masked(engine, tiered, sorted(tiered.resident))
+    want = engine.model(torch.tensor([token]), reference,
+                        attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
+    assert torch.allclose(got, want, atol=1e-4)
     tiered.policy.recheck_below = 0
     following = int(engine.tokenizer.encode(" sister")[0])
-    opened = torch.arange(tiered.open_start, tiered.length)
     reference = open_round_reference(engine, tiered)
-    attend = masked(engine, tiered, sorted(tiered.resident))
+    opened = torch.arange(tiered.open_start, tiered.length)
     want = engine.model(torch.tensor([following]), reference,
                         attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
-    assert torch.allclose(tiered.step(following), want, atol=1e-4)
+    assert torch.allclose(tiered.step(following), want, atol=1e-3)  # summation order differs across machines
 
 
-def test_a_recheck_that_finds_nothing_ends_the_replys_rechecks(engine):
+def test_a_recheck_that_finds_nothing_moves_nothing_and_keeps_the_tokens_logits(engine):
     tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.99)
+    plain, _ = tiered_chat(engine, k=1, progressive=False)
     tiered.prefill(prompt)
-    resident = list(tiered.resident)
-    for word in (" Your", " sister", "'s"):
-        tiered.step(int(engine.tokenizer.encode(word)[0]))
-    assert tiered.stats.rechecks == 1 and not tiered.stats.found and tiered.resident == resident
-    tiered.truncate(tiered.open_start)  # the next message may recheck again
-    tiered.prefill(prompt)
-    tiered.step(int(engine.tokenizer.encode(" Your")[0]))
-    assert tiered.stats.rechecks == 1
+    plain.prefill(prompt)
+    resident, moved = list(tiered.resident), tiered.stats.transfer_bytes
+    for word in (" Your", " sister", "'s", " name", " is"):  # unsure after " Your" and " is"
+        token = int(engine.tokenizer.encode(word)[0])
+        assert torch.equal(tiered.step(token), plain.step(token))
+    assert tiered.stats.rechecks == 2 and not tiered.stats.found and tiered.resident == resident
+    assert tiered.stats.transfer_bytes == moved
+
+
+def test_key_bounds_of_rounds_stored_without_them_are_computed_at_the_first_recheck(engine):
+    tiered, prompt = tiered_chat(engine, k=1, progressive=False, recheck_below=0.999999, recheck_mass=0.05)
+    restored = TieredKV(engine.model, tiered.policy, 512)
+    n = tiered.closed_end
+    restored.lower.write(range(tiered.split), 0, tiered.lower.kv[:, :, :, :n])
+    bounds = tiered.round_starts + [n]
+    for r in range(len(bounds) - 1):  # the first round with its stored bounds, the others without
+        restored.add_closed_round(bounds[r], bounds[r + 1], tiered.round_upper(r) if r == 0 else None,
+                                  bounds=tiered.round_bounds(r) if r == 0 else None)
+    restored.upper_source = lambda r: tiered.host[r]
+    assert restored.round_bounds(1) is None
+    restored.prefill(prompt)
+    restored.step(int(engine.tokenizer.encode(" Your")[0]))
+    missing = [r for r in range(1, len(ROUNDS))]
+    assert restored.stats.bounds_computed == missing
+    for r in range(len(ROUNDS)):
+        assert torch.equal(restored.round_bounds(r), tiered.round_bounds(r))
+        assert torch.equal(tiered.round_bounds(r), key_bounds(tiered.round_upper(r)[:, 0]))
 
 
 @pytest.mark.parametrize("options", [{"recheck_below": 0}, {"max_rechecks": 0},
@@ -168,7 +218,7 @@ def test_rechecks_stop_at_the_limit(engine):
     tiered.prefill(prompt)
     for word in (" Your", " sister", "'s", " name"):
         tiered.step(int(engine.tokenizer.encode(word)[0]))
-    # the first recheck found rounds (so rechecking goes on) but left some out: only the limit stops the next
+    # the first recheck found rounds but left some out: only the limit stops the next
     assert tiered.stats.found and len(tiered.resident) < len(ROUNDS)
     assert tiered.stats.rechecks == 1
 

@@ -98,3 +98,42 @@ class Recall:
     def line(self) -> str:
         return (f"recall {self.correct}/{self.asked} = {self.correct / self.asked:.3f}; "
                 f"rounds kept {sum(self.kept) / len(self.kept):.3f}; misses {dict(self.misses)}")
+
+
+def round_share(engine: Engine, layer: int, h: torch.Tensor, pos: torch.Tensor, a: Asked) -> torch.Tensor:
+    """Each earlier round's share of the attention of the tokens at `pos` (hidden states h entering `layer`) at that
+    layer, the first round (the attention sink) left out: [R], summing to 1."""
+    from kvchat.kernels.round_scores import round_mass_ref
+
+    m = engine.model
+    mass = round_mass_ref(m.layers[layer].queries(h, m.rope(pos)), a.cache.kv[layer, 0, :, :a.base],
+                          torch.tensor(a.starts))
+    mass[0] = 0
+    return mass / mass.sum()
+
+
+class ProgressiveDecode:
+    """One greedy step per call: layers up to lw see every round and name the round of most mass (kept from then on),
+    the upper layers see the kept rounds; a token whose top probability is below tau gets its logits from
+    `recheck(h0, positions, slot)` (h0: its hidden state after layer lw) instead."""
+
+    def __init__(self, engine: Engine, a: Asked, lw: int, chosen: set[int], tau: float, recheck: Callable):
+        self.engine, self.a, self.lw, self.chosen, self.tau, self.recheck = engine, a, lw, chosen, tau, recheck
+        self.steps = self.rechecks = 0
+
+    def __call__(self, token: int) -> int:
+        from kvchat.engine.policies.round_attention import select_rounds
+
+        m, a, lw = self.engine.model, self.a, self.lw
+        s = a.cache.length
+        p = torch.tensor([s])
+        h0 = m.run_layers(m.embed(torch.tensor([token])), p, a.cache, s, layers=range(lw + 1))
+        self.chosen.update(select_rounds(round_share(self.engine, lw, h0, p, a), "topk", 1))
+        hh = m.run_layers(h0, p, a.cache, s, layers=range(lw + 1, m.cfg.n_layers), attend=a.slots(self.chosen, s))
+        logits = m.head(hh)[-1]
+        self.steps += 1
+        if torch.softmax(logits.float(), -1).max() < self.tau:
+            self.rechecks += 1
+            logits = self.recheck(h0, p, s)
+        a.cache.length = s + 1
+        return int(logits.argmax())

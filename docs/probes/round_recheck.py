@@ -8,17 +8,14 @@ docs/benchmarks.md, "Recall with the checked watershed and rechecks".
 import sys, time
 import torch
 from kvchat.engine.policies.round_attention import select_rounds
-from kvchat.kernels.round_scores import round_mass_ref
-from probe_chats import Recall, asked_rounds, greedy, load
+from probe_chats import ProgressiveDecode, Recall, asked_rounds, greedy, load, round_share
 
 lw, k, tau, theta, n_chats = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
 eng, chats = load(n_chats)
 m, L = eng.model, eng.config.n_layers
 
 def mass_at(layer, h, pos, a):
-    mass = round_mass_ref(m.layers[layer].queries(h, m.rope(pos)), a.cache.kv[layer, 0, :, :a.base], torch.tensor(a.starts))
-    mass[0] = 0
-    return mass / mass.sum()
+    return round_share(eng, layer, h, pos, a)
 
 recall, t0 = Recall("-v" in sys.argv), time.time()
 steps = falls = 0
@@ -39,20 +36,7 @@ for a in asked_rounds(eng, chats):
             hh = m.run_layers(hh, p, a.cache, s, layers=range(layer, layer + 1))
         return m.head(hh)[-1]
 
-    def step(token):
-        global steps, falls
-        s = a.cache.length
-        p = torch.tensor([s])
-        h0 = m.run_layers(m.embed(torch.tensor([token])), p, a.cache, s, layers=range(lw + 1))
-        chosen.update(select_rounds(mass_at(lw, h0, p, a), "topk", 1))
-        hh = m.run_layers(h0, p, a.cache, s, layers=range(lw + 1, L), attend=a.slots(chosen, s))
-        logits = m.head(hh)[-1]
-        steps += 1
-        if torch.softmax(logits.float(), -1).max() < tau:
-            falls += 1
-            logits = full_step(h0, p, s)
-        a.cache.length = s + 1
-        return int(logits.argmax())
+    step = ProgressiveDecode(eng, a, lw, chosen, tau, full_step)
 
     first = int(logits.argmax())
     if torch.softmax(logits.float(), -1).max() < tau:
@@ -66,4 +50,5 @@ for a in asked_rounds(eng, chats):
         first = int(m.head(hh[-1:])[-1].argmax())
         a.cache.length = a.base + len(a.prompt)
     recall.add(a, greedy(eng, first, step), at_prompt, chosen)
+    steps, falls = steps + step.steps, falls + step.rechecks
 print(f"w={lw} k={k} tau={tau} theta={theta}: {recall.line()}; fallback steps {falls}/{steps}; {time.time() - t0:.0f} s")

@@ -12,10 +12,10 @@ also names its top round, which is brought in if missing: a small model often lo
 the answer, not while it reads the question (docs/benchmarks.md).
 
 A recheck catches what both choices missed: a decoded token whose most likely next token has a probability below
-`recheck_below` is run again with every round visible in the upper layers (streamed one layer at a time, so the
-device never holds more than one layer of the whole chat), and the rounds that got at least `recheck_mass` of its
-attention at any upper layer are brought in for the tokens after it. A recheck that finds no such round shows the
-doubt is not about the chat, and ends the rechecks of that reply; at most `max_rechecks` per reply.
+`recheck_below` has its queries at the upper layers scored against every round's key bounds (engine.key_bounds:
+per block of 32 tokens, the minimum and maximum of the keys, kept on the device), and the rounds that could hold
+at least `recheck_mass` of its attention at any upper layer are brought in and the token run again with them; at
+most `max_rechecks` per reply. No round's K/V moves unless it is found.
 
 The paper's three strategies pick from the per-round attention mass m (summing to 1 over the earlier rounds):
   threshold  rounds with m >= 0.1;
@@ -64,8 +64,8 @@ class RoundAttention(KVPolicy):
     tiered = True
 
     def __init__(self, watershed: int | None = None, k: float = 0.1, threshold: float = 0.1, sigmas: float = 3.0,
-                 progressive: bool = True, max_idle: int = 16, recheck_below: float = 0.9,
-                 recheck_mass: float = 0.15, max_rechecks: int = 8):
+                 progressive: bool = True, max_idle: int = 16, recheck_below: float = 0.99,
+                 recheck_mass: float = 0.1, max_rechecks: int = 8):
         if k <= 0 or (k > 1 and k != int(k)):
             raise KvchatError(f"k must be a positive count of rounds or a fraction in (0, 1], not {k}")
         if not 0 < threshold < 1:
