@@ -21,6 +21,13 @@ def _store():
     return Store()  # opening sweeps what interrupted saves left behind
 
 
+def kv_stored(store, segments: list[dict]) -> bool:
+    """Whether a round's K/V (not only its key bounds) is on disk."""
+    from kvchat.storage.db import SEGMENT_KV
+
+    return any(s["kind"] == SEGMENT_KV and (store.kv_dir / s["file"]).exists() for s in segments)
+
+
 def calibrating(done: int, total: int) -> None:
     """Progress of the calibration a model gets the first time a round policy runs on it (on stderr)."""
     click.echo(f"\rcalibrating the watershed layer (first use of this model): {done}/{total} chats", err=True,
@@ -116,7 +123,7 @@ def register(main: click.Group, model_option, device_option) -> None:
             mine = segs.get(r.idx, [])
             rounds.append({"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text,
                            "tokens": [r.token_start, r.token_end],
-                           "kv": "on disk" if mine and (store.kv_dir / mine[0]["file"]).exists() else "text only",
+                           "kv": "on disk" if kv_stored(store, mine) else "text only",
                            "kv_bytes": sum(s["byte_size"] for s in mine), "kv_raw_bytes": sum(s["raw_size"] for s in mine)})
         out = {"id": info["id"], "title": info["title"], "model": info["model_path"],
                "system_prompt": info["system_prompt"], "rounds": rounds,

@@ -3,6 +3,8 @@ the upper layers in the background; missing upper K/V is recomputed and said."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -149,6 +151,12 @@ def test_send_takes_the_kv_policy(kvchat_home):
     store = Store()
     # the embedded model's calibrated watershed is layer 3: layers [0, 4) and [4, 8) are stored apart
     assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 4), (4, 8)}
+    # a round whose K/V files are gone shows as text only, though its key bounds are still on disk
+    for seg in store.segments(sid):
+        if seg["round_idx"] == 0 and seg["kind"] == "kv":
+            (store.kv_dir / seg["file"]).unlink()
+    shown = json.loads(kvchat("show", sid, "--json").stdout)["rounds"]
+    assert [r["kv"] for r in shown[:2]] == ["text only", "on disk"]
     bad = kvchat("send", sid, "hi", "--device", "cpu", "--kv-policy", "nearest", check=False)
     assert bad.returncode != 0 and "unknown KV policy 'nearest' for chats" in bad.stderr
     assert "Traceback" not in bad.stderr
