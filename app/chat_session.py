@@ -28,7 +28,6 @@ import torch
 from kvchat.engine.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
-from kvchat.engine.key_bounds import BLOCK
 from kvchat.engine.model import KVCache
 from kvchat.engine.policies import KVPolicy
 from kvchat.engine.tiered_kv import TieredKV, host_layout
@@ -198,15 +197,13 @@ class ChatSession:
             self._upper_fetcher = None
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
-        groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(len(self.rounds))]
-        sizes = [sum(seg["raw_size"] for seg in by_round.get(i, [])) for i in range(len(self.rounds))]
         # The workers also finish each segment: merged on the CPU, or copied to the GPU through pinned buffers.
         if self.engine.device.type == "cuda":
             staging = HostToDevice.shared(self.engine.device)
             finish = lambda header, raw: staging.copy(raw)  # noqa: E731
         else:
             finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
-        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
+        fetcher = self._prefetcher(by_round, finish)
         self._bounds_fetcher = self._start_bounds_fetch(bounds, finish)
         try:
             restored = self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
@@ -303,11 +300,16 @@ class ChatSession:
         """Tiered: read every round's key bounds (1/32 of its upper keys) beside the lower layers."""
         if self.policy is None:
             return None
-        groups = [[seg["file"] for seg in bounds.get(i, [])][:1] for i in range(len(self.rounds))]
-        sizes = [sum(seg["raw_size"] for seg in bounds.get(i, [])[:1]) for i in range(len(self.rounds))]
-        fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish)
+        fetcher = self._prefetcher(bounds, finish)
         fetcher.start()
         return fetcher
+
+    def _prefetcher(self, by_round: dict[int, list[dict]], finish, **options) -> SegmentPrefetcher:
+        """A reader of the segment files `by_round` names for each round, in round order."""
+        n = len(self.rounds)
+        groups = [[seg["file"] for seg in by_round.get(i, [])] for i in range(n)]
+        sizes = [sum(seg["raw_size"] for seg in by_round.get(i, [])) for i in range(n)]
+        return SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes, finish=finish, **options)
 
     def _stored_bounds(self, i: int, start: int, end: int) -> torch.Tensor | None:
         """Round i's stored key bounds, or None (they are computed from its upper layers at the first recheck
@@ -321,9 +323,8 @@ class ChatSession:
         else:
             header, data = loaded[0]
             bounds = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
-            want = tuple(self.cache.key_bounds.bounds.shape[:3]) + (-(-(end - start) // BLOCK),
-                                                                   self.cache.key_bounds.bounds.shape[4])
-            if (header.token_start, header.token_end) == (start, end) and tuple(bounds.shape) == want:
+            if (header.token_start, header.token_end) == (start, end) and self.cache.key_bounds.fits(end - start,
+                                                                                                     bounds):
                 return bounds
             reason = "key bounds of another shape or token span"
         log.info("round %d of %s: stored key bounds unusable (%s); computed when needed", i, self.sid, reason)
@@ -331,12 +332,8 @@ class ChatSession:
 
     def _start_upper_fetch(self) -> None:
         """Read every round's upper-layer segments into host memory in the background, starting now."""
-        upper_only, n = self._upper_segments, len(self.rounds)
-        groups = [[seg["file"] for seg in upper_only.get(i, [])] for i in range(n)]
-        sizes = [sum(seg["raw_size"] for seg in upper_only.get(i, [])) for i in range(n)]
-        self._upper_fetcher = SegmentPrefetcher(self.store.kv_dir, self.fingerprint, groups, sizes,
-                                                finish=self._upper_to_host,
-                                                window_bytes=sum(sizes) + 1)
+        total = sum(seg["raw_size"] for segs in self._upper_segments.values() for seg in segs)
+        self._upper_fetcher = self._prefetcher(self._upper_segments, self._upper_to_host, window_bytes=total + 1)
         self._upper_fetcher.start()
 
     def _upper_to_host(self, header, raw) -> torch.Tensor:
@@ -376,14 +373,12 @@ class ChatSession:
         """Round i's upper layers, token-major [n, L - split, 2, Hkv, D], from the store, or None (saying why) to
         recompute."""
         row, segments = self.rounds[i], self._upper_segments.get(i, [])
-        row_tokens = range(row.token_start, row.token_end)
         reason = self._unusable(segments, range(self.split, self.engine.config.n_layers))
         if reason is None:
             loaded = self._upper_fetcher.take(i)
             if isinstance(loaded, str):
                 reason = loaded
-            elif any((h.token_start, h.token_end, h.shape[3]) != (row.token_start, row.token_end, len(row_tokens))
-                     for h, _ in loaded):
+            elif not _hold_span(loaded, row.token_start, row.token_end):
                 reason = "upper-layer segment holds another token span"
             else:
                 parts = [kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)]
@@ -458,8 +453,7 @@ class ChatSession:
         self._waited += time.perf_counter() - t0
         if isinstance(loaded, str):
             return loaded
-        if any((header.token_start, header.token_end, header.shape[3]) != (start, end, end - start)
-               for header, _ in loaded):
+        if not _hold_span(loaded, start, end):
             return "segment holds another token span"
         for seg, (header, data) in zip(segments, loaded):
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
@@ -590,3 +584,9 @@ class ChatSession:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()
+
+
+def _hold_span(loaded: list[tuple], start: int, end: int) -> bool:
+    """Whether every loaded K/V segment (header, data) holds tokens [start, end), one row per token."""
+    return all((header.token_start, header.token_end, header.shape[3]) == (start, end, end - start)
+               for header, _ in loaded)

@@ -45,11 +45,17 @@ class BoundsTable:
     so one product per layer scores every round. A round whose bounds are not known yet holds zeros until `fill`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.bounds = torch.empty((n_layers, 2, n_kv_heads, 0, head_dim), dtype=dtype, device=device)
+        # grown by doubling, as KVCache is: appending a round never copies the others
+        self._storage = torch.zeros((n_layers, 2, n_kv_heads, 64, head_dim), dtype=dtype, device=device)
         self.offsets = [0]  # round r's blocks are [offsets[r], offsets[r + 1])
         self.lengths: list[int] = []  # tokens per round
         self.known: list[bool] = []
         self._index: tuple[Tensor, Tensor] | None = None  # each block's log length and round, built when scored
+
+    @property
+    def bounds(self) -> Tensor:
+        """Every round's bounds [Lu, 2, Hkv, NB, D] (a view)."""
+        return self._storage[:, :, :, : self.offsets[-1]]
 
     @property
     def n_rounds(self) -> int:
@@ -60,25 +66,32 @@ class BoundsTable:
 
     def append(self, n_tokens: int, bounds: Tensor | None) -> None:
         """A round of n_tokens after the others, with its bounds [Lu, 2, Hkv, nb, D] (any device) or None."""
-        nb = math.ceil(n_tokens / BLOCK)
-        shape = (*self.bounds.shape[:3], nb, self.bounds.shape[4])
-        block = torch.zeros(shape, dtype=self.bounds.dtype, device=self.bounds.device) if bounds is None else bounds
-        self._check(block, nb)
-        self.bounds = torch.cat([self.bounds, block.to(self.bounds.device, self.bounds.dtype)], dim=3)
-        self.offsets.append(self.offsets[-1] + nb)
+        nb, at = math.ceil(n_tokens / BLOCK), self.offsets[-1]
+        if bounds is not None:
+            self._check(bounds, nb)
+        self._reserve(at + nb)
+        block = self._storage[:, :, :, at : at + nb]
+        if bounds is None:
+            block.zero_()
+        else:
+            block.copy_(bounds)
+        self.offsets.append(at + nb)
         self.lengths.append(n_tokens)
         self.known.append(bounds is not None)
         self._index = None
 
     def fill(self, r: int, bounds: Tensor) -> None:
         self._check(bounds, self.offsets[r + 1] - self.offsets[r])
-        self.bounds[:, :, :, self.offsets[r] : self.offsets[r + 1]] = bounds.to(self.bounds.device)
+        self._storage[:, :, :, self.offsets[r] : self.offsets[r + 1]] = bounds.to(self._storage.device)
         self.known[r] = True
 
     def truncate(self, n_rounds: int) -> None:
         del self.lengths[n_rounds:], self.known[n_rounds:], self.offsets[n_rounds + 1 :]
-        self.bounds = self.bounds[:, :, :, : self.offsets[-1]].clone()
         self._index = None
+
+    def fits(self, n_tokens: int, bounds: Tensor) -> bool:
+        """Whether `bounds` has the shape of a round of n_tokens's bounds in this table."""
+        return tuple(bounds.shape) == self._shape(math.ceil(n_tokens / BLOCK))
 
     def round(self, r: int) -> Tensor | None:
         """Round r's bounds [Lu, 2, Hkv, nb, D], or None if not known."""
@@ -114,10 +127,18 @@ class BoundsTable:
             self._index = log_count, owner
         return self._index
 
+    def _shape(self, nb: int) -> tuple[int, ...]:
+        return (*self._storage.shape[:3], nb, self._storage.shape[4])
+
     def _check(self, bounds: Tensor, nb: int) -> None:
-        want = (*self.bounds.shape[:3], nb, self.bounds.shape[4])
-        if tuple(bounds.shape) != want:
-            raise ValueError(f"key bounds of shape {list(bounds.shape)} where {list(want)} belong")
+        if tuple(bounds.shape) != self._shape(nb):
+            raise ValueError(f"key bounds of shape {list(bounds.shape)} where {list(self._shape(nb))} belong")
+
+    def _reserve(self, n_blocks: int) -> None:
+        if n_blocks > self._storage.shape[3]:
+            grown = self._storage.new_zeros(self._shape(max(n_blocks, 2 * self._storage.shape[3])))
+            grown[:, :, :, : self.offsets[-1]] = self.bounds
+            self._storage = grown
 
 
 def round_share_ref(q: Tensor, keys: Tensor, round_starts: list[int], skip_first: bool = True) -> Tensor:

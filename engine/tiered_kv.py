@@ -55,7 +55,7 @@ class TieredStats:
     fetched: list[int] = field(default_factory=list)  # rounds whose upper K/V had to come from `upper_source`
     recomputed: list[int] = field(default_factory=list)  # rounds whose upper K/V had to be recomputed
     dropped: list[int] = field(default_factory=list)  # rounds whose host copy was released after this message
-    rechecks: int = 0  # decoded tokens run again with every round visible
+    rechecks: int = 0  # decoded tokens whose queries were scored against every round's key bounds
     recheck_ms: float = 0.0
     found: list[int] = field(default_factory=list)  # rounds the rechecks brought in
     bounds_computed: list[int] = field(default_factory=list)  # rounds whose key bounds had to be computed

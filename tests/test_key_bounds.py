@@ -112,3 +112,12 @@ def test_bf16_bounds_on_the_gpu_score_as_float32_on_the_cpu():
         at += n
     got = table.round_shares(q.to("cuda", torch.bfloat16)).cpu()
     assert (got.argmax(1) == want.argmax(1)).all() and (got - want).abs().max() < 0.05
+
+
+def test_the_table_grows_past_its_first_storage_keeping_every_round():
+    lengths = [300] * 10  # 100 blocks: more than the table starts with
+    keys = torch.randn(LU, HKV, sum(lengths), D)
+    table = table_of(keys, lengths)
+    assert table.bounds.shape[3] == 100
+    for r in range(10):
+        assert torch.equal(table.round(r), key_bounds(keys[:, :, 300 * r : 300 * (r + 1)]))
