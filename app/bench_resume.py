@@ -5,7 +5,9 @@ the app stores it, and saved by llama.cpp as its own state file. Then each metho
 model already loaded and warmed up:
 
 - prefill     re-read the whole chat from text (render, tokenize, prefill), then answer;
-- kv-load     restore the chat's KV from our store (ChatSession.restore), then answer;
+- kv-load     restore the chat's KV from our store (ChatSession.restore, loading every stored round), then answer;
+- kv-split    the restore pipeline: the chat compacted for this machine (kvchat compact), its first rounds
+              recomputed while the rest loads, as planned from this machine's measured profile, then answer;
 - llama.cpp   llama.cpp's own state file (llama_state_load_file) on the same GGUF file, then answer;
 - policy:NAME restore as kv-load, then answer under the KV policy NAME (what the new message may attend to).
 
@@ -34,7 +36,7 @@ from typing import Callable
 
 from kvchat.errors import KvchatError
 
-ENGINE_METHODS = ("prefill", "kv-load")
+ENGINE_METHODS = ("prefill", "kv-load", "kv-split")
 LLAMA_CPP = "llama.cpp"
 REPLY_TOKENS = 32
 RECALL_TOKENS = 48
@@ -238,9 +240,11 @@ def _line(model: str, wl: str, m: dict, floor: dict | None) -> str:
     if m.get("status") != "ok":
         return f"{model} {wl} {m['method']}: {m.get('status')}"
     ratio = f", x{m['floor_ratio_warm']:.1f} floor" if floor else ""
+    plan = (f"; plan: {m['split_plan']} (recompute {m['split_compute_ms']:,.0f} ms, load {m['split_load_ms']:,.0f} "
+            f"ms)" if "split_plan" in m else "")
     return (f"{model} {wl} {m['method']}: first token {1000 * m['ttft_cold_s']:,.0f} ms cold, "
             f"{1000 * m['ttft_warm_s']:,.0f} ms warm{ratio}; {m['bytes_per_token']:,.0f} B/token on disk; "
-            f"decode {m['decode_tok_s']:,.1f} tok/s")
+            f"decode {m['decode_tok_s']:,.1f} tok/s{plan}")
 
 
 # ---------------------------------------------------------------- markdown
@@ -288,7 +292,32 @@ def markdown(results: dict) -> str:
                              f"{ratio} | {mm['bytes_per_token']:,.0f} | {mm['decode_tok_s']:,.1f} | {gpu} | "
                              f"{agree} | {recall} |")
         lines.append("")
+        lines += _pipeline_table(entry)
     return "\n".join(lines)
+
+
+def _pipeline_table(entry: dict) -> list[str]:
+    """kv-split's two streams per workload, cold and warm (median), against kv-load and prefill of the same run."""
+    rows = []
+    for row in entry["workloads"]:
+        by = {m["method"]: m for m in row.get("methods", []) if m.get("status") == "ok"}
+        split = by.get("kv-split")
+        if split is None:
+            continue
+        best = {k: min((by[m][f"ttft_{k}_s"] for m in ("kv-load", "prefill") if m in by), default=None)
+                for k in ("cold", "warm")}
+        for key, figures in (("cold", split["split_cold"]), ("warm", split)):
+            ratio = "" if not best[key] else f"{split[f'ttft_{key}_s'] / best[key]:.2f}"
+            rows.append(f"| {row['workload']} ({row['tokens']:,} tok) | {key} | {figures['split_plan']} | "
+                        f"{figures['split_compute_ms']:,.0f} ms | {figures['split_load_ms']:,.0f} ms | "
+                        f"{figures['split_gap_ms']:,.0f} ms | {figures['split_predicted_ms']:,.0f} ms | "
+                        f"{figures['split_restore_ms']:,.0f} ms | {ratio} |")
+    if not rows:
+        return []
+    return ["*kv-split: the restore pipeline*", "",
+            "| workload | page cache | plan | recompute stream | load stream | gap | predicted restore | restore | "
+            "first token ÷ better of kv-load and prefill |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *rows, ""]
 
 
 # ---------------------------------------------------------------- children
@@ -317,7 +346,7 @@ def _engine(spec):
 def _setup(spec: dict) -> dict:
     """Build each workload's chat, prefill it once and store every round as the app does (one store per model, so
     the GGUF file is hashed once)."""
-    from kvchat.app.chat_session import KVWriter
+    from kvchat.app.chat_session import KVWriter, storage_groups
     from kvchat.engine.generate import prefill
     from kvchat.engine.workloads import build_workload
     from kvchat.storage.db import RoundRow, Store, now
@@ -351,11 +380,13 @@ def _setup(spec: dict) -> dict:
                                    system_prompt=conv.system)
         cache = engine.new_cache(wl.tokens + 8)
         prefill(engine.model, cache, [t for s in spans for t in s])
-        writer, start, layers = KVWriter(store, fp), 0, range(cfg.n_layers)
+        writer, start = KVWriter(store, fp), 0
+        groups = storage_groups(cfg.n_layers, cfg.kv_bytes_per_token(engine.model.dtype.itemsize))  # as the app
         for i, (r, span) in enumerate(zip(conv.rounds, spans)):
             store.add_round(sid, RoundRow(i, r.user, r.assistant or "", start, start + len(span), now()))
-            writer.submit(sid, i, cache.read(layers, start, start + len(span)), layers,
-                          range(start, start + len(span)))
+            for layers in groups:
+                writer.submit(sid, i, cache.read(layers, start, start + len(span)), layers,
+                              range(start, start + len(span)))
             start += len(span)
         writer.drain()
         if writer.errors:
@@ -382,19 +413,10 @@ def _load_workload(path: str):
 
 
 def _evict(paths: list[Path]) -> bool:
-    """Push the chat's files out of the OS page cache (flushed first), so the next read comes from the disk: the
-    cold run. posix_fadvise needs no root and leaves the rest of the cache (the model file, other processes) alone.
-    False where the OS has no such call."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
+    """Push the chat's files out of the OS page cache, so the next read comes from the disk: the cold run."""
+    from kvchat.storage.pagecache import evict
+
+    return evict(paths)
 
 
 def _chat_files(home: Path) -> list[Path]:
@@ -431,12 +453,16 @@ def _run_engine(spec: dict) -> dict:
     from kvchat.engine.tiered_kv import TieredKV
 
     method = spec["method"]
+    os.environ["KVCHAT_HOME"] = _load_workload(spec["workload"])["home"]  # the profile is kept with the bench's store
     engine = _engine(spec)
     policy = _policy(method, engine) if method.startswith("policy:") else None
     tiered = policy is not None and policy.tiered
     wl = _load_workload(spec["workload"])
     conv, chat, model = wl["conversation"], engine.chat, engine.model
     store = Store(Path(wl["home"]))
+    sid, planner, split = wl["sid"], None, {}
+    if method == "kv-split":
+        sid, planner, split = _compacted_copy(store, engine, wl["sid"])
     _warm_up(engine)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -450,10 +476,11 @@ def _run_engine(spec: dict) -> dict:
             cache = engine.new_cache(len(tokens) + 256)
             prefill(model, cache, tokens)
             return cache, text, None
-        session = ChatSession(store, engine, wl["sid"], policy=policy if tiered else None)
+        session = ChatSession(store, engine, sid, policy=policy if tiered else None, planner=planner)
         stats = session.restore()
         if stats.tokens_recomputed:
             raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
+        restores.append(stats)
         sessions.append(session)  # a tiered cache still reads upper layers through it: closed after the answer
         return session.cache, session.conversation(), [r.token_start for r in session.rounds]
 
@@ -467,6 +494,7 @@ def _run_engine(spec: dict) -> dict:
                             stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
 
     sessions: list[ChatSession] = []
+    restores = []  # each ChatSession restore's stats, in order
 
     def close_sessions():
         for session in sessions:
@@ -487,11 +515,20 @@ def _run_engine(spec: dict) -> dict:
         runs.append({"ttft_s": t1 - t0 + out.first_token_seconds, "resume_s": t1 - t0, "tokens": out.tokens,
                      "message_ttft_s": out.first_token_seconds,
                      "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
-                     **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {})})
+                     **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
+                     **(_stream_figures(restores[-1]) if method == "kv-split" else {})})
         close_sessions()
         del cache
     result = _summarize(runs, wl, engine.device)
     result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
+    if method == "kv-split":
+        result.update(split)
+        result["split_cold"] = {k: runs[0][k] for k in runs[0] if k.startswith("split_")}
+        warm = runs[1:] or runs
+        for key in warm[0]:
+            if key.startswith("split_") and isinstance(warm[0][key], (int, float)):
+                result[key] = statistics.median(r[key] for r in warm)
+        result["split_plan"] = warm[-1]["split_plan"]
     if tiered:
         warm = runs[1:] or runs
         for key in warm[0]:
@@ -514,11 +551,37 @@ def _run_engine(spec: dict) -> dict:
             cache.truncate(base)
         result["recall"] = {"correct": correct, "questions": len(asked), "accuracy": correct / len(asked)}
         close_sessions()
-    result["bytes_on_disk"] = 0 if method == "prefill" else wl["kv_disk_bytes"]
+    result["bytes_on_disk"] = 0 if method == "prefill" else split.get("split_disk_bytes", wl["kv_disk_bytes"])
     result["bytes_per_token"] = result["bytes_on_disk"] / wl["tokens"]
     if engine.device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return result
+
+
+def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:
+    """kv-split's chat: the stored chat forked (sharing its files) and compacted for this machine's profile
+    (measured here once per model and kept in the bench's store), and the planner of that profile."""
+    from kvchat.app.compaction import compact_session
+    from kvchat.app.hardware_profile import ensure_profile, profile_planner
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    t0 = time.perf_counter()
+    profile = ensure_profile(engine, model_fingerprint(Path(engine.path), store))
+    profile_s = time.perf_counter() - t0
+    fork = store.fork_session(sid, len(store.rounds(sid)), "kv-split")
+    report = compact_session(store, fork, profile)
+    return fork, profile_planner(profile), {
+        "split_disk_bytes": report.bytes_left, "split_compacted_rounds": len(report.rounds),
+        "split_compacted_prefix": list(report.prefix), "split_profile_s": profile_s,
+        "split_profile": profile.to_dict()}
+
+
+def _stream_figures(stats) -> dict:
+    """What each stream of a planned restore did (kv-split)."""
+    return {"split_tokens_planned": stats.tokens_planned, "split_tokens_loaded": stats.tokens_loaded,
+            "split_compute_ms": stats.compute_ms, "split_load_ms": stats.load_ms, "split_gap_ms": stats.gap_ms,
+            "split_restore_ms": stats.restore_ms, "split_predicted_ms": stats.predicted_ms or 0.0,
+            "split_plan": stats.plan}
 
 
 def _policy(method: str, engine):

@@ -30,6 +30,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
 from kvchat.engine.policies import KVPolicy
+from kvchat.engine.recompute import PrefixRecompute, PyramidStep, RecomputeCancelled
+from kvchat.engine.restore_plan import (RestorePlan, RoundLayout, StoredSegment, load_everything, plan_groups)
 from kvchat.engine.tiered_kv import TieredKV, host_layout
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError, KvchatError
@@ -37,6 +39,7 @@ from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
+from kvchat.storage.pagecache import resident_fraction
 from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.segments import merge_planes, tensor_on, write_segment
 from kvchat.storage.staging import HostToDevice, Staged
@@ -44,6 +47,21 @@ from kvchat.storage.staging import HostToDevice, Staged
 log = logging.getLogger("kvchat.session")
 
 RestoreProgress = Callable[[int, int], None]  # (tokens restored so far, tokens in the chat)
+# (rounds as stored, layer groups, groups loaded off the critical path) -> what to recompute and what to load
+Planner = Callable[[list[RoundLayout], tuple[range, ...], tuple[int, ...]], RestorePlan]
+
+# A round's K/V of all layers is stored as this many bytes per 512 tokens, at most, per file: a big model's rounds
+# become several files (layer groups), which the restore reads and decompresses side by side, and which its plan
+# and compaction can treat apart (lower layers recomputed, upper ones loaded).
+GROUP_BYTES_PER_512_TOKENS = 16 << 20
+MAX_GROUPS = 4
+
+
+def storage_groups(n_layers: int, kv_bytes_per_token: int) -> tuple[range, ...]:
+    """The layer groups a round of the full cache is stored as (one group for small models)."""
+    n = max(1, min(MAX_GROUPS, n_layers, round(kv_bytes_per_token * 512 / GROUP_BYTES_PER_512_TOKENS)))
+    cuts = [round(i * n_layers / n) for i in range(n + 1)]
+    return tuple(range(a, b) for a, b in zip(cuts, cuts[1:]))
 
 
 class RestoreCancelled(KvchatError):
@@ -52,13 +70,22 @@ class RestoreCancelled(KvchatError):
 
 @dataclass
 class RestoreStats:
-    tokens_loaded: int = 0
-    tokens_recomputed: int = 0
+    tokens_loaded: int = 0  # tokens whose K/V came from disk (at the layers the plan loads)
+    tokens_recomputed: int = 0  # recomputed because their K/V could not be loaded (missing, damaged, foreign)
     restore_ms: float = 0.0
     spans_ms: float = 0.0  # rendering and tokenizing the chat, needed only when some round is recomputed
     wait_ms: float = 0.0  # waiting for reads/checks/decompression the worker threads had not finished
     notes: list[str] = field(default_factory=list)
-    recomputed_rounds: list[int] = field(default_factory=list)
+    recomputed_rounds: list[int] = field(default_factory=list)  # the fallback's rounds
+    tokens_planned: int = 0  # the chat's first tokens, recomputed by plan (a round split by layers counts in both)
+    compute_ms: float = 0.0  # how long the recompute stream was busy
+    load_ms: float = 0.0  # how long the load stream was busy (first read to last round placed)
+    gap_ms: float = 0.0  # between the two streams' ends: the bubble the plan tried to avoid
+    plan: str = ""  # what the plan chose
+    predicted_ms: float | None = None  # the planner's estimate of the restore
+    # Recomputed by plan only because nothing was stored for them (compacted where loading is slower); loading
+    # them is faster here, so they are stored now.
+    kept_rounds: list[int] = field(default_factory=list)
 
 
 class KVWriter:
@@ -82,6 +109,10 @@ class KVWriter:
             ready.record()
         self._jobs.put((sid, round_idx, kv, layers, tokens, kind, ready))
 
+    def submit_job(self, job: Callable[[], object], what: str) -> None:
+        """Run `job` on the writer's thread once every save submitted before it is done (compaction)."""
+        self._jobs.put(("job", job, what))
+
     @property
     def busy(self) -> bool:
         """Whether submitted rounds are still on their way to disk."""
@@ -97,7 +128,11 @@ class KVWriter:
         except (AttributeError, OSError):
             pass
         while True:
-            sid, round_idx, kv, layers, tokens, kind, ready = self._jobs.get()
+            item = self._jobs.get()
+            if item[0] == "job":
+                self._run_job(*item[1:])
+                continue
+            sid, round_idx, kv, layers, tokens, kind, ready = item
             try:
                 if ready is None:
                     self._save(sid, round_idx, kv, layers, tokens, kind)
@@ -116,6 +151,16 @@ class KVWriter:
             finally:
                 self._jobs.task_done()
 
+    def _run_job(self, job: Callable[[], object], what: str) -> None:
+        try:
+            job()
+        except Exception as exc:  # noqa: BLE001 - a failed compaction costs disk space, never a chat
+            reason = str(exc) if isinstance(exc, KvchatError) else f"{type(exc).__name__}: {exc}"
+            self.errors.append(f"{what}: {reason}")
+            log.warning("%s failed: %s", what, reason)
+        finally:
+            self._jobs.task_done()
+
     def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None:
         ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens,
                             kind=kind)
@@ -130,9 +175,14 @@ class KVWriter:
 
 class ChatSession:
     def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
-                 policy: KVPolicy | None = None):
-        """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache."""
+                 policy: KVPolicy | None = None, planner: Planner | None = None,
+                 compactor: Callable[[Store, str], object] | None = None):
+        """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache.
+        `planner`: chooses what a restore recomputes and what it loads (app.hardware_profile.profile_planner);
+        None loads everything stored. `compactor`: run on the writer's thread after each round is saved
+        (app.compaction), or None."""
         self.store, self.engine, self.sid = store, engine, sid
+        self.planner, self.compactor = planner, compactor
         self.info = store.session(sid)
         self.fingerprint = model_fingerprint(Path(engine.path), store)
         self.writer = writer or KVWriter(store, self.fingerprint)
@@ -154,6 +204,14 @@ class ChatSession:
     def split(self) -> int:
         """Layers [0, split) are loaded at restore; the rest (tiered policies) only when a message picks a round."""
         return self.engine.config.n_layers if self.policy is None else self.policy.split
+
+    @property
+    def storage_groups(self) -> tuple[range, ...]:
+        """The layer groups each round is stored as: the full cache's groups, or a tiered chat's lower tier."""
+        if self.policy is not None:
+            return (range(self.split),)
+        cfg = self.engine.config
+        return storage_groups(cfg.n_layers, cfg.kv_bytes_per_token(self.engine.model.dtype.itemsize))
 
     @property
     def system(self) -> str | None:
@@ -190,11 +248,24 @@ class ChatSession:
             else:
                 into = upper_only if seg["layer_start"] >= self.split else by_round
             into.setdefault(seg["round_idx"], []).append(seg)
+        ends = [r.token_end for r in self.rounds]
+        total = ends[-1] if ends else 0
+        if total > self.engine.config.context_length:
+            raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
+                                       f"{self.engine.config.context_length}")
         self._upper_parts: dict[int, list[tuple[range, torch.Tensor]]] = {}
         self._upper_segments = upper_only  # emptied if the restore finds the stored spans stale
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()
             self._upper_fetcher = None
+        plan = self._plan(by_round, upper_only)
+        stats.plan = plan.summary(ends)
+        if plan.predicted is not None:
+            stats.predicted_ms = 1000 * plan.predicted.total_s
+        self.cache = self._new_cache(total + 512)
+        # What the plan loads: per round, the segments holding any layer it does not recompute (the upper tier of
+        # a tiered chat comes later, in the background, unless it came in one segment with the lower layers).
+        loads = {i: self._to_load(by_round.get(i, []), plan.recomputed_layers(i).stop) for i in range(len(ends))}
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
         # The workers also finish each segment: merged on the CPU, or copied to the GPU through pinned buffers.
@@ -203,10 +274,10 @@ class ChatSession:
             finish = lambda header, raw: staging.copy(raw)  # noqa: E731
         else:
             finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
-        fetcher = self._prefetcher(by_round, finish)
+        fetcher = self._prefetcher(loads, finish)
         self._bounds_fetcher = self._start_bounds_fetch(bounds, finish)
         try:
-            restored = self._restore_rounds(by_round, fetcher, stats, started, progress, cancel)
+            restored = self._run_plan(plan, loads, fetcher, stats, started, progress, cancel)
         finally:
             fetcher.close()
             if self._bounds_fetcher is not None:
@@ -218,49 +289,175 @@ class ChatSession:
             self._start_upper_fetch()
         return restored
 
-    def _restore_rounds(self, by_round: dict[int, list[dict]], fetcher: SegmentPrefetcher, stats: RestoreStats,
-                        started: float, progress: RestoreProgress | None,
-                        cancel: threading.Event | None) -> RestoreStats:
-        # The stored spans say where each round's K/V goes; tokens are only needed for rounds to recompute.
+    def _plan(self, by_round: dict[int, list[dict]], upper_only: dict[int, list[dict]]) -> RestorePlan:
+        """What to recompute and what to load: the planner's choice from this chat's stored segments (those of
+        this model and the round's token span), or, without a planner, load everything stored."""
+        n_layers, layouts = self.engine.config.n_layers, []
+        for i, row in enumerate(self.rounds):
+            usable = [s for s in by_round.get(i, []) + upper_only.get(i, [])
+                      if s["model_fingerprint"] == self.fingerprint
+                      and (s["token_start"], s["token_end"]) == (row.token_start, row.token_end)]
+            layouts.append(RoundLayout(row.token_end - row.token_start, tuple(
+                StoredSegment(range(s["layer_start"], s["layer_end"]), s["byte_size"], s["raw_size"],
+                              resident_fraction(self.store.kv_dir / s["file"]) if self.planner else 0.0)
+                for s in usable)))
+        groups = plan_groups(n_layers, layouts, (self.split,) if self.policy is not None else ())
+        background = tuple(g for g, grp in enumerate(groups) if grp.start >= self.split)
+        if self.planner is None:
+            return load_everything(layouts, groups, background)
+        return self.planner(layouts, groups, background)
+
+    def _to_load(self, segments: list[dict], keep_from: int) -> list[dict]:
+        """A round's segments holding K/V of layers at or above `keep_from` (the layers its plan loads)."""
+        return [s for s in segments if s["layer_end"] > keep_from]
+
+    def _run_plan(self, plan: RestorePlan, loads: dict[int, list[dict]], fetcher: SegmentPrefetcher,
+                  stats: RestoreStats, started: float, progress: RestoreProgress | None,
+                  cancel: threading.Event | None) -> RestoreStats:
+        """The recompute stream runs the planned prefix on its own thread while this thread places every loaded
+        round as its segments arrive; rounds that could not be loaded are recomputed once both are done."""
         ends = [r.token_end for r in self.rounds]
         total = ends[-1] if ends else 0
-        if total > self.engine.config.context_length:
-            raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
-                                       f"{self.engine.config.context_length}")
-        self.cache = self._new_cache(total + 512)
-        spans = None
-        start, pending = 0, []  # pending: rounds to recompute, as consecutive token runs
-        for i, row in enumerate(self.rounds):
-            if cancel is not None and cancel.is_set():
-                raise RestoreCancelled("restore cancelled")
-            end = row.token_end
-            reason = self._load_round(i, start, end, by_round.get(i, []), fetcher)
-            if reason is None:
-                self._recompute(pending, stats)
-                pending = []
-                stats.tokens_loaded += end - start
-                self._add_tiered_round(i, start, end, None)
-            else:
-                if spans is None:
-                    t0 = time.perf_counter()
-                    spans = self.engine.chat.round_spans(self.conversation())
-                    stats.spans_ms += 1000 * (time.perf_counter() - t0)
-                    if list(itertools.accumulate(len(s) for s in spans)) != ends:
-                        # The stored spans no longer match the text's tokens: nothing loaded so far can be trusted.
-                        return self._recompute_all(spans, stats, started)
-                stats.notes.append(f"round {i}: {reason}; recomputed")
-                log.info("round %d of %s recomputed: %s", i, self.sid, reason)
-                pending.append((start, spans[i]))
-                stats.recomputed_rounds.append(i)
-                self._add_tiered_round(i, start, end, spans[i])
-            start = end
-            if progress is not None:
-                progress(end, total)
-        self._recompute(pending, stats)
+        load_started, load_ended = time.perf_counter(), None
+        fetcher.start()  # reading starts while the prefix is tokenized
+        tokens = self._prefix_tokens(plan.prefix[0] if ends else 0, stats)
+        if tokens is None:  # the stored spans no longer match the text's tokens: nothing stored can be trusted
+            return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
+        stats.tokens_planned = len(tokens)
+        stop = threading.Event()
+        recompute = PrefixRecompute(self.engine.model, tokens, self._pyramid_steps(plan, ends), stop).start()
+        start, fallback, reported = 0, [], [None]
+
+        def report(loaded: int) -> None:
+            done = recompute.done_tokens / recompute.work if recompute.work else 1.0
+            value = min(total, loaded + int(done * stats.tokens_planned))
+            if progress is not None and value != reported[0]:
+                reported[0] = value
+                progress(value, total)
+
+        try:
+            for i, row in enumerate(self.rounds):
+                if cancel is not None and cancel.is_set():
+                    raise RestoreCancelled("restore cancelled")
+                end, keep_from = row.token_end, plan.recomputed_layers(i).stop
+                if keep_from < self.split:
+                    reason = self._load_round(i, start, end, loads[i], fetcher, keep_from)
+                    if reason is None:
+                        stats.tokens_loaded += end - start
+                        load_ended = time.perf_counter()
+                    else:
+                        stats.notes.append(f"round {i}: {reason}; recomputed")
+                        log.info("round %d of %s recomputed: %s", i, self.sid, reason)
+                        fallback.append(i)
+                start = end
+                report(stats.tokens_loaded)
+            while recompute.alive():  # the load stream is done; the recompute stream still runs
+                if cancel is not None and cancel.is_set():
+                    raise RestoreCancelled("restore cancelled")
+                recompute.wait(0.05)
+                report(stats.tokens_loaded)
+            recompute.join()
+        except RecomputeCancelled:
+            raise RestoreCancelled("restore cancelled") from None
+        finally:
+            stop.set()  # on any error the recompute thread stops at its next chunk
+            recompute.wait()
+        stats.compute_ms = 1000 * recompute.busy_s
+        stats.load_ms = 1000 * (load_ended - load_started) if load_ended is not None else 0.0
+        if recompute.busy_s and load_ended is not None:
+            stats.gap_ms = 1000 * abs(recompute.ended_at - load_ended)
+        # Rounds recomputed only because nothing is stored for them, which this machine would rather load:
+        # recomputed because they could not be loaded, and stored now.
+        stats.kept_rounds = list(range(plan.store_from[0], plan.prefix[0])) if ends else []
+        if stats.kept_rounds:
+            kept = ends[stats.kept_rounds[-1]] - self.rounds[stats.kept_rounds[0]].token_start
+            stats.tokens_planned -= kept
+            stats.tokens_recomputed += kept
+            stats.notes.append(f"{_rounds_words(stats.kept_rounds)}: no K/V stored; recomputed, and stored since "
+                               f"loading is faster here")
+        spans = self._recompute_fallback(fallback, stats)
+        if spans is False:
+            return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
         if self.policy is None:
             self.cache.length = total
+        else:
+            self._register_tiered_rounds(plan, tokens, spans, stats.kept_rounds)
         stats.wait_ms = 1000 * self._waited
+        report(total)
         return self._restored(stats, started)
+
+    def _prefix_tokens(self, rounds: int, stats: RestoreStats) -> list[int] | None:
+        """The tokens of the chat's first `rounds` rounds (rendered and tokenized), or None when they no longer
+        match the stored spans."""
+        if rounds == 0:
+            return []
+        t0 = time.perf_counter()
+        head = Conversation([Round(r.user_text, r.assistant_text) for r in self.rounds[:rounds]], self.system)
+        spans = self.engine.chat.round_spans(head)
+        stats.spans_ms += 1000 * (time.perf_counter() - t0)
+        if list(itertools.accumulate(len(s) for s in spans)) != [r.token_end for r in self.rounds[:rounds]]:
+            return None
+        return [t for s in spans for t in s]
+
+    def _pyramid_steps(self, plan: RestorePlan, ends: list[int]) -> list[PyramidStep]:
+        """One recompute step per layer group the plan recomputes anything at; a tiered chat's upper layers go to a
+        scratch cache, from which each round's upper K/V moves to host memory once the restore is done."""
+        steps, device_tier = [], self.cache if self.policy is None else self.cache.lower
+        self._recomputed_upper = None
+        for grp, k in zip(plan.groups, plan.prefix):
+            if k == 0:
+                break
+            cache = device_tier
+            if grp.start >= self.split:
+                if self._recomputed_upper is None:
+                    self._recomputed_upper = self.engine.model.new_cache(
+                        ends[k - 1], range(self.split, self.engine.config.n_layers))
+                cache = self._recomputed_upper
+            steps.append(PyramidStep(grp, ends[k - 1], cache))
+        return steps
+
+    def _recompute_fallback(self, rounds: list[int], stats: RestoreStats) -> list[list[int]] | None | bool:
+        """Recompute the rounds that could not be loaded, in order, each attending to everything before it.
+        Returns the chat's spans (None when no round needed them), or False when they no longer match."""
+        if not rounds:
+            return None
+        t0 = time.perf_counter()
+        spans = self.engine.chat.round_spans(self.conversation())
+        stats.spans_ms += 1000 * (time.perf_counter() - t0)
+        if list(itertools.accumulate(len(s) for s in spans)) != [r.token_end for r in self.rounds]:
+            return False
+        pending, previous = [], None
+        for i in rounds:
+            if previous is not None and i != previous + 1:
+                self._recompute(pending, stats)
+                pending = []
+            pending.append((self.rounds[i].token_start, spans[i]))
+            previous = i
+        self._recompute(pending, stats)
+        stats.recomputed_rounds = list(rounds)
+        return spans
+
+    def _register_tiered_rounds(self, plan: RestorePlan, prefix_tokens: list[int], spans, kept: list[int]) -> None:
+        """Tiered: hand every round to the cache in order, with its upper K/V when the restore has it (recomputed
+        by plan, or stored with its lower layers), and its tokens when it was recomputed. `kept` rounds' upper
+        layers recomputed by plan are stored (their lower layers are, by _restored)."""
+        upper_groups = [g for g, grp in enumerate(plan.groups) if grp.start >= self.split]
+        upper_prefix = plan.prefix[upper_groups[0]] if upper_groups else 0
+        n_layers = self.engine.config.n_layers
+        start = 0
+        for i, row in enumerate(self.rounds):
+            end = row.token_end
+            tokens = spans[i] if spans is not None else (prefix_tokens[start:end] if end <= len(prefix_tokens)
+                                                         else None)
+            upper = None
+            if i < upper_prefix:
+                upper = self._recomputed_upper.read(range(self.split, n_layers), start, end)
+            self._add_tiered_round(i, start, end, tokens, upper)
+            if upper is not None and i in kept:
+                self.writer.submit(self.sid, i, upper, range(self.split, n_layers), range(start, end))
+                self._save_bounds(i, range(start, end))
+            start = end
+        self._recomputed_upper = None
 
     def _restored(self, stats: RestoreStats, started: float) -> RestoreStats:
         """Close a restore: time it (once the device is done), keep its stats, store again what was recomputed."""
@@ -272,28 +469,42 @@ class ChatSession:
             self.cache.upper_source, self.cache.token_source = self._fetch_upper, self._round_tokens
             self.cache.upper_hint = self._hurry_upper
         self._save_recomputed(stats.recomputed_rounds)
+        self._save_recomputed(stats.kept_rounds, only_absent=True)
         return stats
 
-    def _save_recomputed(self, rounds: list[int]) -> None:
-        """Store again the K/V of rounds that had to be recomputed, so the next open loads them (tiered: their
-        lower layers; their upper layers are recomputed only if a message picks them, and not stored)."""
-        layers = range(self.split)
+    def _save_recomputed(self, rounds: list[int], only_absent: bool = False) -> None:
+        """Store again the K/V of rounds recomputed because they could not be loaded, so the next open loads them
+        (tiered: their lower layers; their upper layers are recomputed only if a message picks them, and not
+        stored). What the plan recomputes is never stored: recomputing it is faster than loading it here.
+        `only_absent`: only the layer groups nothing is stored for."""
+        if not rounds:
+            return
         device_tier = self.cache if self.policy is None else self.cache.lower
+        stored: dict[int, list[dict]] = {}
+        if only_absent:
+            for seg in self.store.segments(self.sid):
+                if seg["kind"] == SEGMENT_KV:
+                    stored.setdefault(seg["round_idx"], []).append(seg)
         for i in rounds:
             row = self.rounds[i]
-            kv = device_tier.read(layers, row.token_start, row.token_end)
-            self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end))
+            for layers in self.storage_groups:
+                if any(s["layer_start"] < layers.stop and layers.start < s["layer_end"] for s in stored.get(i, [])):
+                    continue
+                kv = device_tier.read(layers, row.token_start, row.token_end)
+                self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end))
 
-    def _add_tiered_round(self, i: int, start: int, end: int, tokens: list[int] | None) -> None:
-        """Tiered: register round i with the upper layers that came with its lower ones (a segment of every
-        layer, as the full cache stores), else none yet: the background reads bring them; and its key bounds."""
+    def _add_tiered_round(self, i: int, start: int, end: int, tokens: list[int] | None,
+                          upper: torch.Tensor | None = None) -> None:
+        """Tiered: register round i with its upper layers when the restore has them (recomputed by plan, or in a
+        segment of every layer, as the full cache stores), else none yet: the background reads bring them; and its
+        key bounds."""
         if self.policy is None:
             return
         parts = sorted(self._upper_parts.pop(i, []), key=lambda p: p[0].start)
-        upper = None
-        if parts and parts[0][0].start == self.split and parts[-1][0].stop == self.engine.config.n_layers:
+        if upper is None and parts and parts[0][0].start == self.split \
+                and parts[-1][0].stop == self.engine.config.n_layers:
             upper = torch.cat([kv for _, kv in parts])
-        bounds = self._stored_bounds(i, start, end) if upper is None and tokens is None else None
+        bounds = self._stored_bounds(i, start, end) if upper is None else None
         self.cache.add_closed_round(start, end, upper, tokens, bounds=bounds)
 
     def _start_bounds_fetch(self, bounds: dict[int, list[dict]], finish) -> SegmentPrefetcher | None:
@@ -439,13 +650,13 @@ class ChatSession:
         self.rounds = self.store.rounds(self.sid)
         return self._restored(stats, started)
 
-    def _load_round(self, i: int, start: int, end: int, segments: list[dict],
-                    fetcher: SegmentPrefetcher) -> str | None:
-        """None when round i's K/V came from disk, else why it could not."""
+    def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetcher: SegmentPrefetcher,
+                    keep_from: int = 0) -> str | None:
+        """None when round i's K/V of layers [keep_from, split) came from disk, else why it could not."""
         row = self.rounds[i]
         if (row.token_start, row.token_end) != (start, end) or end <= start:
             return "its stored token span is inconsistent"
-        reason = self._unusable(segments, range(0, self.split))
+        reason = self._unusable(segments, range(keep_from, self.split))
         if reason is not None:
             return reason
         t0 = time.perf_counter()
@@ -457,27 +668,33 @@ class ChatSession:
             return "segment holds another token span"
         for seg, (header, data) in zip(segments, loaded):
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
-            self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv)
+            self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv, keep_from)
         return None
 
     def _unusable(self, segments: list[dict], layers: range) -> str | None:
         """Why `segments` (one round's rows) cannot supply K/V of every layer in `layers`, or None."""
-        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments)
+        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments
+                         if s["layer_start"] < layers.stop and layers.start < s["layer_end"])
         if not covered:
             return "no K/V stored"
         expect = layers.start
         for lo, hi in covered:
-            if lo != expect:
+            if lo > expect:
                 return f"K/V of layers {expect}..{lo - 1} missing"
-            expect = hi
+            expect = max(expect, hi)
         if expect < layers.stop:
             return f"K/V of layers {expect}..{layers.stop - 1} missing"
         if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
             return "K/V belongs to another model"
         return None
 
-    def _place(self, i: int, layers: range, start: int, kv: torch.Tensor) -> None:
-        """Write loaded K/V of `layers` into the cache; tiered, the part above the split waits for its round."""
+    def _place(self, i: int, layers: range, start: int, kv: torch.Tensor, keep_from: int = 0) -> None:
+        """Write loaded K/V of `layers` from `keep_from` up into the cache (the layers below are the recompute
+        stream's); tiered, the part above the split waits for its round."""
+        if keep_from > layers.start:
+            if keep_from >= layers.stop:
+                return
+            kv, layers = kv[keep_from - layers.start:], range(keep_from, layers.stop)
         if self.policy is None:
             self.cache.write(layers, start, kv)
             return
@@ -521,20 +738,25 @@ class ChatSession:
         self.rounds.append(row)
         self._settle_cache(start, prompt + result.tokens[:-1], closed)
         self._save_round(idx, row)
+        if self.compactor is not None:
+            compactor = self.compactor
+            self.writer.submit_job(lambda: compactor(self.store, self.sid), f"compacting after round {idx}")
         if self.restored is not None:
-            self.store.record_restore(self.sid, tokens_loaded=self.restored.tokens_loaded,
-                                      tokens_recomputed=self.restored.tokens_recomputed,
-                                      restore_ms=self.restored.restore_ms,
-                                      ttft_ms=1000 * result.first_token_seconds, notes=self.restored.notes)
+            r = self.restored
+            self.store.record_restore(self.sid, tokens_loaded=r.tokens_loaded, tokens_recomputed=r.tokens_recomputed,
+                                      restore_ms=r.restore_ms, ttft_ms=1000 * result.first_token_seconds,
+                                      notes=r.notes, tokens_planned=r.tokens_planned, compute_ms=r.compute_ms,
+                                      load_ms=r.load_ms, gap_ms=r.gap_ms, plan=r.plan)
             self.restored = RestoreStats(notes=[])  # recorded once per open
         return result
 
     def _save_round(self, idx: int, row: RoundRow) -> None:
-        """Hand the new round's K/V to the writer: one segment of all layers, or (tiered) a lower and an upper."""
+        """Hand the new round's K/V to the writer: a segment per layer group, or (tiered) a lower and an upper."""
         tokens, n_layers = range(row.token_start, row.token_end), self.engine.config.n_layers
         if self.policy is None:
-            kv = self.cache.read(range(n_layers), row.token_start, row.token_end)
-            self.writer.submit(self.sid, idx, kv, range(n_layers), tokens)
+            for layers in self.storage_groups:
+                self.writer.submit(self.sid, idx, self.cache.read(layers, row.token_start, row.token_end), layers,
+                                   tokens)
             return
         self.cache.close_round()
         lower = range(self.split)
@@ -584,6 +806,16 @@ class ChatSession:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()
+
+
+def _rounds_words(rounds: list[int]) -> str:
+    """[0, 1, 2, 5] -> "rounds 0-2, 5"."""
+    runs, start = [], rounds[0]
+    for a, b in zip(rounds, rounds[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ("round " if len(rounds) == 1 else "rounds ") + ", ".join(runs)
 
 
 def _hold_span(loaded: list[tuple], start: int, end: int) -> bool:

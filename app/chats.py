@@ -34,6 +34,26 @@ def calibrating(done: int, total: int) -> None:
                nl=done == total)
 
 
+def notice(text: str) -> None:
+    click.echo(f"kvchat: notice: {text}", err=True)
+
+
+def restore_words(r: dict) -> str:
+    """A restore as `show` prints it: what each stream did, how long it took, and what went wrong."""
+    parts = [f"{r['tokens_planned']:,} tokens recomputed by plan" if r.get("tokens_planned") else None,
+             f"{r['tokens_loaded']:,} loaded",
+             f"{r['tokens_recomputed']:,} recomputed because their K/V could not be loaded"
+             if r["tokens_recomputed"] else None]
+    words = ", ".join(p for p in parts if p) + f"; {r['restore_ms']:.1f} ms"
+    if r.get("tokens_planned") and r.get("load_ms"):
+        words += f" (recompute {r['compute_ms']:.0f} ms beside load {r['load_ms']:.0f} ms, gap {r['gap_ms']:.0f} ms)"
+    if r.get("ttft_ms") is not None:
+        words += f"; first token {r['ttft_ms']:.1f} ms"
+    if r.get("plan"):
+        words += f"; plan: {r['plan']}"
+    return words + (f"; {'; '.join(r['notes'])}" if r["notes"] else "")
+
+
 def register(main: click.Group, model_option, device_option) -> None:
     @main.command()
     @click.option("--title", default=None, help="Title (default: the first message).")
@@ -60,10 +80,14 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--kv-policy", "policy_name", default="full", show_default=True,
                   help="full: every round's K/V on the device; round (Round Attention): the lower layers of every "
                        "round, the upper layers of the rounds the message picks (calibrates the model on first use).")
+    @click.option("--compact/--no-compact", default=True, show_default=True,
+                  help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
+                       "recompute anyway (kvchat compact).")
     @device_option
-    def send(session, message, max_tokens, policy_name, device):
+    def send(session, message, max_tokens, policy_name, compact, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
         from kvchat.app.chat_session import ChatSession
+        from kvchat.app.hardware_profile import planning
         from kvchat.engine.engine import Engine
         from kvchat.engine.policies import chat_policy
 
@@ -78,7 +102,8 @@ def register(main: click.Group, model_option, device_option) -> None:
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
         engine = Engine(model_path, device=device)
         policy = chat_policy(policy_name, engine, calibrating)
-        chat = ChatSession(store, engine, info["id"], policy=policy)
+        planner, compactor = planning(engine, info["model_fingerprint"], notice, compact)
+        chat = ChatSession(store, engine, info["id"], policy=policy, planner=planner, compactor=compactor)
         chat.restore()
 
         def stream(_tok: int, piece: str) -> None:
@@ -143,9 +168,38 @@ def register(main: click.Group, model_option, device_option) -> None:
         click.echo(f"\nKV on disk: {out['kv_bytes']:,} bytes ({out['kv_raw_bytes']:,} raw)")
         lr = out["last_restore"]
         if lr:
-            click.echo(f"last restore: {lr['tokens_loaded']} tokens loaded, {lr['tokens_recomputed']} recomputed, "
-                       f"{lr['restore_ms']:.1f} ms; first token {lr['ttft_ms']:.1f} ms"
-                       + (f"; {'; '.join(lr['notes'])}" if lr["notes"] else ""))
+            click.echo(f"last restore: {restore_words(lr)}")
+
+    @main.command()
+    @click.argument("session", required=False)
+    @click.option("--all", "every", is_flag=True, help="Every chat.")
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per chat, one per line.")
+    @device_option
+    def compact(session, every, as_json, device):
+        """Drop the stored K/V that restoring SESSION (or --all chats) on this machine recomputes anyway.
+
+        A restore recomputes a chat's first rounds while it loads the rest, as far as this machine's measured
+        speeds make that faster (kvchat profile); those rounds' K/V need not be kept. Nothing else is lost: the
+        text stays, and a machine that would rather load them recomputes them once and keeps them.
+        """
+        from kvchat.app.compaction import compact_session
+        from kvchat.app.hardware_profile import profile_for_chat
+
+        if every == bool(session):
+            raise KvchatError("give either a SESSION or --all")
+        store = _store()
+        chats = [r["id"] for r in store.sessions()] if every else [store.session(session)["id"]]
+        for sid in chats:
+            profile = profile_for_chat(store, sid, device, notice)
+            report = compact_session(store, sid, profile)
+            if as_json:
+                click.echo(json.dumps({"session": report.session_id, "dropped_segments": report.dropped,
+                                       "rounds": report.rounds, "bytes_dropped": report.bytes_dropped,
+                                       "bytes_left": report.bytes_left, "skipped": report.skipped,
+                                       "prefix": list(report.prefix),
+                                       "groups": [[g.start, g.stop] for g in report.groups]}))
+            else:
+                click.echo(report.line())
 
     @main.command()
     @click.argument("session")

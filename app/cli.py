@@ -220,6 +220,62 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
     click.echo(f"stored {stored}" + (f"; plot {png}" if png else ""))
 
 
+@main.command()
+@_model_option
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--redo", is_flag=True, help="Measure again (a new disk, driver or GPU).")
+@click.option("--file", "profile_file", default=None, type=click.Path(dir_okay=False),
+              help="Plan with this profile (JSON, e.g. another machine's) instead of this machine's.")
+@click.option("--plan-tokens", default="2048,8192,32768", show_default=True,
+              help="Show the restore plan for chats of these lengths (comma-separated tokens).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (`profile`, `plans`).")
+def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> None:
+    """How fast this machine recomputes and loads the model's chats (measured once, a few seconds), and how a
+    restore splits a chat between the two."""
+    from kvchat.app.hardware_profile import ensure_profile, plan_table
+    from kvchat.engine.restore_plan import HardwareProfile
+    from kvchat.errors import KvchatError
+
+    try:
+        tokens = [int(t) for t in plan_tokens.split(",") if t.strip()]
+        if not tokens or min(tokens) < 1:
+            raise ValueError
+    except ValueError:
+        raise KvchatError(f"--plan-tokens must be positive whole numbers separated by commas, not {plan_tokens!r}")
+    if profile_file:
+        try:
+            prof = HardwareProfile.from_dict(json.loads(Path(profile_file).read_text()))
+        except OSError as exc:
+            raise KvchatError(f"cannot read {profile_file}: {exc.strerror or exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise KvchatError(f"{profile_file} is not a kvchat hardware profile ({str(exc)[:100]})") from None
+    else:
+        from kvchat.engine.engine import Engine
+        from kvchat.storage.db import Store
+        from kvchat.storage.fingerprint import model_fingerprint
+
+        engine = Engine(model_path, device=_device(device))
+        prof = ensure_profile(engine, model_fingerprint(Path(model_path), Store()), redo=redo,
+                              notice=lambda text: click.echo(f"kvchat: notice: {text}", err=True))
+    rows = plan_table(prof, tokens)
+    if as_json:
+        click.echo(json.dumps({"profile": prof.to_dict(), "plans": rows}))
+        return
+    h2d = "n/a (CPU)" if prof.h2d_gb_s is None else f"{prof.h2d_gb_s:,.1f} GB/s"
+    click.echo(f"{prof.device}, {prof.dtype}, {prof.n_layers} layers, measured {prof.date}")
+    click.echo(f"prefill: {prof.prefill_a * 1e6:,.2f} µs/token + {prof.prefill_b * 1e9:,.3f} ns/token² "
+               f"({', '.join(f'{n:,} tokens {1000 * t:,.0f} ms' for n, t in prof.prefill_points)})")
+    click.echo(f"disk {prof.disk_read_mb_s:,.0f} MB/s cold, {prof.cache_read_mb_s:,.0f} MB/s from the page cache; "
+               f"verify+decompress {prof.decode_mb_s:,.0f} MB/s per thread x {prof.decode_threads}; host-to-device "
+               f"{h2d}; streams overlap {prof.overlap:.0%}")
+    click.echo("\n| chat | page cache | plan | recompute | load | restore | load everything | recompute everything |")
+    click.echo("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        click.echo(f"| {r['tokens']:,} tok, {r['rounds']} rounds | {r['cache']} | {r['plan']} | "
+                   f"{1000 * r['compute_s']:,.0f} ms | {1000 * r['load_s']:,.0f} ms | **{1000 * r['restore_s']:,.0f} ms** | "
+                   f"{1000 * r['load_everything_s']:,.0f} ms | {1000 * r['recompute_everything_s']:,.0f} ms |")
+
+
 @main.group(invoke_without_command=True)
 @click.option("--models", default="embedded,qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b", show_default=True,
               help="Comma-separated: embedded and/or random-weight models shaped like public ones.")

@@ -79,8 +79,17 @@ def _m002_segment_kind(db: Database) -> None:
     segments.create_index(["file"], if_not_exists=True)  # transform recreates it; make sure across versions
 
 
+def _m003_restore_streams(db: Database) -> None:
+    # A restore recomputes the chat's first tokens by plan while it loads the rest: what each stream did.
+    restores = db["restores"]
+    for column, kind in (("tokens_planned", int), ("compute_ms", float), ("load_ms", float), ("gap_ms", float)):
+        restores.add_column(column, kind, not_null_default=0)
+    restores.add_column("plan", str, not_null_default="")
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
-                                                            ("002_segment_kind", _m002_segment_kind)]
+                                                            ("002_segment_kind", _m002_segment_kind),
+                                                            ("003_restore_streams", _m003_restore_streams)]
 
 
 @dataclass
@@ -343,6 +352,19 @@ class Store:
         return self._query("SELECT * FROM kv_segments WHERE session_id = ? ORDER BY round_idx, kind, layer_start",
                            [sid])
 
+    def drop_segment_rows(self, sid: str, keys: list[tuple[int, str, int]]) -> list[str]:
+        """Delete the segment rows named by (round_idx, kind, layer_start) in one transaction; returns the files no
+        session references any more (to unlink after the commit)."""
+        with self.transaction() as db:
+            files = []
+            for round_idx, kind, layer_start in keys:
+                where = [sid, round_idx, kind, layer_start]
+                files += [r[0] for r in db.execute("SELECT file FROM kv_segments WHERE session_id = ? AND round_idx = ? "
+                                                   "AND kind = ? AND layer_start = ?", where)]
+                db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ? AND kind = ? AND "
+                           "layer_start = ?", where)
+        return self.unreferenced(sorted(set(files)))
+
     def drop_segments(self, sid: str, round_idx: int) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ?", [sid, round_idx])
@@ -359,11 +381,14 @@ class Store:
     # ---- restores ----
 
     def record_restore(self, sid: str, *, tokens_loaded: int, tokens_recomputed: int, restore_ms: float,
-                       ttft_ms: float | None, notes: list[str]) -> None:
+                       ttft_ms: float | None, notes: list[str], tokens_planned: int = 0, compute_ms: float = 0.0,
+                       load_ms: float = 0.0, gap_ms: float = 0.0, plan: str = "") -> None:
+        """`tokens_recomputed`: the fallback's (K/V that could not be loaded); `tokens_planned`: the plan's."""
         with self.transaction() as db:
             db["restores"].insert({"session_id": sid, "at": now(), "tokens_loaded": tokens_loaded,
                                    "tokens_recomputed": tokens_recomputed, "restore_ms": restore_ms,
-                                   "ttft_ms": ttft_ms, "notes": json.dumps(notes)})
+                                   "ttft_ms": ttft_ms, "notes": json.dumps(notes), "tokens_planned": tokens_planned,
+                                   "compute_ms": compute_ms, "load_ms": load_ms, "gap_ms": gap_ms, "plan": plan})
 
     def last_restore(self, sid: str) -> dict | None:
         rows = self._query("SELECT * FROM restores WHERE session_id = ? ORDER BY id DESC LIMIT 1", [sid])

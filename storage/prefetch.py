@@ -32,7 +32,7 @@ class SegmentPrefetcher:
         self.groups, self.sizes = groups, sizes
         self.window = self.WINDOW_BYTES if window_bytes is None else window_bytes
         self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read")
-        self._decoders = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-decode")
+        self._decoders = ThreadPoolExecutor(self.decode_threads(), thread_name_prefix="kv-decode")
         self._futures: list[Future] = []
         # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
         self._urgent: dict[int, Future] = {}
@@ -47,6 +47,11 @@ class SegmentPrefetcher:
         self._closed = False
         self._in_flight = 0  # decoded bytes submitted and not yet taken
         self._taken = 0  # items before this one are taken (or skipped by the consumer)
+
+    @staticmethod
+    def decode_threads() -> int:
+        """How many segments are verified and decompressed at once."""
+        return os.cpu_count() or 1
 
     def get(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
         """Item i's segments as (header, finished bytes), or why they cannot be used. Items are taken in order."""
@@ -142,7 +147,29 @@ class SegmentPrefetcher:
         if not self.groups[i]:
             out.set_result([])
             return
-        self._readers.submit(self._when_free, self._read, self.groups[i], out)
+        # Each file of the item is read and decoded on its own (a big model's round is several layer-group files:
+        # side by side, one round costs its largest file, not their sum).
+        parts = _Parts(len(self.groups[i]), out)
+        for j, name in enumerate(self.groups[i]):
+            self._readers.submit(self._when_free, self._read_part, name, j, parts)
+
+    def _read_part(self, name: str, j: int, parts: "_Parts") -> None:
+        try:
+            data = read_segment_file(self.folder / name)
+            self._decoders.submit(self._when_free, self._decode_part, name, data, j, parts)
+        except StorageError as exc:
+            parts.fail(str(exc))
+        except BaseException as exc:  # noqa: BLE001 - the consumer waits on the item: it must always be resolved
+            parts.fail(exc)
+
+    def _decode_part(self, name: str, data, j: int, parts: "_Parts") -> None:
+        try:
+            header, raw = decode_segment(data, self.folder / name, fingerprint=self.fingerprint)
+            parts.done(j, (header, self.finish(header, raw) if self.finish else raw))
+        except StorageError as exc:
+            parts.fail(str(exc))
+        except BaseException as exc:  # noqa: BLE001
+            parts.fail(exc)
 
     def _when_free(self, work, *args) -> None:
         """Background work waits here while hurried items are in flight or the consumer has paused it."""
@@ -172,3 +199,30 @@ class SegmentPrefetcher:
             out.set_result(str(exc))
         except BaseException as exc:  # noqa: BLE001
             out.set_exception(exc)
+
+
+class _Parts:
+    """The files of one item, finished in any order: the item's future gets them in order once all are done, or
+    the first failure (a reason, or an exception) at once."""
+
+    def __init__(self, n: int, out: Future):
+        self._results: list = [None] * n
+        self._left, self._out = n, out
+        self._lock = threading.Lock()
+
+    def done(self, j: int, result) -> None:
+        with self._lock:
+            self._results[j] = result
+            self._left -= 1
+            finished = self._left == 0 and not self._out.done()
+        if finished:
+            self._out.set_result(self._results)
+
+    def fail(self, why: str | BaseException) -> None:
+        with self._lock:
+            if self._out.done():
+                return
+            if isinstance(why, BaseException):
+                self._out.set_exception(why)
+            else:
+                self._out.set_result(why)

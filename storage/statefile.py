@@ -58,6 +58,9 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
                                         "codec", "dtype", "byte_size", "raw_size", "checksum", "file")}
                      for s in segments],
+        # What a compacted chat leaves out (recomputing it was faster than loading it where it was exported), so
+        # an importer can say so; anything absent is recomputed on first open either way.
+        "absent": absent_kv(rounds, segments),
     }
     out = Path(out)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
@@ -79,6 +82,27 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
     return out
 
 
+def absent_kv(rounds: list[RoundRow], segments: list[dict]) -> list[dict]:
+    """Per round, the layer ranges no K/V segment covers (up to the highest layer any segment holds)."""
+    kv = [s for s in segments if s.get("kind", SEGMENT_KV) == SEGMENT_KV]
+    if not kv:
+        return []
+    top = max(s["layer_end"] for s in kv)
+    by_round: dict[int, list[tuple[int, int]]] = {}
+    for s in kv:
+        by_round.setdefault(s["round_idx"], []).append((s["layer_start"], s["layer_end"]))
+    absent = []
+    for r in rounds:
+        covered = 0
+        for lo, hi in sorted(by_round.get(r.idx, [])):
+            if lo > covered:
+                absent.append({"round_idx": r.idx, "layer_start": covered, "layer_end": lo})
+            covered = max(covered, hi)
+        if covered < top:
+            absent.append({"round_idx": r.idx, "layer_start": covered, "layer_end": top})
+    return absent
+
+
 def import_state(store: Store, path: Path, *, current_fingerprint: str, model_path: str) -> ImportResult:
     """Validate the whole state file in memory, then create a new session from it."""
     path = Path(path)
@@ -89,6 +113,11 @@ def import_state(store: Store, path: Path, *, current_fingerprint: str, model_pa
         notices.append("the chat's KV cache was computed by another model; imported as text, it will be "
                        "recomputed on first use")
         segments, blobs = [], {}
+    elif segments and manifest["absent"]:
+        left_out = len({a["round_idx"] for a in manifest["absent"]})
+        notices.append(f"the state file leaves out the K/V of {left_out} of {len(manifest['rounds'])} rounds (the chat "
+                       f"was compacted: where it was exported, recomputing them is faster than loading them); they "
+                       f"are recomputed when the chat is opened, and kept if loading them is faster here")
     for seg in segments:
         header, _ = parse_segment(blobs[seg["file"]], seg["file"], fingerprint=manifest["model"]["fingerprint"])
         held = (header.layer_start, header.layer_end, header.token_start, header.token_end, header.checksum)
@@ -207,6 +236,11 @@ def _validate_manifest(m, bad) -> dict:
                                                          rounds[s["round_idx"]]["token_end"]))
         if not ok:
             raise bad(f"segment {j} is malformed")
+    absent = m.setdefault("absent", [])  # files exported before compaction existed say nothing of it
+    if not isinstance(absent, list) or not all(
+            isinstance(a, dict) and all(_is_int(a.get(k)) for k in ("round_idx", "layer_start", "layer_end"))
+            and a["round_idx"] < len(rounds) and a["layer_start"] < a["layer_end"] for a in absent):
+        raise bad("the list of absent K/V is malformed")
     return m
 
 

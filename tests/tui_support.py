@@ -14,6 +14,7 @@ from kvchat.app.tui.app import KvchatApp
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.chat_format import Conversation, Round
+from kvchat.app.hardware_profile import ensure_profile
 from kvchat.engine.engine import Engine
 from kvchat.paths import data_dir
 from kvchat.storage.db import RoundRow, Store, now
@@ -34,6 +35,11 @@ def make_app(**kwargs) -> KvchatApp:
     app = KvchatApp(device="cpu", cursor_blink=False, **kwargs)
     engine = shared_engine()
     app.backend._engines[str(Path(engine.path).resolve())] = engine  # skip loading it again
+    # A machine kvchat has run on: the model's profile is there (measured once per test run), so no first chat
+    # measures it with a notice over the screen.
+    store = Store(data_dir())
+    ensure_profile(engine, model_fingerprint(DEFAULT_MODEL, store))
+    store.close()
     app.preferences.max_tokens = 24
     return app
 

@@ -39,6 +39,7 @@ class KvchatApp(App[None]):
             self.preferences.model_path = str(Path(model_path).resolve())
         if kv_policy:  # --kv-policy: likewise for this run only
             self.preferences.kv_policy = kv_policy
+        self.backend.compact_kv = self.preferences.compact_kv
         self.clock, self.show_measurements, self.cursor_blink = clock, show_measurements, cursor_blink
 
     def on_mount(self) -> None:

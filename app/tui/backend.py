@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from kvchat.app.chat_session import ChatSession, KVWriter, RestoreStats
+from kvchat.app.hardware_profile import ensure_profile, profile_planner
+from kvchat.app.compaction import compact_session
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
@@ -92,6 +94,9 @@ class ChatBackend:
         self.model_lock = threading.RLock()  # one forward pass at a time, and no save racing a delete
         self._state_lock = threading.RLock()
         self._load_lock = threading.Lock()  # a model file is loaded once even when two workers ask at once
+        # The app's setting: after each saved round, drop the K/V restores on this machine recompute anyway.
+        self.compact_kv = True
+        self.notice: Callable[[str], None] | None = None  # tells the user about a profile being measured
 
     # ---- store, engines ----
 
@@ -209,7 +214,16 @@ class ChatBackend:
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
         engine = self.engine(info["model_path"])
         policy = self.policy(engine, kv_policy, calibrating)
-        session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy)
+        # This machine's speeds for the model (measured on its first chat, a few seconds): restores recompute the
+        # chat's front while they load the rest.
+        profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
+
+        def compactor(store: Store, chat: str) -> None:
+            if self.compact_kv:
+                compact_session(store, chat, profile)
+
+        session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy,
+                              planner=profile_planner(profile), compactor=compactor)
         stats = session.restore(progress=progress, cancel=cancel)
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)
@@ -264,7 +278,9 @@ class ChatBackend:
             last = self.store.last_restore(sid)
             if last:
                 stats.restore = RestoreStats(last["tokens_loaded"], last["tokens_recomputed"], last["restore_ms"],
-                                             notes=last["notes"])
+                                             notes=last["notes"], tokens_planned=last["tokens_planned"],
+                                             compute_ms=last["compute_ms"], load_ms=last["load_ms"],
+                                             gap_ms=last["gap_ms"], plan=last["plan"])
                 stats.restore_source = "earlier"
         for seg in self.store.segments(sid):
             stats.kv_bytes += seg["byte_size"]

@@ -182,6 +182,9 @@ class ChatScreen(Screen):
         self.composer.cursor_blink = self.app.cursor_blink
         self.query_one("#chat-filter", Input).cursor_blink = self.app.cursor_blink
         self.query_one("#restore-progress").display = False
+        # The first chat of a model on this machine measures its speeds for planning restores (seconds): say so.
+        self.backend.notice = lambda text: self._later(partial(self.notify, text[:1].upper() + text[1:],
+                                                               timeout=15))
         self.composer.focus()
         self._start()
         self.set_interval(30, self._redraw_ages)
@@ -290,7 +293,7 @@ class ChatScreen(Screen):
             self._report(exc, "Cannot open the chat")
             return
         self._later(self._restored, opening, stats)
-        if stats.restore is not None and stats.restore.tokens_recomputed:
+        if stats.restore is not None and (stats.restore.tokens_recomputed or stats.restore.kept_rounds):
             try:  # the recomputed rounds are being stored again: show their size once they are on disk
                 self.backend.drain()
                 self._later(self._restored, opening, self.backend.chat_stats(opening.sid))
@@ -654,6 +657,7 @@ class ChatScreen(Screen):
     def _preferences_saved(self, prefs, reopen: bool = True) -> None:
         policy_changed = prefs.kv_policy != self.app.preferences.kv_policy
         self.app.preferences = prefs
+        self.backend.compact_kv = prefs.compact_kv
         self.notify("Settings saved.")
         if self.open_sid is None:
             self._start()  # load the model of new chats and show it

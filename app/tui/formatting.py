@@ -39,15 +39,16 @@ def ago(stamp: str, now: datetime) -> str:
 
 
 def restore_line(stats: ChatStats, measured: bool = True) -> str:
-    """The words the end-to-end test reads: how the chat's KV came back, tokens loaded vs recomputed, and time."""
+    """The words the end-to-end test reads: how the chat's KV came back (tokens recomputed by plan beside those
+    loaded, and those recomputed because they could not be loaded), and time."""
     r = stats.restore
     if r is None:
         return "not restored yet"
-    total = r.tokens_loaded + r.tokens_recomputed
+    total = r.tokens_loaded + r.tokens_recomputed + r.tokens_planned
     if total == 0:
         how = "nothing to restore"
         return how if stats.restore_source == "this run" else f"last restore: {how}"
-    if r.tokens_recomputed == 0:
+    if r.tokens_recomputed == 0 and r.tokens_planned == 0:
         how = "restored from disk"
     elif r.tokens_loaded == 0:
         how = "re-prefilled from text"
@@ -56,7 +57,12 @@ def restore_line(stats: ChatStats, measured: bool = True) -> str:
     if stats.restore_source != "this run":
         how = f"last open {how}"
     ms = f"{r.restore_ms:.1f}" if measured else UNMEASURED
-    return f"{how}: {r.tokens_loaded} tokens loaded, {r.tokens_recomputed} recomputed, {ms} ms"
+    planned = f"{r.tokens_planned} recomputed by plan, " if r.tokens_planned else ""
+    streams = ""
+    if r.tokens_planned and r.load_ms:
+        streams = (f" (recompute {r.compute_ms:.0f} / load {r.load_ms:.0f} ms)" if measured
+                   else f" (recompute {UNMEASURED} / load {UNMEASURED} ms)")
+    return f"{how}: {planned}{r.tokens_loaded} tokens loaded, {r.tokens_recomputed} recomputed, {ms} ms{streams}"
 
 
 def kv_line(stats: ChatStats, measured: bool = True) -> str:

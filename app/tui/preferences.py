@@ -1,4 +1,5 @@
-"""The app's own settings (model file for new chats, sampling, reply length, KV policy), kept as JSON in $KVCHAT_HOME.
+"""The app's own settings (model file for new chats, sampling, reply length, KV policy, compaction), kept as JSON in
+$KVCHAT_HOME.
 
 A chat's system prompt is not here: it belongs to the chat and lives in the store, as with `kvchat new --system`.
 """
@@ -27,6 +28,7 @@ class Preferences:
     seed: int | None = None
     max_tokens: int = 512
     kv_policy: str = "full"  # one of CHAT_POLICIES: what the chats opened from now on run under
+    compact_kv: bool = True  # after each saved round, drop the K/V that restoring on this machine recomputes anyway
 
     @property
     def sampling(self) -> SamplingParams:
@@ -50,6 +52,8 @@ class Preferences:
             prefs = cls(**{k: v for k, v in raw.items() if k in known})
             if prefs.kv_policy not in CHAT_POLICIES:  # a hand edit or another version's name: only it is reset
                 prefs.kv_policy = "full"
+            if not isinstance(prefs.compact_kv, bool):
+                prefs.compact_kv = True
             return prefs.validate()
         except (OSError, ValueError, TypeError, KvchatError):
             return cls()

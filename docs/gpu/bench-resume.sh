@@ -11,6 +11,7 @@
 # is the CPU build of llama-cpp-python there: it gets LLAMA_BUDGET seconds per workload and is reported as skipped,
 # with its estimate, beyond that. A part that runs out of time still leaves the models finished so far in $OUT
 # (the JSON is rewritten after every workload). TINY=1 runs the same logic on the CPU in about a minute (a test).
+# METHODS=prefill,kv-load,kv-split runs only those methods (the restore pipeline's comparison).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -z "${TINY:-}" ]; then
@@ -28,6 +29,7 @@ DEVICE=${DEVICE:-cuda}
 part() {
   local models=$1 workloads=$2 name=$3 limit=$4
   timeout "$limit" "$PY" -m kvchat.app.cli bench --models "$models" --workloads "$workloads" --device "$DEVICE" \
+    ${METHODS:+--methods "$METHODS"} \
     --repeats "${REPEATS:-3}" --cache-dir /tmp/bench-models --work-dir "/tmp/bench-resume-$name" \
     --llama-cpp-budget "$LLAMA_BUDGET" --disk-probe-mib "${DISK_PROBE_MIB:-1024}" \
     --json "$OUT/resume-$name.json" --markdown "$OUT/resume-$name.md" 2> "$OUT/resume-$name.log"

@@ -1,5 +1,5 @@
-"""Settings: the model file for new chats, sampling, reply length, KV policy (the app's), and the chat's system
-prompt."""
+"""Settings: the model file for new chats, sampling, reply length, KV policy and compaction (the app's), and the
+chat's system prompt."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select, Static, TextArea
+from textual.widgets import Button, Checkbox, Input, Label, Select, Static, TextArea
 
 from kvchat.app.tui.preferences import Preferences
 from kvchat.engine.policies import CHAT_POLICIES
@@ -55,6 +55,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                 yield Select([(POLICY_CHOICES.get(name, name), name) for name in CHAT_POLICIES], value=p.kv_policy,
                              allow_blank=False, id="kv-policy")
                 yield self._hint(ROUND_HINT)
+                yield Checkbox("Compact chats: after each reply, drop the stored K/V that reopening the chat on this "
+                               "machine recomputes anyway", p.compact_kv, id="compact-kv")
                 if self.chat_title is not None:
                     yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)")
                 else:
@@ -107,7 +109,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                        temperature=number("temperature", float), top_k=number("top-k", int),
                        top_p=number("top-p", float), seed=number("seed", int) if seed else None,
                        max_tokens=number("max-tokens", int),
-                       kv_policy=self.query_one("#kv-policy", Select).value).validate()
+                       kv_policy=self.query_one("#kv-policy", Select).value,
+                       compact_kv=self.query_one("#compact-kv", Checkbox).value).validate()
 
     def action_cancel(self) -> None:
         self.dismiss(None)
