@@ -579,7 +579,8 @@ def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:
 def _stream_figures(stats) -> dict:
     """What each stream of a planned restore did (kv-split)."""
     return {"split_tokens_planned": stats.tokens_planned, "split_tokens_loaded": stats.tokens_loaded,
-            "split_compute_ms": stats.compute_ms, "split_load_ms": stats.load_ms, "split_gap_ms": stats.gap_ms,
+            "split_compute_ms": stats.compute_ms, "split_compute_launch_ms": stats.compute_launch_ms,
+            "split_load_ms": stats.load_ms, "split_gap_ms": stats.gap_ms,
             "split_restore_ms": stats.restore_ms, "split_predicted_ms": stats.predicted_ms or 0.0,
             "split_plan": stats.plan}
 

@@ -79,6 +79,7 @@ class RestoreStats:
     recomputed_rounds: list[int] = field(default_factory=list)  # the fallback's rounds
     tokens_planned: int = 0  # the chat's first tokens, recomputed by plan (a round split by layers counts in both)
     compute_ms: float = 0.0  # how long the recompute stream was busy
+    compute_launch_ms: float = 0.0  # of which the host took this long to queue its kernels
     load_ms: float = 0.0  # how long the load stream was busy (first read to last round placed)
     gap_ms: float = 0.0  # between the two streams' ends: the bubble the plan tried to avoid
     plan: str = ""  # what the plan chose
@@ -363,6 +364,7 @@ class ChatSession:
             stop.set()  # on any error the recompute thread stops at its next chunk
             recompute.wait()
         stats.compute_ms = 1000 * recompute.busy_s
+        stats.compute_launch_ms = 1000 * recompute.launched_s
         stats.load_ms = 1000 * (load_ended - load_started) if load_ended is not None else 0.0
         if recompute.busy_s and load_ended is not None:
             stats.gap_ms = 1000 * abs(recompute.ended_at - load_ended)

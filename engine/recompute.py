@@ -57,6 +57,7 @@ class PrefixRecompute:
         self.cancel = cancel
         self.done_tokens = 0  # token-layers finished, as a share of the work: progress for the restore's caller
         self.busy_s = 0.0
+        self.launched_s = 0.0  # until the last kernel was queued: near busy_s, the host (not the device) set the pace
         self.started_at = self.ended_at = 0.0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -106,9 +107,11 @@ class PrefixRecompute:
                         self._pyramid()
                         self._done_event = torch.cuda.Event()
                         self._done_event.record(self._stream)
+                    self.launched_s = time.perf_counter() - self.started_at
                     self._stream.synchronize()  # busy time is the device's, not the launches'
                 else:
                     self._pyramid()
+                    self.launched_s = time.perf_counter() - self.started_at
         except BaseException as exc:  # noqa: BLE001 - handed to join()
             self._error = exc
         self.ended_at = time.perf_counter()

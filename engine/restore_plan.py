@@ -16,7 +16,7 @@ Pure arithmetic on sizes and rates: no I/O, no torch. The app measures the profi
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 
 PROFILE_VERSION = 1
@@ -285,22 +285,23 @@ def plan_restore(rounds: list[RoundLayout], groups: tuple[range, ...], profile: 
         chosen = best_step
     store_from = chosen[2]
     if any(costs.forced) and profile.kv_bytes_per_token:
-        # What this machine would recompute if everything were stored (the shorter of its warm and cold plans):
-        # forced rounds beyond that are worth storing here.
-        plans = [plan_restore([_filled(r, groups, profile, resident) for r in rounds], groups, profile, background,
-                              worth) for resident in (0.0, 1.0)]
-        store_from = tuple(min(k, w) for k, w in zip(chosen[2], compactable(plans)))
+        # Rounds recomputed only because nothing is stored for them: were they stored, would this machine load
+        # them? Only a clear gain counts (a chat compacted here comes out within a round of its own plan).
+        full = [_filled(r, groups, profile) for r in rounds]
+        free = plan_restore(full, groups, profile, background, worth)
+        if free.predicted.total_s < (1 - 2 * worth) * costs.predict(chosen[2]).total_s:
+            store_from = tuple(min(k, w) for k, w in zip(chosen[2], free.prefix))
     return RestorePlan(groups, chosen[2], costs.predict(chosen[2]), tuple(background), store_from)
 
 
-def _filled(r: RoundLayout, groups: tuple[range, ...], profile: HardwareProfile, resident: float) -> RoundLayout:
-    """The round with every layer group stored (sizes estimated from the profile where nothing is)."""
+def _filled(r: RoundLayout, groups: tuple[range, ...], profile: HardwareProfile) -> RoundLayout:
+    """The round with every layer group stored (as a cold file, sized from the profile) where nothing is."""
     segs = list(r.segments)
     for g in groups:
         if not any(s.layers.start < g.stop and g.start < s.layers.stop for s in segs):
             raw = r.tokens * profile.kv_bytes_per_token * len(g) // profile.n_layers
-            segs.append(StoredSegment(g, int(raw * profile.stored_over_raw), raw, resident))
-    return RoundLayout(r.tokens, tuple(replace(s, resident=resident) for s in segs))
+            segs.append(StoredSegment(g, int(raw * profile.stored_over_raw), raw, 0.0))
+    return RoundLayout(r.tokens, tuple(segs))
 
 
 def fixed_plan(rounds: list[RoundLayout], groups: tuple[range, ...], prefix: tuple[int, ...],

@@ -31,8 +31,9 @@ class SegmentPrefetcher:
         self.folder, self.fingerprint, self.finish = Path(folder), fingerprint, finish
         self.groups, self.sizes = groups, sizes
         self.window = self.WINDOW_BYTES if window_bytes is None else window_bytes
-        self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read")
-        self._decoders = ThreadPoolExecutor(self.decode_threads(), thread_name_prefix="kv-decode")
+        self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read", initializer=_yielding)
+        self._decoders = ThreadPoolExecutor(self.decode_threads(), thread_name_prefix="kv-decode",
+                                            initializer=_yielding)
         self._futures: list[Future] = []
         # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
         self._urgent: dict[int, Future] = {}
@@ -199,6 +200,19 @@ class SegmentPrefetcher:
             out.set_result(str(exc))
         except BaseException as exc:  # noqa: BLE001
             out.set_exception(exc)
+
+
+# Background reads and decompression run below normal priority (Linux: per thread), so the threads that queue the
+# device's work (the recompute stream, the placing of loaded rounds, decoding) never wait for a core behind them.
+NICE = 5
+
+
+def _yielding() -> None:
+    try:
+        if NICE:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 class _Parts:
