@@ -33,7 +33,6 @@ import torch
 
 from kvchat.app.chat_session import Planner, storage_groups
 from kvchat.app.compaction import CompactionReport, compact_session
-from kvchat.engine.generate import prefill
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.restore_plan import HardwareProfile, plan_restore
 from kvchat.errors import KvchatError
@@ -219,26 +218,25 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
-    """(tokens, seconds) of prefills from position 0, as the recompute stream runs them; and the last cache."""
+    """(tokens, seconds) of prefills from position 0 through every layer, run as a restore's recompute stream runs
+    them (its thread and stream); and the last cache."""
     cfg, model = engine.config, engine.model
     sizes = sorted({min(n, cfg.context_length - 8) for n in PREFILL_SIZES})
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (sizes[-1],), generator=gen).tolist()
-    prefill(model, engine.new_cache(sizes[0] + 8), ids[: sizes[0]])  # warm-up
-    _sync(engine.device)
     points, cache = [], None
     for n in sizes:
         runs = []
         for _ in range(2):  # the first run of a size pays for new allocations and kernels: the second is the rate
             cache = engine.new_cache(n + 8)
             _sync(engine.device)
-            t0 = time.perf_counter()
-            prefill(model, cache, ids[:n])
-            _sync(engine.device)
-            runs.append(time.perf_counter() - t0)
+            run = PrefixRecompute(model, ids, [PyramidStep(range(cfg.n_layers), n, cache)]).start()
+            run.join()
+            runs.append(run.busy_s)
         points.append((n, min(runs)))
         if min(runs) > PREFILL_BUDGET_S:
             break
+    _sync(engine.device)
     cache.length = points[-1][0]
     return points, cache
 

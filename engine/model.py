@@ -352,7 +352,7 @@ class Transformer(nn.Module):
 
     def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
                    layers: range | None = None, attend: Attend = None, step: DecodeStep | None = None,
-                   queries: list | None = None) -> Tensor:
+                   queries: list | None = None, rot: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
 
         Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
@@ -360,14 +360,17 @@ class Transformer(nn.Module):
         slot before `start`. Does not move cache.length.
         With `step` (one token, CUDA-graph decode) positions, slot and visibility come from its device tensors.
         `queries`, if given, receives each layer's queries [T, H, D] (a tiered cache's rechecks score rounds with
-        them without running the layers again).
+        them without running the layers again). `rot`: the rotation of `positions` already on the device
+        (RotaryTable.gather), so the host never waits for the device to copy positions over.
         """
         layers = range(self.cfg.n_layers) if layers is None else layers
-        if step is None:
+        if step is not None:
+            rot = step.rot
+        elif rot is None:
             cache.reserve(start + h.shape[0])
             rot = self.rope(positions)
         else:
-            rot = step.rot
+            cache.reserve(start + h.shape[0])
         for i in layers:
             h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step, queries)
         return h

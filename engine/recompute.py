@@ -8,6 +8,7 @@ the same chunks as `generate.prefill`, so its K/V are those a fresh prefill comp
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -47,14 +48,14 @@ class PrefixRecompute:
     CHUNK = 4096  # as generate.prefill: the same chunks give the same K/V
 
     def __init__(self, model: Transformer, tokens: list[int], steps: list[PyramidStep],
-                 cancel: threading.Event | None = None):
+                 cancel: threading.Event | None = None, side_stream: bool = True):
         for a, b in zip(steps, steps[1:]):
             if b.tokens > a.tokens or b.layers.start != a.layers.stop:
                 raise ValueError("recompute steps must run upward through adjacent layer groups on shrinking spans")
         if steps and steps[0].tokens > len(tokens):
             raise ValueError(f"recomputing {steps[0].tokens} tokens needs them ({len(tokens)} given)")
         self.model, self.tokens, self.steps = model, tokens, [s for s in steps if s.tokens > 0]
-        self.cancel = cancel
+        self.cancel, self.side_stream = cancel, side_stream
         self.done_tokens = 0  # token-layers finished, as a share of the work: progress for the restore's caller
         self.busy_s = 0.0
         self.launched_s = 0.0  # until the last kernel was queued: near busy_s, the host (not the device) set the pace
@@ -70,7 +71,7 @@ class PrefixRecompute:
 
     def start(self) -> "PrefixRecompute":
         device = self.model.device
-        if device.type == "cuda":
+        if device.type == "cuda" and self.side_stream:
             # The caches were made on the caller's stream: the recompute stream starts after that.
             self._stream = _recompute_stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
@@ -102,35 +103,48 @@ class PrefixRecompute:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._pyramid()
-                        self._done_event = torch.cuda.Event()
-                        self._done_event.record(self._stream)
-                    self.launched_s = time.perf_counter() - self.started_at
-                    self._stream.synchronize()  # busy time is the device's, not the launches'
-                else:
+                on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+                with on_stream:
                     self._pyramid()
-                    self.launched_s = time.perf_counter() - self.started_at
+                    if self.model.device.type == "cuda":
+                        self._done_event = torch.cuda.Event()
+                        self._done_event.record()
+                self.launched_s = time.perf_counter() - self.started_at
+                if self._done_event is not None:
+                    self._done_event.synchronize()  # busy time is the device's, not the launches'
         except BaseException as exc:  # noqa: BLE001 - handed to join()
             self._error = exc
         self.ended_at = time.perf_counter()
         self.busy_s = self.ended_at - self.started_at
 
+    def run_here(self) -> "PrefixRecompute":
+        """Run on the calling thread, now (on the recompute stream, or the caller's without `side_stream`)."""
+        device = self.model.device
+        if device.type == "cuda" and self.side_stream:
+            self._stream = _recompute_stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        self.started_at = time.perf_counter()
+        self._run()
+        if self._error is not None:
+            raise self._error
+        return self
+
     def _pyramid(self) -> None:
         m = self.model
         n = self.steps[0].tokens
-        ids = torch.tensor(self.tokens[:n], dtype=torch.long)
-        positions = torch.arange(n)
-        h = m.embed(ids)  # [n, d]
+        h = m.embed(torch.tensor(self.tokens[:n], dtype=torch.long))  # [n, d]
+        # Every chunk's rotation, on the device at once: the host then never waits for a copy of positions to
+        # the device, and queues the whole pyramid ahead of the device.
+        m.rope.reserve(n)
+        rot_c, rot_s = m.rope.gather(torch.arange(n, device=m.device))
         for step in self.steps:
             h = h[: step.tokens]  # the next group needs only the first tokens' hidden states (Eq. 4)
-            step.cache.reserve(step.tokens)
             outs = []
             for c in range(0, step.tokens, self.CHUNK):
                 if self.cancel is not None and self.cancel.is_set():
                     raise RecomputeCancelled()
                 end = min(c + self.CHUNK, step.tokens)
-                outs.append(m.run_layers(h[c:end], positions[c:end], step.cache, c, layers=step.layers))
+                outs.append(m.run_layers(h[c:end], None, step.cache, c, layers=step.layers,
+                                         rot=(rot_c[c:end], rot_s[c:end])))
                 self.done_tokens += (end - c) * len(step.layers)
             h = outs[0] if len(outs) == 1 else torch.cat(outs)
