@@ -315,59 +315,57 @@ class ChatSession:
     def _run_plan(self, plan: RestorePlan, loads: dict[int, list[dict]], fetcher: SegmentPrefetcher,
                   stats: RestoreStats, started: float, progress: RestoreProgress | None,
                   cancel: threading.Event | None) -> RestoreStats:
-        """The recompute stream runs the planned prefix on its own thread while this thread places every loaded
+        """This thread queues the planned prefix on the recompute stream while a helper thread places every loaded
         round as its segments arrive; rounds that could not be loaded are recomputed once both are done."""
         ends = [r.token_end for r in self.rounds]
         total = ends[-1] if ends else 0
-        load_started, load_ended = time.perf_counter(), None
+        loading = _Loading(time.perf_counter())
         fetcher.start()  # reading starts while the prefix is tokenized
         tokens = self._prefix_tokens(plan.prefix[0] if ends else 0, stats)
         if tokens is None:  # the stored spans no longer match the text's tokens: nothing stored can be trusted
             return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
         stats.tokens_planned = len(tokens)
         stop = threading.Event()
-        recompute = PrefixRecompute(self.engine.model, tokens, self._pyramid_steps(plan, ends), stop).start()
-        start, fallback, reported = 0, [], [None]
+        recompute = PrefixRecompute(self.engine.model, tokens, self._pyramid_steps(plan, ends), stop)
+        reported, reporting = [None], threading.Lock()
 
-        def report(loaded: int) -> None:
-            done = recompute.done_tokens / recompute.work if recompute.work else 1.0
-            value = min(total, loaded + int(done * stats.tokens_planned))
-            if progress is not None and value != reported[0]:
-                reported[0] = value
-                progress(value, total)
+        def report() -> None:  # after each loaded round (helper thread) and while waiting (this one)
+            with reporting:
+                done = recompute.done_tokens / recompute.work if recompute.work else 1.0
+                value = min(total, loading.tokens + int(done * stats.tokens_planned))
+                if progress is not None and value != reported[0]:
+                    reported[0] = value
+                    progress(value, total)
 
+        placer = threading.Thread(target=self._place_loaded,
+                                  args=(plan, loads, fetcher, loading, cancel, stop, report), name="kv-place",
+                                  daemon=True)
+
+        placer.start()
         try:
-            for i, row in enumerate(self.rounds):
+            recompute.launch()
+            while placer.is_alive():  # the recompute is queued (on the CPU: done); the loads may still come in
                 if cancel is not None and cancel.is_set():
                     raise RestoreCancelled("restore cancelled")
-                end, keep_from = row.token_end, plan.recomputed_layers(i).stop
-                if keep_from < self.split:
-                    reason = self._load_round(i, start, end, loads[i], fetcher, keep_from)
-                    if reason is None:
-                        stats.tokens_loaded += end - start
-                        load_ended = time.perf_counter()
-                    else:
-                        stats.notes.append(f"round {i}: {reason}; recomputed")
-                        log.info("round %d of %s recomputed: %s", i, self.sid, reason)
-                        fallback.append(i)
-                start = end
-                report(stats.tokens_loaded)
-            while recompute.alive():  # the load stream is done; the recompute stream still runs
-                if cancel is not None and cancel.is_set():
-                    raise RestoreCancelled("restore cancelled")
-                recompute.wait(0.05)
-                report(stats.tokens_loaded)
-            recompute.join()
+                placer.join(0.05)
+                report()
+            if cancel is not None and cancel.is_set():  # the helper stopped early for it
+                raise RestoreCancelled("restore cancelled")
+            recompute.finish()
         except RecomputeCancelled:
             raise RestoreCancelled("restore cancelled") from None
         finally:
-            stop.set()  # on any error the recompute thread stops at its next chunk
-            recompute.wait()
+            stop.set()  # on any error the helper stops at its next round
+            placer.join()
+        if loading.error is not None:
+            raise loading.error
+        stats.tokens_loaded, fallback = loading.tokens, loading.fallback
+        stats.notes += [f"round {i}: {reason}; recomputed" for i, reason in loading.reasons]
         stats.compute_ms = 1000 * recompute.busy_s
         stats.compute_launch_ms = 1000 * recompute.launched_s
-        stats.load_ms = 1000 * (load_ended - load_started) if load_ended is not None else 0.0
-        if recompute.busy_s and load_ended is not None:
-            stats.gap_ms = 1000 * abs(recompute.ended_at - load_ended)
+        stats.load_ms = 1000 * (loading.ended - loading.started) if loading.ended is not None else 0.0
+        if recompute.busy_s and loading.ended is not None:
+            stats.gap_ms = 1000 * abs(recompute.ended_at - loading.ended)
         # Rounds recomputed only because nothing is stored for them, which this machine would rather load:
         # recomputed because they could not be loaded, and stored now.
         stats.kept_rounds = list(range(plan.store_from[0], plan.prefix[0])) if ends else []
@@ -385,8 +383,38 @@ class ChatSession:
         else:
             self._register_tiered_rounds(plan, tokens, spans, stats.kept_rounds)
         stats.wait_ms = 1000 * self._waited
-        report(total)
+        report()
         return self._restored(stats, started)
+
+    def _place_loaded(self, plan: RestorePlan, loads: dict[int, list[dict]], fetcher: SegmentPrefetcher,
+                      loading: "_Loading", cancel: threading.Event | None, stop: threading.Event,
+                      report: Callable[[], None]) -> None:
+        """On a helper thread: every round the plan loads, in order, into the cache as its segments arrive."""
+        try:
+            with torch.inference_mode():  # thread-local: the cache is an inference tensor
+                self._place_rounds(plan, loads, fetcher, loading, cancel, stop, report)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the restoring thread
+            loading.error = exc
+
+    def _place_rounds(self, plan: RestorePlan, loads: dict[int, list[dict]], fetcher: SegmentPrefetcher,
+                      loading: "_Loading", cancel: threading.Event | None, stop: threading.Event,
+                      report: Callable[[], None]) -> None:
+        start = 0
+        for i, row in enumerate(self.rounds):
+            if stop.is_set() or (cancel is not None and cancel.is_set()):
+                return
+            end, keep_from = row.token_end, plan.recomputed_layers(i).stop
+            if keep_from < self.split:
+                reason = self._load_round(i, start, end, loads[i], fetcher, keep_from)
+                if reason is None:
+                    loading.tokens += end - start
+                    loading.ended = time.perf_counter()
+                else:
+                    log.info("round %d of %s recomputed: %s", i, self.sid, reason)
+                    loading.reasons.append((i, reason))
+                    loading.fallback.append(i)
+            start = end
+            report()
 
     def _prefix_tokens(self, rounds: int, stats: RestoreStats) -> list[int] | None:
         """The tokens of the chat's first `rounds` rounds (rendered and tokenized), or None when they no longer
@@ -808,6 +836,18 @@ class ChatSession:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""
         if self._upper_fetcher is not None:
             self._upper_fetcher.close()
+
+
+@dataclass
+class _Loading:
+    """What the helper thread placing loaded rounds did (read by the restoring thread once it is done)."""
+
+    started: float
+    ended: float | None = None
+    tokens: int = 0
+    fallback: list[int] = field(default_factory=list)
+    reasons: list[tuple[int, str]] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 def _rounds_words(rounds: list[int]) -> str:

@@ -230,8 +230,7 @@ def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
         for _ in range(2):  # the first run of a size pays for new allocations and kernels: the second is the rate
             cache = engine.new_cache(n + 8)
             _sync(engine.device)
-            run = PrefixRecompute(model, ids, [PyramidStep(range(cfg.n_layers), n, cache)]).start()
-            run.join()
+            run = PrefixRecompute(model, ids, [PyramidStep(range(cfg.n_layers), n, cache)]).run()
             runs.append(run.busy_s)
         points.append((n, min(runs)))
         if min(runs) > PREFILL_BUDGET_S:
@@ -375,16 +374,17 @@ def _overlap(engine, profile: HardwareProfile, files: list[Path], fingerprint: s
         cache = engine.new_cache(n + 8)
         return PrefixRecompute(engine.model, ids, [PyramidStep(range(engine.config.n_layers), n, cache)])
 
-    recompute().start().join()  # warm-up of the recompute stream's shapes
-    alone = recompute().start()
-    alone.join()
-    compute_s = alone.busy_s
+    recompute().run()  # warm-up of the recompute stream's shapes
+    compute_s = recompute().run().busy_s
     both = recompute()
+    # As a restore runs them: the loads placed by a helper thread, the recompute queued by this one.
+    loader = threading.Thread(target=_load, args=(engine, files, fingerprint))
     _sync(engine.device)
     t0 = time.perf_counter()
-    both.start()
-    _load(engine, files, fingerprint)
-    both.join()
+    loader.start()
+    both.launch()
+    loader.join()
+    both.finish()
     _sync(engine.device)
     together = time.perf_counter() - t0
     shorter = min(compute_s, load_s)

@@ -1,5 +1,5 @@
-"""The recompute stream of a restore: a chat's first tokens prefilled again, layer group by layer group, on a
-thread (and, on CUDA, a stream) of their own while the load stream brings in the rest.
+"""The recompute stream of a restore: a chat's first tokens prefilled again, layer group by layer group, on a CUDA
+stream of their own while the load stream brings in the rest.
 
 A prefix of the chat attends only to itself, so it needs nothing loaded. The span shrinks with depth (a pyramid:
 group g + 1 runs on the first tokens of group g's output, Krul's tensor[:target_length]), and each group runs in
@@ -43,7 +43,12 @@ class PyramidStep:
 
 
 class PrefixRecompute:
-    """Runs `steps` over `tokens` (the chat's first tokens) when started; `join` waits and re-raises any error."""
+    """Recomputes `steps` over `tokens` (the chat's first tokens). `launch` queues the whole pyramid on the
+    recompute stream from the calling thread and returns (on the CPU it computes it there); `finish` waits for it.
+
+    The calling thread should be the main one: on a GPU, PyTorch queued the same kernels 5-8 times slower from a
+    thread of their own (docs/probes/recompute_threads.py, H100), so the restore places loaded rounds from a helper
+    thread instead (few operations each) and queues the recompute here."""
 
     CHUNK = 4096  # as generate.prefill: the same chunks give the same K/V
 
@@ -56,12 +61,10 @@ class PrefixRecompute:
             raise ValueError(f"recomputing {steps[0].tokens} tokens needs them ({len(tokens)} given)")
         self.model, self.tokens, self.steps = model, tokens, [s for s in steps if s.tokens > 0]
         self.cancel, self.side_stream = cancel, side_stream
-        self.done_tokens = 0  # token-layers finished, as a share of the work: progress for the restore's caller
+        self.done_tokens = 0  # token-layers queued (computed, on the CPU): progress for the restore's caller
         self.busy_s = 0.0
         self.launched_s = 0.0  # until the last kernel was queued: near busy_s, the host (not the device) set the pace
         self.started_at = self.ended_at = 0.0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._stream = None
         self._done_event = None
 
@@ -69,65 +72,40 @@ class PrefixRecompute:
     def work(self) -> int:
         return sum(s.tokens * len(s.layers) for s in self.steps)
 
-    def start(self) -> "PrefixRecompute":
+    @torch.inference_mode()
+    def launch(self) -> "PrefixRecompute":
+        """Queue (CPU: compute) the pyramid; RecomputeCancelled if `cancel` is set between chunks."""
         device = self.model.device
-        if device.type == "cuda" and self.side_stream:
-            # The caches were made on the caller's stream: the recompute stream starts after that.
-            self._stream = _recompute_stream(device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))
         self.started_at = time.perf_counter()
         if not self.steps:
             self.ended_at = self.started_at
             return self
-        self._thread = threading.Thread(target=self._run, name="kv-recompute", daemon=True)
-        self._thread.start()
-        return self
-
-    def join(self) -> None:
-        """Wait for the recompute; the caller's stream then waits for its K/V (on the device, not the host)."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        if self._done_event is not None:
-            torch.cuda.current_stream(self.model.device).wait_event(self._done_event)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait (at most `timeout` seconds) for the recompute thread, raising nothing."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            with torch.inference_mode():
-                on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-                with on_stream:
-                    self._pyramid()
-                    if self.model.device.type == "cuda":
-                        self._done_event = torch.cuda.Event()
-                        self._done_event.record()
-                self.launched_s = time.perf_counter() - self.started_at
-                if self._done_event is not None:
-                    self._done_event.synchronize()  # busy time is the device's, not the launches'
-        except BaseException as exc:  # noqa: BLE001 - handed to join()
-            self._error = exc
-        self.ended_at = time.perf_counter()
-        self.busy_s = self.ended_at - self.started_at
-
-    def run_here(self) -> "PrefixRecompute":
-        """Run on the calling thread, now (on the recompute stream, or the caller's without `side_stream`)."""
-        device = self.model.device
         if device.type == "cuda" and self.side_stream:
+            # The caches were made on the caller's stream: the recompute stream starts after that.
             self._stream = _recompute_stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
-        self.started_at = time.perf_counter()
-        self._run()
-        if self._error is not None:
-            raise self._error
+        on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with on_stream:
+            self._pyramid()
+            if device.type == "cuda":
+                self._done_event = torch.cuda.Event()
+                self._done_event.record()
+        self.launched_s = time.perf_counter() - self.started_at
         return self
+
+    def finish(self) -> "PrefixRecompute":
+        """Wait for the device to finish; the caller's stream then waits for the K/V (on the device)."""
+        if self._done_event is not None:
+            self._done_event.synchronize()  # busy time is the device's, not the launches'
+            torch.cuda.current_stream(self.model.device).wait_event(self._done_event)
+            self._done_event = None
+        if self.steps and not self.ended_at:
+            self.ended_at = time.perf_counter()
+            self.busy_s = self.ended_at - self.started_at
+        return self
+
+    def run(self) -> "PrefixRecompute":
+        return self.launch().finish()
 
     def _pyramid(self) -> None:
         m = self.model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -58,9 +59,11 @@ def main() -> None:
                         steps = [PyramidStep(range(a, b), n, cache) for a, b in zip(cuts, cuts[1:])]
                         run = PrefixRecompute(engine.model, ids, steps, side_stream=side)
                         if where == "main":
-                            run.run_here()
+                            run.run()
                         else:
-                            run.start().join()
+                            worker = threading.Thread(target=run.run)
+                            worker.start()
+                            worker.join()
                         return run.launched_s
                     row[f"{groups}g-{where}-{'side' if side else 'default'}"] = timed(pyramid)
         print(json.dumps(row))

@@ -51,8 +51,7 @@ def main() -> None:
             conv = Conversation([Round(r.user_text, r.assistant_text) for r in rounds[:k]], info["system_prompt"])
             tokens = engine.chat.conversation_tokens(conv)
             cache = engine.new_cache(len(tokens) + 8)
-            run = PrefixRecompute(engine.model, tokens, [PyramidStep(range(L), len(tokens), cache)]).start()
-            run.join()
+            run = PrefixRecompute(engine.model, tokens, [PyramidStep(range(L), len(tokens), cache)]).run()
             return {"busy_ms": 1000 * run.busy_s, "launched_ms": 1000 * run.launched_s}
 
         def restore(k: int | None) -> dict:
