@@ -44,8 +44,8 @@ from kvchat.storage.staging import HostToDevice, Staged
 
 Notice = Callable[[str], None]
 
-PREFILL_SIZES = (128, 512, 2048, 8192, 16384)
-PREFILL_BUDGET_S = 0.4  # no larger prefill once one takes this long (a CPU measures a few small ones)
+PREFILL_SIZES = (128, 512, 2048, 8192, 16384, 24576)
+PREFILL_BUDGET_S = 0.5  # no larger prefill once one takes this long (a CPU measures a few small ones)
 PROBE_RAW_BYTES = 384 << 20  # at most this much K/V is written and read back
 PROBE_ROUND_TOKENS = 512  # the probe's "rounds"
 TINY_SEGMENTS = 32  # tiny files timed for the per-file cost
