@@ -366,6 +366,9 @@ class ChatSession:
         stats.load_ms = 1000 * (loading.ended - loading.started) if loading.ended is not None else 0.0
         if recompute.busy_s and loading.ended is not None:
             stats.gap_ms = 1000 * abs(recompute.ended_at - loading.ended)
+            observe = getattr(self.planner, "observe", None)
+            if observe is not None and not loading.fallback:  # a planner that learns how the two streams went
+                observe(plan, recompute.busy_s, loading.ended - loading.started)
         # Rounds recomputed only because nothing is stored for them, which this machine would rather load:
         # recomputed because they could not be loaded, and stored now.
         stats.kept_rounds = list(range(plan.store_from[0], plan.prefix[0])) if ends else []

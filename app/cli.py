@@ -267,7 +267,10 @@ def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> Non
                f"({', '.join(f'{n:,} tokens {1000 * t:,.0f} ms' for n, t in prof.prefill_points)})")
     click.echo(f"disk {prof.disk_read_mb_s:,.0f} MB/s cold, {prof.cache_read_mb_s:,.0f} MB/s from the page cache; "
                f"verify+decompress {prof.decode_mb_s:,.0f} MB/s per thread x {prof.decode_threads}; host-to-device "
-               f"{h2d}; streams overlap {prof.overlap:.0%}")
+               f"{h2d}")
+    compute_slow, load_slow = prof.slowdowns
+    click.echo(f"side by side: recompute x{compute_slow:.2f}, load x{load_slow:.2f} (" +
+               (f"median of {len(prof.observed)} restores" if prof.observed else "measured") + ")")
     click.echo("\n| chat | page cache | plan | recompute | load | restore | load everything | recompute everything |")
     click.echo("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import secrets
@@ -34,7 +35,7 @@ import torch
 from kvchat.app.chat_session import Planner, storage_groups
 from kvchat.app.compaction import CompactionReport, compact_session
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep
-from kvchat.engine.restore_plan import HardwareProfile, plan_restore
+from kvchat.engine.restore_plan import HardwareProfile, RestorePlan, observe, plan_restore
 from kvchat.errors import KvchatError
 from kvchat.paths import data_dir
 from kvchat.storage.pagecache import evict
@@ -43,6 +44,7 @@ from kvchat.storage.segments import decode_segment, merge_planes, read_segment_f
 from kvchat.storage.staging import HostToDevice, Staged
 
 Notice = Callable[[str], None]
+log = logging.getLogger("kvchat.profile")
 
 PREFILL_SIZES = (128, 512, 2048, 8192, 16384, 24576)
 PREFILL_BUDGET_S = 0.5  # no larger prefill once one takes this long (a CPU measures a few small ones)
@@ -140,9 +142,34 @@ def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo:
         return profile
 
 
-def profile_planner(profile: HardwareProfile) -> Planner:
+class ProfilePlanner:
+    """ChatSession's planner for this machine: plans from the profile, and learns from each restore that ran both
+    streams how much they slow each other (kept in the profile, so the next process plans with it too)."""
+
+    def __init__(self, profile: HardwareProfile):
+        self.profile = profile
+
+    def __call__(self, rounds, groups, background) -> RestorePlan:
+        return plan_restore(rounds, groups, self.profile, background)
+
+    def observe(self, plan: RestorePlan, compute_s: float, load_s: float) -> None:
+        updated = observe(self.profile, plan, compute_s, load_s)
+        if updated is None:
+            return
+        with _lock:  # this process's later chats plan with it too (a profile from elsewhere stays apart)
+            key = (updated.fingerprint, updated.device)
+            if _measured.get(key) is self.profile:
+                _measured[key] = updated
+        self.profile = updated
+        try:
+            save_profile(updated)
+        except KvchatError as exc:  # the plans of this process still learn; the next one starts from the file
+            log.warning("%s", exc)
+
+
+def profile_planner(profile: HardwareProfile) -> ProfilePlanner:
     """The restore planner of ChatSession for this profile."""
-    return lambda rounds, groups, background: plan_restore(rounds, groups, profile, background)
+    return ProfilePlanner(profile)
 
 
 def planning(engine, fingerprint: str, notice: Notice | None = None, compact: bool = True
@@ -199,14 +226,16 @@ def measure_profile(engine, fingerprint: str) -> HardwareProfile:
             dtype=str(engine.dtype).removeprefix("torch."), prefill_a=a, prefill_b=b,
             disk_read_mb_s=disk_bytes / cold_s / 1e6, cache_read_mb_s=disk_bytes / warm_s / 1e6,
             decode_mb_s=raw_bytes / max(decode_s - overhead_s * len(files), decode_s / 2) / 1e6,
-            decode_threads=SegmentPrefetcher.decode_threads(), h2d_gb_s=h2d, overlap=1.0,
+            decode_threads=SegmentPrefetcher.decode_threads(), h2d_gb_s=h2d, compute_slowdown=1.0,
+            load_slowdown=1.0,
             segment_overhead_ms=1000 * overhead_s,
             kv_bytes_per_token=cfg.kv_bytes_per_token(engine.model.dtype.itemsize),
             stored_over_raw=disk_bytes / raw_bytes,
             date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), prefill_points=[list(p) for p in points])
         load_s = statistics.median(_load(engine, files, fingerprint) for _ in range(2))
         profile = _as_measured_load(profile, load_s, len(files), raw_bytes, biggest, disk_bytes)
-        return replace(profile, overlap=_overlap(engine, profile, files, fingerprint, load_s))
+        compute_slowdown, load_slowdown = _slowdowns(engine, profile, files, fingerprint, load_s)
+        return replace(profile, compute_slowdown=compute_slowdown, load_slowdown=load_slowdown)
     finally:
         shutil.rmtree(probe, ignore_errors=True)
 
@@ -362,9 +391,10 @@ def _as_measured_load(profile: HardwareProfile, load_s: float, files: int, raw: 
     return replace(profile, decode_mb_s=min(profile.decode_mb_s, rate / 1e6))
 
 
-def _overlap(engine, profile: HardwareProfile, files: list[Path], fingerprint: str, load_s: float) -> float:
-    """How much of the shorter stream hides under the longer when both run at once, 0..1."""
-    # A recompute about as long as the load, within what was measured.
+def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint: str,
+               load_s: float) -> tuple[float, float]:
+    """How much slower the recompute and the load run side by side than alone (a recompute about as long as the
+    load, run as a restore runs them: the recompute queued by this thread, the loads placed by a helper)."""
     largest = max(n for n, _ in profile.prefill_points)
     n = next((m for m in range(64, largest + 1, 64) if profile.prefill_seconds(m) >= load_s), largest)
     gen = torch.Generator().manual_seed(1)
@@ -377,20 +407,15 @@ def _overlap(engine, profile: HardwareProfile, files: list[Path], fingerprint: s
     recompute().run()  # warm-up of the recompute stream's shapes
     compute_s = recompute().run().busy_s
     both = recompute()
-    # As a restore runs them: the loads placed by a helper thread, the recompute queued by this one.
-    loader = threading.Thread(target=_load, args=(engine, files, fingerprint))
+    took: list[float] = []
+    loader = threading.Thread(target=lambda: took.append(_load(engine, files, fingerprint)))
     _sync(engine.device)
-    t0 = time.perf_counter()
     loader.start()
     both.launch()
     loader.join()
     both.finish()
     _sync(engine.device)
-    together = time.perf_counter() - t0
-    shorter = min(compute_s, load_s)
-    if shorter <= 0:
-        return 1.0
-    return max(0.0, min(1.0, (compute_s + load_s - together) / shorter))
+    return max(1.0, both.busy_s / compute_s), max(1.0, took[0] / load_s)
 
 
 def plan_table(profile: HardwareProfile, chat_tokens: list[int], round_tokens: int = 640) -> list[dict]:

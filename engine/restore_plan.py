@@ -16,10 +16,10 @@ Pure arithmetic on sizes and rates: no I/O, no torch. The app measures the profi
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,39 @@ class HardwareProfile:
     decode_mb_s: float  # verify (sha256) and decompress one segment on one thread, MB/s of K/V produced
     decode_threads: int  # threads the restore decodes segments on
     h2d_gb_s: float | None  # decoded K/V to the device through the staging buffers (None: the CPU)
-    overlap: float  # 0..1: how much of the shorter stream hides under the longer (1 = fully, 0 = not at all)
+    # How much slower each stream runs while the other runs too (1: not at all; 2: as if they took turns, as on a
+    # CPU whose cores both need), measured with the probe's files and refined by the restores seen since.
+    compute_slowdown: float
+    load_slowdown: float
     segment_overhead_ms: float = 0.0  # what one more file costs beyond its bytes (open, read, hash, decompress)
     kv_bytes_per_token: int = 0  # raw K/V of one token, all layers (for plans of chats not stored yet)
     stored_over_raw: float = 1.0  # bytes on disk per raw byte (byte planes + zstd)
     date: str = ""
     prefill_points: list[list[float]] = field(default_factory=list)  # [tokens, seconds] measured
+    # Restores that ran both streams: [recompute stream, load stream] time over what the rates alone predict
+    # (the latest few; their medians stand in for the measured slowdowns).
+    observed: list[list[float]] = field(default_factory=list)
     version: int = PROFILE_VERSION
+
+    @property
+    def slowdowns(self) -> tuple[float, float]:
+        """(compute, load) factors the planner uses: the restores' own when there are any."""
+        if not self.observed:
+            return self.compute_slowdown, self.load_slowdown
+        cs = sorted(o[0] for o in self.observed)
+        ls = sorted(o[1] for o in self.observed)
+        return cs[len(cs) // 2], ls[len(ls) // 2]
+
+    def both_seconds(self, compute: float, load: float) -> float:
+        """Both streams at once: each slowed while the other runs, the longer one alone at full speed after."""
+        if compute <= 0 or load <= 0:
+            return compute + load
+        sc, sl = self.slowdowns
+        if compute * sc <= load * sl:
+            together = compute * sc
+            return together + load - together / sl
+        together = load * sl
+        return together + compute - together / sc
 
     def prefill_seconds(self, tokens: int, layer_share: float = 1.0) -> float:
         """Recomputing `tokens` from position 0 through `layer_share` of the layers."""
@@ -64,17 +90,20 @@ class HardwareProfile:
             raise ValueError(f"profile version {d.get('version') if isinstance(d, dict) else None!r} is not "
                              f"{PROFILE_VERSION}")
         p = cls(**d)
-        rates = (p.prefill_a, p.prefill_b, p.disk_read_mb_s, p.cache_read_mb_s, p.decode_mb_s, p.overlap,
-                 p.segment_overhead_ms)
+        rates = (p.prefill_a, p.prefill_b, p.disk_read_mb_s, p.cache_read_mb_s, p.decode_mb_s, p.compute_slowdown,
+                 p.load_slowdown, p.segment_overhead_ms)
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in rates):
             raise ValueError("a rate is negative or not a number")
         if p.prefill_a + p.prefill_b <= 0 or min(p.disk_read_mb_s, p.cache_read_mb_s, p.decode_mb_s) <= 0:
             raise ValueError("a rate is zero")
         if p.h2d_gb_s is not None and not (isinstance(p.h2d_gb_s, (int, float)) and p.h2d_gb_s > 0):
             raise ValueError("the host-to-device rate is not positive")
-        if not (isinstance(p.decode_threads, int) and p.decode_threads >= 1 and p.overlap <= 1
-                and isinstance(p.n_layers, int) and p.n_layers >= 1):
-            raise ValueError("threads, overlap or layers out of range")
+        if not (isinstance(p.decode_threads, int) and p.decode_threads >= 1 and p.compute_slowdown > 0
+                and p.load_slowdown > 0 and isinstance(p.n_layers, int) and p.n_layers >= 1):
+            raise ValueError("threads, slowdowns or layers out of range")
+        if not all(isinstance(o, list) and len(o) == 2 and all(isinstance(v, (int, float)) and v > 0 for v in o)
+                   for o in p.observed):
+            raise ValueError("an observed restore is malformed")
         return p
 
 
@@ -98,8 +127,8 @@ class RoundLayout:
 
 @dataclass(frozen=True)
 class Prediction:
-    compute_s: float  # the recompute stream: the planned prefix
-    load_s: float  # the load stream: read, verify, decompress, copy to the device
+    compute_s: float  # the recompute stream alone: the planned prefix
+    load_s: float  # the load stream alone: read, verify, decompress, copy to the device
     fallback_s: float  # rounds that must be recomputed after loading (absent beyond the prefix)
     total_s: float
 
@@ -248,8 +277,7 @@ class _Costs:
         h2d = raw / (p.h2d_gb_s * 1e9) if p.h2d_gb_s else 0.0
         load = max(disk, decode, h2d)
         fallback = sum(self.fallback[g][k] for g, k in enumerate(prefix))
-        both = max(compute, load) + (1 - p.overlap) * min(compute, load)
-        return Prediction(compute, load, fallback, both + fallback)
+        return Prediction(compute, load, fallback, p.both_seconds(compute, load) + fallback)
 
 
 def plan_restore(rounds: list[RoundLayout], groups: tuple[range, ...], profile: HardwareProfile,
@@ -347,3 +375,16 @@ def synthetic_rounds(profile: HardwareProfile, tokens: int, round_tokens: int = 
         rounds.append(RoundLayout(n, tuple(segs)))
         left -= n
     return rounds
+
+
+OBSERVED_KEPT = 8
+
+
+def observe(profile: HardwareProfile, plan: RestorePlan, compute_s: float, load_s: float) -> HardwareProfile | None:
+    """The profile with one more restore's streams observed (each against what the rates alone predict for its
+    plan), or None when the restore did not run both."""
+    if plan.predicted is None or min(compute_s, load_s, plan.predicted.compute_s, plan.predicted.load_s) <= 0:
+        return None
+    seen = [min(4.0, max(0.25, compute_s / plan.predicted.compute_s)),
+            min(4.0, max(0.25, load_s / plan.predicted.load_s))]
+    return replace(profile, observed=[*profile.observed, seen][-OBSERVED_KEPT:])

@@ -43,7 +43,7 @@ def made_up_profile(engine, fingerprint: str, **changes) -> HardwareProfile:
     base = HardwareProfile(
         fingerprint=fingerprint, device=device_name(engine.device), n_layers=cfg.n_layers, dtype="float32",
         prefill_a=2e-4, prefill_b=1e-9, disk_read_mb_s=20.0, cache_read_mb_s=40.0, decode_mb_s=20.0,
-        decode_threads=1, h2d_gb_s=None, overlap=1.0, kv_bytes_per_token=cfg.kv_bytes_per_token(4),
+        decode_threads=1, h2d_gb_s=None, compute_slowdown=1.0, load_slowdown=1.0, kv_bytes_per_token=cfg.kv_bytes_per_token(4),
         stored_over_raw=0.85, date="2026-11-22")
     return replace(base, **changes)
 
@@ -172,7 +172,8 @@ def gpu_profile(**changes) -> HardwareProfile:
     """An H100 and an 8B model, as measured (docs/benchmarks.md), rounded."""
     base = HardwareProfile(fingerprint="0" * 64, device="cuda made up", n_layers=32, dtype="bfloat16",
                            prefill_a=3.2e-5, prefill_b=9e-10, disk_read_mb_s=1800, cache_read_mb_s=8000,
-                           decode_mb_s=400, decode_threads=16, h2d_gb_s=20, overlap=0.95,
+                           decode_mb_s=400, decode_threads=16, h2d_gb_s=20, compute_slowdown=1.05,
+                           load_slowdown=1.0,
                            segment_overhead_ms=0.2, kv_bytes_per_token=131072, stored_over_raw=0.62)
     return replace(base, **changes)
 
@@ -181,7 +182,8 @@ def cpu_profile() -> HardwareProfile:
     """The 2-core CPU and the embedded model: loading wins by far and the streams share the cores."""
     return HardwareProfile(fingerprint="0" * 64, device="cpu made up", n_layers=8, dtype="float32",
                            prefill_a=1.2e-4, prefill_b=6e-8, disk_read_mb_s=800, cache_read_mb_s=4000,
-                           decode_mb_s=300, decode_threads=2, h2d_gb_s=None, overlap=0.0, segment_overhead_ms=0.5,
+                           decode_mb_s=300, decode_threads=2, h2d_gb_s=None, compute_slowdown=2.0,
+                           load_slowdown=2.0, segment_overhead_ms=0.5,
                            kv_bytes_per_token=8192, stored_over_raw=0.85)
 
 
@@ -231,13 +233,13 @@ def test_a_short_chat_on_a_gpu_is_split_too():
     assert plan.predicted.total_s <= 0.8 * min(predicted(rounds, groups, p, 0), predicted(rounds, groups, p, 4))
 
 
-def test_a_step_splits_the_boundary_round_by_layers_when_that_is_worth_it():
+def test_a_pyramid_splits_rounds_by_layers_when_that_is_worth_it():
     # A long round between short ones: a flat split either recomputes all of it or loads all of it.
-    p = gpu_profile(overlap=1.0, decode_mb_s=2000)
+    p = gpu_profile(compute_slowdown=1.0, decode_mb_s=2000)
     rounds = [synthetic_rounds(p, n, n, storage_groups(32, 131072))[0] for n in (500, 4000, 500)]
     groups = plan_groups(32, rounds)
     plan = plan_restore(rounds, groups, p)
-    assert len(set(plan.prefix)) == 2 and plan.prefix[0] == plan.prefix[-1] + 1  # one step
+    assert len(set(plan.prefix)) == 2  # a pyramid: the lower layer groups recompute more rounds
     flat = min(predicted(rounds, groups, p, k) for k in range(len(rounds) + 1))
     assert plan.predicted.total_s < 0.97 * flat
 
@@ -265,6 +267,41 @@ def test_round_policy_plans_cover_the_lower_tier():
     assert plan.prefix[0] > 0 and all(plan.prefix[g] == 0 for g in background)  # upper layers: loaded later
 
 
+def test_two_streams_slow_each_other_as_measured():
+    p = gpu_profile(compute_slowdown=1.0, load_slowdown=1.0)
+    assert p.both_seconds(0.4, 0.3) == pytest.approx(0.4)  # fully side by side: the longer one
+    cpu = replace(p, compute_slowdown=2.0, load_slowdown=2.0)
+    assert cpu.both_seconds(0.4, 0.3) == pytest.approx(0.7)  # sharing the cores: as if in turn
+    half = replace(p, compute_slowdown=1.5, load_slowdown=1.0)
+    # the recompute at 2/3 speed beside the load (0.3 s), then alone: 0.3 + (0.4 - 0.2)
+    assert half.both_seconds(0.4, 0.3) == pytest.approx(0.5)
+
+
+def test_restores_teach_the_planner_how_the_streams_slow_each_other(engine, kvchat_home):
+    from kvchat.engine.restore_plan import OBSERVED_KEPT, observe
+
+    p = gpu_profile()
+    rounds, groups = chat_layout(p, 32768)
+    plan = plan_restore(rounds, groups, p)
+    slower = observe(p, plan, 1.5 * plan.predicted.compute_s, plan.predicted.load_s)
+    assert slower.observed == [[pytest.approx(1.5), pytest.approx(1.0)]] and slower.slowdowns == (1.5, 1.0)
+    replanned = plan_restore(rounds, groups, slower)
+    assert replanned.prefix[0] < plan.prefix[0]  # a slower recompute stream gets less to do
+    for _ in range(OBSERVED_KEPT + 3):
+        slower = observe(slower, plan, plan.predicted.compute_s, plan.predicted.load_s)
+    assert len(slower.observed) == OBSERVED_KEPT and slower.slowdowns == (1.0, 1.0)
+    assert observe(p, fixed_plan(rounds, groups, (0,) * 4, p), 0.0, 1.0) is None  # one stream: nothing to learn
+    # The app's planner keeps what it learned in the profile file, for the next process.
+    fp = model_fingerprint(DEFAULT_MODEL, Store())
+    made_up = made_up_profile(engine, fp)
+    save_profile(made_up)
+    store, sid = chat_of(engine)
+    planner = profile_planner(made_up)
+    ChatSession(store, engine, sid, planner=planner).restore()
+    saved, _ = load_profile(fp, made_up.device, 8)
+    assert len(saved.observed) == 1 and saved.observed == planner.profile.observed
+
+
 def test_fitting_the_prefill_curve():
     a, b = fit_prefill([(n, 3e-5 * n + 1e-9 * n * n) for n in (512, 2048, 8192, 16384)])
     assert a == pytest.approx(3e-5, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
@@ -282,7 +319,8 @@ def test_profile_is_measured_once_stored_and_measured_again_when_unusable(engine
     path = profile_path(fp, device_name(engine.device))
     assert path.exists() and load_profile(fp, profile.device, 8) == (profile, None)
     assert profile.prefill_a > 0 and profile.disk_read_mb_s > 0 and profile.decode_mb_s > 0
-    assert 0 <= profile.overlap <= 1 and profile.h2d_gb_s is None and len(profile.prefill_points) >= 2
+    assert profile.compute_slowdown >= 1 and profile.load_slowdown >= 1 and profile.observed == []
+    assert profile.h2d_gb_s is None and len(profile.prefill_points) >= 2
     path.write_text("{not json")
     assert load_profile(fp, profile.device, 8)[1].endswith("is corrupt or from another version (Expecting "
                                                            "property name enclosed in double quotes: line 1 "
@@ -460,7 +498,7 @@ def test_profile_and_planned_restore_on_cuda(kvchat_home):
     engine = Engine(DEFAULT_MODEL, device="cuda")
     store, sid = chat_of(engine)
     profile = ensure_profile(engine, model_fingerprint(DEFAULT_MODEL, store))
-    assert profile.h2d_gb_s > 0 and profile.device.startswith("cuda") and 0 <= profile.overlap <= 1
+    assert profile.h2d_gb_s > 0 and profile.device.startswith("cuda") and profile.compute_slowdown >= 1
     session = ChatSession(store, engine, sid, planner=profile_planner(profile))
     stats = session.restore()
     assert stats.tokens_recomputed == 0 and stats.predicted_ms > 0 and stats.plan
