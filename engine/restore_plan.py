@@ -53,8 +53,8 @@ class HardwareProfile:
 
     @property
     def slowdowns(self) -> tuple[float, float]:
-        """(compute, load) factors the planner uses: the restores' own when there are any."""
-        if not self.observed:
+        """(compute, load) factors the planner uses: the restores' own once there are a few."""
+        if len(self.observed) < OBSERVED_NEEDED:
             return self.compute_slowdown, self.load_slowdown
         cs = sorted(o[0] for o in self.observed)
         ls = sorted(o[1] for o in self.observed)
@@ -378,12 +378,15 @@ def synthetic_rounds(profile: HardwareProfile, tokens: int, round_tokens: int = 
 
 
 OBSERVED_KEPT = 8
+OBSERVED_NEEDED = 3  # restores seen before their median replaces the probe's slowdowns
+OBSERVED_MIN_S = 0.25  # only restores whose streams both run this long: shorter ones measure fixed costs, not rates
 
 
 def observe(profile: HardwareProfile, plan: RestorePlan, compute_s: float, load_s: float) -> HardwareProfile | None:
     """The profile with one more restore's streams observed (each against what the rates alone predict for its
-    plan), or None when the restore did not run both."""
-    if plan.predicted is None or min(compute_s, load_s, plan.predicted.compute_s, plan.predicted.load_s) <= 0:
+    plan), or None when the restore did not run both long enough to tell."""
+    if plan.predicted is None or min(plan.predicted.compute_s, plan.predicted.load_s) < OBSERVED_MIN_S \
+            or min(compute_s, load_s) <= 0:
         return None
     seen = [min(4.0, max(0.25, compute_s / plan.predicted.compute_s)),
             min(4.0, max(0.25, load_s / plan.predicted.load_s))]

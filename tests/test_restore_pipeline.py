@@ -278,26 +278,32 @@ def test_two_streams_slow_each_other_as_measured():
 
 
 def test_restores_teach_the_planner_how_the_streams_slow_each_other(engine, kvchat_home):
-    from kvchat.engine.restore_plan import OBSERVED_KEPT, observe
+    from kvchat.engine.restore_plan import OBSERVED_KEPT, OBSERVED_NEEDED, observe
 
-    p = gpu_profile()
+    p = gpu_profile(decode_mb_s=100)  # a 32k chat's streams run long enough to tell
     rounds, groups = chat_layout(p, 32768)
     plan = plan_restore(rounds, groups, p)
     slower = observe(p, plan, 1.5 * plan.predicted.compute_s, plan.predicted.load_s)
-    assert slower.observed == [[pytest.approx(1.5), pytest.approx(1.0)]] and slower.slowdowns == (1.5, 1.0)
+    assert slower.observed == [[pytest.approx(1.5), pytest.approx(1.0)]] and slower.slowdowns == (1.05, 1.0)
+    for _ in range(OBSERVED_NEEDED - 1):  # a few restores, then their median counts
+        slower = observe(slower, plan, 1.5 * plan.predicted.compute_s, plan.predicted.load_s)
+    assert slower.slowdowns == (pytest.approx(1.5), pytest.approx(1.0))
     replanned = plan_restore(rounds, groups, slower)
     assert replanned.prefix[0] < plan.prefix[0]  # a slower recompute stream gets less to do
     for _ in range(OBSERVED_KEPT + 3):
         slower = observe(slower, plan, plan.predicted.compute_s, plan.predicted.load_s)
     assert len(slower.observed) == OBSERVED_KEPT and slower.slowdowns == (1.0, 1.0)
     assert observe(p, fixed_plan(rounds, groups, (0,) * 4, p), 0.0, 1.0) is None  # one stream: nothing to learn
+    small, small_groups = chat_layout(p, 2048)  # streams of milliseconds measure fixed costs: not learned from
+    assert observe(p, plan_restore(small, small_groups, p), 1.0, 1.0) is None
     # The app's planner keeps what it learned in the profile file, for the next process.
     fp = model_fingerprint(DEFAULT_MODEL, Store())
-    made_up = made_up_profile(engine, fp)
+    made_up = made_up_profile(engine, fp, prefill_a=0.01, decode_mb_s=0.5)  # streams of a second or more
     save_profile(made_up)
     store, sid = chat_of(engine)
     planner = profile_planner(made_up)
-    ChatSession(store, engine, sid, planner=planner).restore()
+    stats = ChatSession(store, engine, sid, planner=planner).restore()
+    assert stats.tokens_planned and stats.tokens_loaded
     saved, _ = load_profile(fp, made_up.device, 8)
     assert len(saved.observed) == 1 and saved.observed == planner.profile.observed
 
