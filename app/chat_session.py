@@ -371,7 +371,8 @@ class ChatSession:
                 observe(plan, recompute.busy_s, loading.ended - loading.started)
         # Rounds recomputed only because nothing is stored for them, which this machine would rather load:
         # recomputed because they could not be loaded, and stored now.
-        stats.kept_rounds = list(range(plan.store_from[0], plan.prefix[0])) if ends else []
+        stats.kept_rounds = [i for i in range(plan.prefix[0]) if all(
+            i >= first for first, k in zip(plan.store_from, plan.prefix) if i < k)] if ends else []
         if stats.kept_rounds:
             kept = ends[stats.kept_rounds[-1]] - self.rounds[stats.kept_rounds[0]].token_start
             stats.tokens_planned -= kept

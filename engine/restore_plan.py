@@ -280,6 +280,9 @@ class _Costs:
         return Prediction(compute, load, fallback, p.both_seconds(compute, load) + fallback)
 
 
+STORE_BACK_GAIN = 0.2  # the predicted restore must be this much shorter with them stored for absent rounds to be
+
+
 def plan_restore(rounds: list[RoundLayout], groups: tuple[range, ...], profile: HardwareProfile,
                  background: tuple[int, ...] = (), worth: float = 0.03) -> RestorePlan:
     """The plan with the shortest predicted restore: a split at every round boundary, and each pyramid of two
@@ -313,22 +316,31 @@ def plan_restore(rounds: list[RoundLayout], groups: tuple[range, ...], profile: 
         chosen = best_step
     store_from = chosen[2]
     if any(costs.forced) and profile.kv_bytes_per_token:
-        # Rounds recomputed only because nothing is stored for them: were they stored, would this machine load
-        # them? Only a clear gain counts (a chat compacted here comes out within a round of its own plan).
-        full = [_filled(r, groups, profile) for r in rounds]
-        free = plan_restore(full, groups, profile, background, worth)
-        if free.predicted.total_s < (1 - 2 * worth) * costs.predict(chosen[2]).total_s:
-            store_from = tuple(min(k, w) for k, w in zip(chosen[2], free.prefix))
+        # Rounds recomputed only because nothing is stored for them: were they stored, would this machine keep
+        # them? By compaction's own rule (what its warm and its cold plans both recompute need not be kept), and
+        # only for a large gain now: a chat compacted on this machine must never be stored back here (estimates
+        # of a chat's sizes differ by some percent from its real ones; once, on the H100, that was enough), while
+        # one compacted where loading is much slower gains far more.
+        def filled(resident: float | None) -> list[RoundLayout]:
+            return [_filled(r, groups, profile, resident) for r in rounds]
+
+        now = plan_restore(filled(None), groups, profile, background, worth)
+        if now.predicted.total_s < (1 - STORE_BACK_GAIN) * costs.predict(chosen[2]).total_s:
+            wanted = compactable([plan_restore(filled(res), groups, profile, background, worth)
+                                  for res in (0.0, 1.0)])
+            store_from = tuple(min(k, w) for k, w in zip(chosen[2], wanted))
     return RestorePlan(groups, chosen[2], costs.predict(chosen[2]), tuple(background), store_from)
 
 
-def _filled(r: RoundLayout, groups: tuple[range, ...], profile: HardwareProfile) -> RoundLayout:
-    """The round with every layer group stored (as a cold file, sized from the profile) where nothing is."""
-    segs = list(r.segments)
+def _filled(r: RoundLayout, groups: tuple[range, ...], profile: HardwareProfile,
+            resident: float | None) -> RoundLayout:
+    """The round with every layer group stored (sized from the profile where nothing is), all of it `resident`
+    in the page cache, or (None) the stored parts as they are and the others cold."""
+    segs = [s if resident is None else replace(s, resident=resident) for s in r.segments]
     for g in groups:
         if not any(s.layers.start < g.stop and g.start < s.layers.stop for s in segs):
             raw = r.tokens * profile.kv_bytes_per_token * len(g) // profile.n_layers
-            segs.append(StoredSegment(g, int(raw * profile.stored_over_raw), raw, 0.0))
+            segs.append(StoredSegment(g, int(raw * profile.stored_over_raw), raw, resident or 0.0))
     return RoundLayout(r.tokens, tuple(segs))
 
 

@@ -258,6 +258,28 @@ def test_absent_leading_rounds_are_recomputed_by_plan_and_others_after_loading()
     assert load_everything(compacted, groups).prefix == (3,)
 
 
+@pytest.mark.parametrize("shape", [dict(), dict(compute_slowdown=1.2, decode_mb_s=250), dict(overhead=True)])
+def test_a_chat_compacted_here_stores_nothing_back_here(shape):
+    """Compaction drops what the warm and the cold plan both recompute; a restore on the same machine, warm, cold
+    or in between, must not find storing any of it back worth it (a 32k chat on the H100 did, before)."""
+    p = gpu_profile(**{k: v for k, v in shape.items() if k != "overhead"})
+    if shape.get("overhead"):
+        p = replace(p, segment_overhead_ms=5.0)
+    layout = lambda resident: synthetic_rounds(replace(p, stored_over_raw=0.6), 32936, 646,  # noqa: E731
+                                               storage_groups(32, 131072), resident)
+    groups = plan_groups(32, layout(1.0))
+    from kvchat.engine.restore_plan import compactable
+
+    keep = compactable([plan_restore(layout(res), groups, p) for res in (0.0, 1.0)])
+    assert keep[0] > 0
+    for resident in (0.0, 0.5, 1.0):
+        compacted = [RoundLayout(r.tokens, tuple(s for s in r.segments
+                                                 if i >= keep[[g.start for g in groups].index(s.layers.start)]))
+                     for i, r in enumerate(layout(resident))]
+        plan = plan_restore(compacted, groups, p)
+        assert plan.store_from == plan.prefix and all(k >= c for k, c in zip(plan.prefix, keep))
+
+
 def test_round_policy_plans_cover_the_lower_tier():
     p = gpu_profile()
     rounds = synthetic_rounds(p, 32768, 640, (range(0, 4), range(4, 32)))  # as the round policy stores them
