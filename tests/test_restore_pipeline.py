@@ -531,3 +531,52 @@ def test_profile_and_planned_restore_on_cuda(kvchat_home):
     stats = session.restore()
     assert stats.tokens_recomputed == 0 and stats.predicted_ms > 0 and stats.plan
     assert answer_and_forget(session) == "Your sister's name is Mira."
+
+
+# ---------------------------------------------------------------- under Round Attention
+
+
+def round_policy(engine):
+    from kvchat.engine.policies import make_policy
+
+    return make_policy("round-topk", engine, watershed=2, k=8)  # every round kept: the full cache's answers
+
+
+def test_round_policy_restores_split_the_lower_tier_and_recompute_compacted_upper_layers(engine, kvchat_home):
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
+                               model_path=str(DEFAULT_MODEL), system_prompt=SYSTEM)
+    chat = ChatSession(store, engine, sid, policy=round_policy(engine))
+    for m in FACTS:
+        chat.send(m)
+    chat.close()
+    loaded = ChatSession(store, engine, sid, policy=round_policy(engine))
+    loaded.restore()
+    loaded.wait_for_upper()
+    expected = answer_and_forget(loaded)
+    ends = [r.token_end for r in store.rounds(sid)]
+    # The plan covers the lower tier (layers 0-2): the first three rounds recomputed there, the upper layers read
+    # in the background as before.
+    split = ChatSession(store, engine, sid, policy=round_policy(engine),
+                        planner=lambda rounds, groups, background: fixed_plan(
+                            rounds, groups, tuple(0 if g in background else 3 for g in range(len(groups))),
+                            background=background))
+    stats = split.restore()
+    assert stats.tokens_planned == ends[2] and stats.tokens_loaded == ends[-1] - ends[2]
+    assert torch.equal(split.cache.lower.kv[:, :, :, ends[2]:ends[-1]], loaded.cache.lower.kv[:, :, :, ends[2]:ends[-1]])
+    split.wait_for_upper()
+    assert answer_and_forget(split) == expected
+    # A chat compacted by the full cache's plan lost its first rounds' upper layers too: the round policy's
+    # restore recomputes them exactly (all layers of those rounds) and keeps them in host memory.
+    profile = made_up_profile(engine, model_fingerprint(DEFAULT_MODEL, store))
+    report = compact_session(store, sid, profile)
+    assert report.rounds
+    first = len(report.rounds)
+    compacted = ChatSession(store, engine, sid, policy=round_policy(engine))
+    stats = compacted.restore()
+    assert stats.tokens_planned == ends[first - 1] and stats.tokens_recomputed == 0 and not stats.notes
+    for i in range(first):  # exact upper layers, not the approximation of a round recomputed alone
+        assert compacted.cache.host[i] is not None and loaded.cache.host[i] is not None
+        assert relative_error(compacted.cache.host[i].float(), loaded.cache.host[i].float()) < 1e-4
+    compacted.wait_for_upper()
+    assert answer_and_forget(compacted) == expected
