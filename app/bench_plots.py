@@ -124,4 +124,23 @@ def plot_results(results_path: Path, out_dir: Path) -> list[Path]:
         ax.set_title(f"Peak GPU memory while resuming\n{device}", fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "peak-gpu")
+
+    split = [(model, row, m) for model, row, m in rows if m["method"] == "kv-split" and "split_cold" in m]
+    if split:
+        # The restore pipeline's two streams per workload, cold and warm: how long each ran, and the restore.
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(split)), 4.2))
+        labels, x = [], 0
+        for model, row, m in split:
+            for key, figures in (("cold", m["split_cold"]), ("warm", m)):
+                ax.bar(x - 0.27, figures["split_compute_ms"], 0.27, color="C0",
+                       label="recompute stream" if x == 0 else None)
+                ax.bar(x, figures["split_load_ms"], 0.27, color="C1", label="load stream" if x == 0 else None)
+                ax.bar(x + 0.27, figures["split_restore_ms"], 0.27, color="C2", label="restore" if x == 0 else None)
+                labels.append(f"{model}\n{row['workload']} {key}")
+                x += 1
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_ylabel("ms")
+        ax.set_title(f"kv-split: the two streams of a planned restore\n{device}", fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "streams")
     return written

@@ -274,9 +274,11 @@ def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> Non
     click.echo("\n| chat | page cache | plan | recompute | load | restore | load everything | recompute everything |")
     click.echo("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        click.echo(f"| {r['tokens']:,} tok, {r['rounds']} rounds | {r['cache']} | {r['plan']} | "
-                   f"{1000 * r['compute_s']:,.0f} ms | {1000 * r['load_s']:,.0f} ms | **{1000 * r['restore_s']:,.0f} ms** | "
-                   f"{1000 * r['load_everything_s']:,.0f} ms | {1000 * r['recompute_everything_s']:,.0f} ms |")
+        ms = {k: f"{1000 * r[k]:,.0f} ms" for k in ("compute_s", "load_s", "restore_s", "load_everything_s",
+                                                     "recompute_everything_s")}
+        click.echo(f"| {r['tokens']:,} tok, {r['rounds']} rounds | {r['cache']} | {r['plan']} | {ms['compute_s']} | "
+                   f"{ms['load_s']} | **{ms['restore_s']}** | {ms['load_everything_s']} | "
+                   f"{ms['recompute_everything_s']} |")
 
 
 @main.group(invoke_without_command=True)

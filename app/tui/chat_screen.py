@@ -86,7 +86,8 @@ class ChatScreen(Screen):
         Binding("f3", "export", "Export", tooltip="Export the highlighted chat to a state file (as `kvchat export`)"),
         Binding("f4", "import", "Import", tooltip="Import a state file as a new chat (as `kvchat import`)"),
         Binding("f9", "settings", "Settings",
-                tooltip="Settings: model file, sampling, reply length, the chat's system prompt, KV policy"),
+                tooltip="Settings: model file, sampling, reply length, the chat's system prompt, KV policy, "
+                        "compaction"),
         Binding("ctrl+f", "filter", "Filter", tooltip="Filter the chats by title"),
         Binding("f1", "help", "Help", tooltip="Show every key"),
     ]
