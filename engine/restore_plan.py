@@ -162,13 +162,19 @@ class RestorePlan:
     def summary(self, ends: list[int]) -> str:
         """e.g. "recompute rounds 0-24 (16,384 tokens), load 25-50" (with each group's own prefix when they differ)."""
         def rounds(k: int) -> str:
-            tokens = ends[k - 1] if k else 0
-            return "nothing" if k == 0 else f"rounds 0-{k - 1} ({tokens:,} tokens)"
+            if k == 0:
+                return "nothing"
+            return f"{'round 0' if k == 1 else f'rounds 0-{k - 1}'} ({ends[k - 1]:,} tokens)"
 
         if len(set(self.prefix)) == 1:
             return f"recompute {rounds(self.prefix[0])}"
-        return "recompute " + ", ".join(f"layers {g.start}-{g.stop - 1}: {rounds(k)}"
-                                        for g, k in zip(self.groups, self.prefix))
+        runs: list[tuple[int, int, int]] = []  # (first layer, last layer, rounds): neighbouring groups merged
+        for g, k in zip(self.groups, self.prefix):
+            if runs and runs[-1][2] == k:
+                runs[-1] = (runs[-1][0], g.stop - 1, k)
+            else:
+                runs.append((g.start, g.stop - 1, k))
+        return "recompute " + ", ".join(f"layers {a}-{b}: {rounds(k)}" for a, b, k in runs)
 
 
 def check_pyramid(groups: tuple[range, ...], prefix: tuple[int, ...]) -> None:
