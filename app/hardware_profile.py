@@ -21,7 +21,6 @@ import platform
 import secrets
 import shutil
 import statistics
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from kvchat.app.compaction import CompactionReport, compact_session
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.restore_plan import HardwareProfile, RestorePlan, observe, plan_restore
 from kvchat.errors import KvchatError
-from kvchat.paths import data_dir
+from kvchat.paths import data_dir, write_json_atomically
 from kvchat.storage.pagecache import evict
 from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.segments import decode_segment, merge_planes, read_segment_file, tensor_on, write_segment
@@ -101,22 +100,8 @@ def load_profile(fingerprint: str, device: str, n_layers: int | None = None
 
 def save_profile(profile: HardwareProfile) -> Path:
     """Atomically (temp file, fsync, rename): a reader never sees half a profile."""
-    path = profile_path(profile.fingerprint, profile.device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(profile.to_dict(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise KvchatError(f"cannot save the hardware profile to {path}: {exc.strerror or exc}") from None
-    return path
+    return write_json_atomically(profile_path(profile.fingerprint, profile.device), profile.to_dict(),
+                                 "hardware profile")
 
 
 def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo: bool = False) -> HardwareProfile:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,7 +33,7 @@ from kvchat.engine.chat_format import Conversation
 from kvchat.engine.generate import prefill
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass
-from kvchat.paths import data_dir
+from kvchat.paths import data_dir, write_json_atomically
 
 # Bumped when what is measured or how L_w is read changes: files of another version are recalibrated, not trusted.
 CALIBRATION_VERSION = 2
@@ -178,22 +176,7 @@ def calibration_path(fingerprint: str) -> Path:
 
 def save_calibration(cal: Calibration) -> Path:
     """Write atomically (temporary file, fsync, rename) so a reader never sees half a file."""
-    path = calibration_path(cal.fingerprint)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(cal), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise KvchatError(f"cannot save the calibration to {path}: {exc}") from None
-    return path
+    return write_json_atomically(calibration_path(cal.fingerprint), asdict(cal), "calibration")
 
 
 def load_calibration(fingerprint: str, n_layers: int | None = None) -> Calibration | None:

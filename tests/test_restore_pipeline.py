@@ -19,7 +19,7 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep
-from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayout, StoredSegment, check_pyramid,
+from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayout, check_pyramid,
                                         fixed_plan, load_everything, plan_groups, plan_restore, synthetic_rounds)
 from kvchat.storage.db import Store
 from kvchat.storage.failpoints import COMPACT_POINTS
@@ -123,16 +123,22 @@ def grouped(monkeypatch):
     assert len(storage_groups(8, 8192)) == len(storage_groups(8, 4096)) == 4  # fp32 on the CPU, bf16 on CUDA
 
 
-@pytest.mark.parametrize("pyramid", [(3, 2, 2, 1), (4, 4, 3, 3), (6, 5, 0, 0)])
-def test_valid_pyramids_restore_exactly(engine, kvchat_home, grouped, pyramid):
+def restored_by_pyramid(engine, pyramid):
+    """A chat restored twice: loading everything (the reference, and its answer), and by `pyramid`."""
     store, sid = chat_of(engine)
-    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 2), (2, 4), (4, 6), (6, 8)}
     reference = ChatSession(store, engine, sid)
     reference.restore()
     expected = answer_and_forget(reference)
     session = ChatSession(store, engine, sid, planner=fixed(lambda rounds, groups: pyramid))
     stats = session.restore()
-    ends = [r.token_end for r in store.rounds(sid)]
+    return store, reference, expected, session, stats, [r.token_end for r in store.rounds(sid)]
+
+
+@pytest.mark.parametrize("pyramid", [(3, 2, 2, 1), (4, 4, 3, 3), (6, 5, 0, 0)])
+def test_valid_pyramids_restore_exactly(engine, kvchat_home, grouped, pyramid):
+    store, reference, expected, session, stats, ends = restored_by_pyramid(engine, pyramid)
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(session.sid)} == {(0, 2), (2, 4), (4, 6),
+                                                                                        (6, 8)}
     assert stats.tokens_planned == ends[pyramid[0] - 1] and stats.tokens_recomputed == 0
     for g, k in enumerate(pyramid):  # each layer group: its recomputed span fresh, the rest as stored
         layers = slice(2 * g, 2 * g + 2)
@@ -502,13 +508,7 @@ def test_export_import_of_a_compacted_chat(engine, kvchat_home, tmp_path):
 @pytest.mark.parametrize("pyramid", [(0, 0, 0, 0), (1, 1, 1, 1), (3, 3, 2, 2), (4, 3, 0, 0), (6, 6, 6, 6)])
 def test_split_restores_exactly_on_cuda(kvchat_home, grouped, pyramid):
     engine = Engine(DEFAULT_MODEL, device="cuda")
-    store, sid = chat_of(engine)
-    reference = ChatSession(store, engine, sid)
-    reference.restore()
-    expected = answer_and_forget(reference)
-    session = ChatSession(store, engine, sid, planner=fixed(lambda rounds, groups: pyramid))
-    stats = session.restore()
-    ends = [r.token_end for r in store.rounds(sid)]
+    store, reference, expected, session, stats, ends = restored_by_pyramid(engine, pyramid)
     first = ends[pyramid[0] - 1] if pyramid[0] else 0
     assert stats.tokens_planned == first and stats.tokens_recomputed == 0
     fresh = fresh_prefill(engine, session, first) if first else None
