@@ -11,11 +11,34 @@ from kvchat.engine.synthetic import make_model
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session")
+def embedded_profile(tmp_path_factory):
+    """This machine's profile of the embedded model on the CPU, measured once for the whole run."""
+    from kvchat.app.hardware_profile import ensure_profile
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.engine import Engine
+    from kvchat.storage.db import Store
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    home = tmp_path_factory.mktemp("profile-home")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("KVCHAT_HOME", str(home))
+        store = Store(home)
+        profile = ensure_profile(Engine(DEFAULT_MODEL, device="cpu"), model_fingerprint(DEFAULT_MODEL, store))
+        store.close()
+    return profile
+
+
 @pytest.fixture(autouse=True)
-def kvchat_home(tmp_path, monkeypatch):
-    """All user data goes to a temporary folder: no test touches the real one."""
+def kvchat_home(tmp_path, monkeypatch, embedded_profile):
+    """All user data goes to a temporary folder: no test touches the real one. It holds the embedded model's
+    profile, as on a machine kvchat has run on (a `kvchat send` in a new process would otherwise measure it first);
+    the tests of measuring profiles remove it or measure again."""
+    from kvchat.app.hardware_profile import save_profile
+
     home = tmp_path / "kvchat-home"
     monkeypatch.setenv("KVCHAT_HOME", str(home))
+    save_profile(embedded_profile)
     return home
 
 

@@ -460,18 +460,15 @@ def test_compaction_crash_loop(engine, kvchat_home):
     assert out["session"] == sid and out["bytes_left"] > 0
     assert kvchat("send", sid, QUESTION, "--device", "cpu", "--no-compact").stdout.strip() == \
         "Your sister's name is Mira."
-    shown = json.loads(kvchat("show", sid, "--json").stdout)
-    assert shown["last_restore"]["tokens_planned"] > 0 and shown["last_restore"]["tokens_recomputed"] == 0
     text = kvchat("show", sid).stdout
-    assert "tokens recomputed by plan" in text and "plan: recompute rounds 0-" in text
+    assert "tokens recomputed by plan" in text and "plan: recompute round" in text
+    assert "0 recomputed because" not in text and "could not be loaded" not in text
 
 
 def test_send_compacts_in_the_background_unless_told_not_to(engine, kvchat_home):
-    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
-    kvchat("send", sid, FACTS[0], "--device", "cpu")
-    write_profile(engine, model_fingerprint(DEFAULT_MODEL, Store()))
-    for m in FACTS[1:4]:
-        kvchat("send", sid, m, "--device", "cpu", "--no-compact")
+    store, sid = chat_of(engine, FACTS[:3])
+    write_profile(engine, model_fingerprint(DEFAULT_MODEL, store))  # a machine where recomputing pays
+    kvchat("send", sid, FACTS[3], "--device", "cpu", "--no-compact")
     assert {s["round_idx"] for s in Store().segments(sid)} == {0, 1, 2, 3}
     kvchat("send", sid, FACTS[4], "--device", "cpu")
     kept = {s["round_idx"] for s in Store().segments(sid)}
