@@ -30,13 +30,13 @@ def embedded_profile(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def kvchat_home(tmp_path, monkeypatch, embedded_profile):
+def kvchat_home(tmp_path_factory, monkeypatch, embedded_profile):
     """All user data goes to a temporary folder: no test touches the real one. It holds the embedded model's
     profile, as on a machine kvchat has run on (a `kvchat send` in a new process would otherwise measure it first);
     the tests of measuring profiles remove it or measure again."""
     from kvchat.app.hardware_profile import save_profile
 
-    home = tmp_path / "kvchat-home"
+    home = tmp_path_factory.mktemp("kvchat-home")  # beside the test's tmp_path, which stays empty
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     save_profile(embedded_profile)
     return home
