@@ -34,11 +34,15 @@ def kvchat_home(tmp_path_factory, monkeypatch, embedded_profile):
     """All user data goes to a temporary folder: no test touches the real one. It holds the embedded model's
     profile, as on a machine kvchat has run on (a `kvchat send` in a new process would otherwise measure it first);
     the tests of measuring profiles remove it or measure again."""
-    from kvchat.app.hardware_profile import save_profile
+    import json
+
+    from kvchat.app.hardware_profile import profile_path
 
     home = tmp_path_factory.mktemp("kvchat-home")  # beside the test's tmp_path, which stays empty
     monkeypatch.setenv("KVCHAT_HOME", str(home))
-    save_profile(embedded_profile)
+    path = profile_path(embedded_profile.fingerprint, embedded_profile.device)
+    path.parent.mkdir()
+    path.write_text(json.dumps(embedded_profile.to_dict()))  # no fsync: a test's home outlives no crash
     return home
 
 
