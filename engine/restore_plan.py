@@ -148,9 +148,6 @@ class RestorePlan:
         if self.store_from is None:
             object.__setattr__(self, "store_from", self.prefix)
 
-    def recomputes(self, round_idx: int, group: int) -> bool:
-        return round_idx < self.prefix[group]
-
     def recomputed_layers(self, round_idx: int) -> range:
         """The layers at which round `round_idx` is recomputed by plan: a bottom range (possibly empty)."""
         top = 0
