@@ -57,6 +57,20 @@ GROUP_BYTES_PER_512_TOKENS = 16 << 20
 MAX_GROUPS = 4
 
 
+def round_layouts(rounds: list[RoundRow], rows: dict[int, list[dict]], fingerprint: str,
+                  resident: Callable[[dict], float]) -> list[RoundLayout]:
+    """Each round as the restore planner sees it: its K/V segment rows of this model and the round's token span,
+    each with the share of its file in the page cache (`resident(row)`)."""
+    layouts = []
+    for r in rounds:
+        usable = [s for s in rows.get(r.idx, []) if s["kind"] == SEGMENT_KV and s["model_fingerprint"] == fingerprint
+                  and (s["token_start"], s["token_end"]) == (r.token_start, r.token_end)]
+        layouts.append(RoundLayout(r.token_end - r.token_start, tuple(
+            StoredSegment(range(s["layer_start"], s["layer_end"]), s["byte_size"], s["raw_size"], resident(s))
+            for s in usable)))
+    return layouts
+
+
 def storage_groups(n_layers: int, kv_bytes_per_token: int) -> tuple[range, ...]:
     """The layer groups a round of the full cache is stored as (one group for small models)."""
     n = max(1, min(MAX_GROUPS, n_layers, round(kv_bytes_per_token * 512 / GROUP_BYTES_PER_512_TOKENS)))
@@ -293,16 +307,10 @@ class ChatSession:
     def _plan(self, by_round: dict[int, list[dict]], upper_only: dict[int, list[dict]]) -> RestorePlan:
         """What to recompute and what to load: the planner's choice from this chat's stored segments (those of
         this model and the round's token span), or, without a planner, load everything stored."""
-        n_layers, layouts = self.engine.config.n_layers, []
-        for i, row in enumerate(self.rounds):
-            usable = [s for s in by_round.get(i, []) + upper_only.get(i, [])
-                      if s["model_fingerprint"] == self.fingerprint
-                      and (s["token_start"], s["token_end"]) == (row.token_start, row.token_end)]
-            layouts.append(RoundLayout(row.token_end - row.token_start, tuple(
-                StoredSegment(range(s["layer_start"], s["layer_end"]), s["byte_size"], s["raw_size"],
-                              resident_fraction(self.store.kv_dir / s["file"]) if self.planner else 0.0)
-                for s in usable)))
-        groups = plan_groups(n_layers, layouts, (self.split,) if self.policy is not None else ())
+        rows = {i: by_round.get(i, []) + upper_only.get(i, []) for i in range(len(self.rounds))}
+        resident = (lambda s: resident_fraction(self.store.kv_dir / s["file"])) if self.planner else (lambda s: 0.0)
+        layouts = round_layouts(self.rounds, rows, self.fingerprint, resident)
+        groups = plan_groups(self.engine.config.n_layers, layouts, (self.split,) if self.policy is not None else ())
         background = tuple(g for g, grp in enumerate(groups) if grp.start >= self.split)
         if self.planner is None:
             return load_everything(layouts, groups, background)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvchat.engine.restore_plan import (HardwareProfile, RoundLayout, StoredSegment, compactable, plan_groups,
-                                        plan_restore)
+from kvchat.app.chat_session import round_layouts
+from kvchat.engine.restore_plan import HardwareProfile, compactable, plan_groups, plan_restore
 from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, Store
 from kvchat.storage.failpoints import crash_point
 
@@ -41,23 +41,6 @@ class CompactionReport:
                 f"is faster here than loading them")
 
 
-def stored_layouts(store: Store, sid: str, fingerprint: str, resident: float) -> tuple[list[RoundLayout], dict]:
-    """Each round as the planner sees it (its usable K/V segments, all counted `resident` in the page cache),
-    and the K/V rows by round."""
-    rounds = store.rounds(sid)
-    rows: dict[int, list[dict]] = {}
-    for seg in store.segments(sid):
-        rows.setdefault(seg["round_idx"], []).append(seg)
-    layouts = []
-    for r in rounds:
-        usable = [s for s in rows.get(r.idx, []) if s["kind"] == SEGMENT_KV and s["model_fingerprint"] == fingerprint
-                  and (s["token_start"], s["token_end"]) == (r.token_start, r.token_end)]
-        layouts.append(RoundLayout(r.token_end - r.token_start, tuple(
-            StoredSegment(range(s["layer_start"], s["layer_end"]), s["byte_size"], s["raw_size"], resident)
-            for s in usable)))
-    return layouts, rows
-
-
 def compact_session(store: Store, sid: str, profile: HardwareProfile) -> CompactionReport:
     """Drop the stored K/V every restore plan on `profile`'s machine recomputes (layer group by layer group)."""
     info = store.session(sid)
@@ -65,8 +48,10 @@ def compact_session(store: Store, sid: str, profile: HardwareProfile) -> Compact
     if info["model_fingerprint"] != profile.fingerprint:
         report.skipped = "the profile is of another model"
         return report
-    warm, rows = stored_layouts(store, sid, profile.fingerprint, 1.0)
-    cold, _ = stored_layouts(store, sid, profile.fingerprint, 0.0)
+    rounds, rows = store.rounds(info["id"]), {}
+    for seg in store.segments(info["id"]):
+        rows.setdefault(seg["round_idx"], []).append(seg)
+    warm, cold = (round_layouts(rounds, rows, profile.fingerprint, lambda s, r=r: r) for r in (1.0, 0.0))
     if not warm:
         return report
     groups = plan_groups(profile.n_layers, warm)

@@ -7,8 +7,8 @@ speeds (`HardwareProfile`).
 
 The plan is per layer group (`RestorePlan.prefix[g]`: rounds [0, prefix[g]) are recomputed at group g's layers,
 the rest loaded). The recomputed span may shrink with depth but never grow (Krul Eq. 4/5): group g + 1 runs on the
-hidden states group g produced, so it can only recompute tokens group g recomputed. A one-step pyramid splits the
-boundary round by layers, the "within a round" refinement: its lower groups recomputed, its upper groups loaded.
+hidden states group g produced, so it can only recompute tokens group g recomputed. A pyramid splits rounds by
+layers, the "within a round" refinement: their lower groups recomputed, their upper groups loaded.
 
 Pure arithmetic on sizes and rates: no I/O, no torch. The app measures the profile and gathers the chat's layout.
 """
@@ -157,7 +157,7 @@ class RestorePlan:
         return range(0, top)
 
     def summary(self, ends: list[int]) -> str:
-        """e.g. "recompute rounds 0-24 (16,384 tokens), load 25-50" (with each group's own prefix when they differ)."""
+        """e.g. "recompute rounds 0-24 (16,384 tokens)", or per run of layer groups when their prefixes differ."""
         def rounds(k: int) -> str:
             if k == 0:
                 return "nothing"
