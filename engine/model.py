@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 
 from kvchat.engine.config import ModelConfig
 
@@ -289,6 +288,10 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
     if cache.kv.device.type == "cuda":
         # Bottom-right causal as a bias SDPA understands: flash attention runs it without a [T, S] mask (a chunked
         # prefill's later chunks, a message over a long chat), where a boolean mask costs a slower kernel.
+        # Imported here, not at the top: torch.nn.attention.bias pulls in torch._dynamo (~1 s), which a CPU run or a
+        # CLI command that fails early never needs.
+        from torch.nn.attention.bias import causal_lower_right
+
         return keys, values, causal_lower_right(n_new, n_prev + n_new), False
     # Bottom-right causal: new token i sees every earlier slot and new tokens 0..i.
     cols = torch.arange(n_prev + n_new, device=cache.kv.device)
