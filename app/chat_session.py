@@ -30,6 +30,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
 from kvchat.engine.policies import KVPolicy
+from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep, RecomputeCancelled
 from kvchat.engine.restore_plan import (RestorePlan, RoundLayout, StoredSegment, load_everything, plan_groups)
 from kvchat.engine.tiered_kv import TieredKV, host_layout
@@ -763,7 +764,12 @@ class ChatSession:
     # ---- a new round ----
 
     def send(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = SamplingParams(),
-             on_token: TokenCallback | None = None, cancel: threading.Event | None = None) -> GenerationResult:
+             on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
+             guard: ReplyGuard = ReplyGuard()) -> GenerationResult:
+        """Answer `text` as the chat's next round and save it. An empty message, or one the context cannot hold, is
+        refused before anything is saved."""
+        if not text.strip():
+            raise KvchatError("the message is empty")
         if self.restored is None:
             self.restore()
         idx, start = len(self.rounds), self.cache.length
@@ -771,7 +777,8 @@ class ChatSession:
         with self.answering():
             result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
                               max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel)
+                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
+                              **self.engine.guarding(guard))
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
         row = RoundRow(idx, text, result.text, start, start + len(closed), now())
         crash_point("round-text")

@@ -54,6 +54,31 @@ def restore_words(r: dict) -> str:
     return words + (f"; {'; '.join(r['notes'])}" if r["notes"] else "")
 
 
+def guard_options(f):
+    """--guard/--no-guard and --reply-cap: the generation guard (engine.reply_guard), on by default."""
+    f = click.option("--reply-cap", default=None, type=click.IntRange(min=1),
+                     help="Stop a reply after this many tokens (default: the model's own cap; the embedded demo "
+                          "model's is 40).")(f)
+    return click.option("--guard/--no-guard", default=True, show_default=True,
+                        help="Stop a reply that keeps repeating itself or runs past the reply cap, and say so.")(f)
+
+
+def make_guard(guard: bool, reply_cap: int | None):
+    from kvchat.engine.reply_guard import ReplyGuard
+
+    if not guard and reply_cap is not None:
+        raise KvchatError("--reply-cap needs the guard: drop --no-guard")
+    return ReplyGuard(enabled=guard, reply_cap=reply_cap)
+
+
+def report_stop(stop_reason: str) -> None:
+    """On stderr, when the guard stopped the reply."""
+    from kvchat.engine.reply_guard import STOP_NOTES
+
+    if stop_reason in ("repetition", "reply_cap"):
+        click.echo(f"kvchat: {STOP_NOTES[stop_reason]} ({stop_reason})", err=True)
+
+
 def register(main: click.Group, model_option, device_option) -> None:
     @main.command()
     @click.option("--title", default=None, help="Title (default: the first message).")
@@ -83,8 +108,9 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--compact/--no-compact", default=True, show_default=True,
                   help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
                        "recompute anyway (kvchat compact).")
+    @guard_options
     @device_option
-    def send(session, message, max_tokens, policy_name, compact, device):
+    def send(session, message, max_tokens, policy_name, compact, guard, reply_cap, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
         from kvchat.app.chat_session import ChatSession
         from kvchat.app.hardware_profile import planning
@@ -95,6 +121,7 @@ def register(main: click.Group, model_option, device_option) -> None:
             message = sys.stdin.read()
         if not message.strip():
             raise KvchatError("the message is empty")
+        reply_guard = make_guard(guard, reply_cap)
         store = _store()
         info = store.session(session)
         model_path = info["model_path"]
@@ -111,10 +138,11 @@ def register(main: click.Group, model_option, device_option) -> None:
             sys.stdout.flush()
 
         try:
-            chat.send(message, max_tokens=max_tokens, on_token=stream)
+            result = chat.send(message, max_tokens=max_tokens, on_token=stream, guard=reply_guard)
         finally:
             chat.close()  # the round's K/V reaches the disk before the process ends
         click.echo()
+        report_stop(result.stop_reason)
         if not info["title"]:
             store.rename_session(info["id"], " ".join(message.split())[:48])
         for problem in chat.writer.errors:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvchat.app.chats import guard_options, make_guard, report_stop
 from kvchat.app.errors import FriendlyGroup
 
 
@@ -71,8 +72,10 @@ def _resolve_model(ctx, param, value):
 @click.option("--seed", default=None, type=int, help="Seed for sampling (same seed, same text).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the tokens and text instead.")
+@guard_options
 @click.argument("prompt")
-def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as_json, prompt) -> None:
+def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as_json, guard, reply_cap,
+             prompt) -> None:
     """Complete a raw PROMPT (no chat template), streaming the text. PROMPT '-' reads standard input."""
     from kvchat.engine.engine import Engine
     from kvchat.engine.sampling import SamplingParams
@@ -80,6 +83,7 @@ def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
+    reply_guard = make_guard(guard, reply_cap)
     engine = Engine(model_path, device=_device(device))
     tokens = engine.encode_prompt(prompt)
 
@@ -87,7 +91,7 @@ def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = engine.complete(tokens, max_tokens, sampling, on_token=None if as_json else stream)
+    result = engine.complete(tokens, max_tokens, sampling, on_token=None if as_json else stream, guard=reply_guard)
     if as_json:
         click.echo(json.dumps({
             "tokens": result.tokens, "text": result.text, "stop_reason": result.stop_reason,
@@ -96,6 +100,7 @@ def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as
         }))
     else:
         click.echo()
+        report_stop(result.stop_reason)
 
 
 @main.command()
@@ -125,10 +130,15 @@ def info(model_path, as_json) -> None:
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
 
 
+# engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
+# command then paid for at start, `kvchat --help` and `kvchat sessions` too.
+EVAL_POLICIES = ["full", "round", "round-adaptive", "round-threshold", "round-topk"]
+
+
 @main.command("eval")
 @_model_option
 @click.option("--kv-policy", "policy_name", default="full", show_default=True,
-              type=click.Choice(sorted(__import__("kvchat.engine.policies", fromlist=["POLICIES"]).POLICIES)),
+              type=click.Choice(EVAL_POLICIES),
               help="Which KV cache the questions are answered from.")
 @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
@@ -139,13 +149,22 @@ def info(model_path, as_json) -> None:
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--watershed", default=None, type=click.IntRange(min=0),
               help="Round policies: the watershed layer (default: the model's calibration, made on first use).")
+@click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]),
+              help="heldout: sentences written from templates training never saw; train: the training templates "
+                   "(the values are held-out either way).")
+@click.option("--samples", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also sample this many replies at --temperature with the guard off, and count those that loop "
+                   "or run past the model's reply cap.")
+@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0.0, max=100.0),
+              help="Temperature of --samples.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
 def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
-          as_json) -> None:
-    """Recall accuracy on held-out memory chats, per question kind and distance in rounds."""
+          phrasing, samples, temperature, as_json) -> None:
+    """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
+    how politely out-of-scope prompts are answered."""
     from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
-    from kvchat.engine.evaluate import evaluate, heldout_chats
+    from kvchat.engine.evaluate import evaluate, heldout_chats, sample_replies
     from kvchat.engine.policies import make_policy
     from kvchat.errors import KvchatError
 
@@ -155,7 +174,7 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
     policy = make_policy(policy_name, engine, calibrating,
                          **({} if watershed is None else {"watershed": watershed}))
     try:
-        dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens)
+        dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
     except ValueError as exc:
         raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
 
@@ -164,18 +183,31 @@ def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_toke
             click.echo(f"\r{done}/{total} chats", nl=False, err=True)
 
     result = evaluate(engine, policy, dialogues, progress=progress)
+    d = result.as_dict()
+    if samples:
+        more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
+        d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=None if as_json else (
+            lambda done, total: click.echo(f"\r{done}/{total} sampled replies", nl=False, err=True))).as_dict()
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps(d))
         return
     click.echo("", err=True)
-    d = result.as_dict()
     click.echo(f"model {model_path}  policy {policy_name}  device {result.device}")
     click.echo(f"accuracy {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over {d['chats']} chats of "
                f">= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
                f"(mean {d['mean_chat_tokens']:.0f}); {d['tokens_per_second']:.0f} tokens/s")
-    for title in ("by_kind", "by_position", "by_distance"):
+    for title in ("by_kind", "by_position", "by_distance", "by_stated", "by_asked"):
         cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in d[title].items())
         click.echo(f"{title.replace('_', ' ')}: {cells}")
+    oos = d["out_of_scope"]
+    cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in oos["by_kind"].items())
+    click.echo(f"out of scope ({phrasing} phrasing): polite {oos['polite_rate']:.1%} ({oos['polite']}/"
+               f"{oos['prompts']}); {cells}; longest other reply {oos['longest_other_reply_tokens']} tokens")
+    if "samples" in d:
+        s = d["samples"]
+        click.echo(f"sampled at temperature {s['temperature']}: {s['replies']} replies, {s['looped']} looped, "
+                   f"{s['over_cap']} past the reply cap of {s['reply_cap']} tokens (guard off); longest "
+                   f"{s['longest']} tokens")
 
 
 @main.command()

@@ -1,15 +1,26 @@
-"""Memory dialogues: multi-round chats where the user states facts (some later corrected) between distractor rounds
-and later asks questions whose answers need one or several earlier rounds.
+"""Memory dialogues: multi-round chats where the user states facts (some later corrected) between other rounds and
+later asks questions whose answers need one or several earlier rounds.
 
 They train the embedded model (engine.train) and score every KV policy on the same held-out chats (`kvchat eval`).
-Everything is deterministic from a seed. The training and held-out splits draw names and values from disjoint
-pools, so a held-out answer can only come from reading the chat, never from memorised training data.
+Everything is deterministic from a seed. Two things are split between training and held-out chats:
+
+- values: training chats use made-up words, held-out chats real names, cities, colors, foods and animals (and
+  numbers of another residue class), so a held-out answer can only come from reading the chat;
+- phrasings: every way of stating, correcting or asking something, and every out-of-scope prompt, is a template
+  drawn from a training set or from a disjoint held-out set (`phrasing=`), so held-out phrasings test whether the
+  model understood what people write, not whether it memorised our sentences.
+
+Users write the way people do: "remember that ...", "X is called Y", several facts in one message, questions with
+and without a question mark, in lower case, with a one-letter typo, "what did I say my ... was?", corrections
+("actually, it's ..."). What the model cannot do gets a short polite reply (POLITE_REPLIES): greetings, thanks,
+requests to write, explain or compute, and questions about something never told.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from kvchat.engine.chat_format import Round
 
@@ -109,66 +120,232 @@ def pools(split: str) -> Pools:
     return Pools(False, tuple(_FIRST), tuple(_CITIES), tuple(_COLORS), tuple(_FOODS), tuple(_ANIMALS), numbers)
 
 
+# Things the user names ("the boat is called Wavelet"): held-out chats name things training never names.
+_NOUNS_TRAIN = """boat dog cat car bike house project band company horse plant robot laptop team ship podcast blog
+garden goldfish parrot hamster startup novel painting song village street cafe restaurant puppy kitten tortoise
+rabbit pony cow goat van truck tractor printer router server app game website shop bakery bar club choir
+orchestra school class course boardgame drone camera guitar piano violin apartment cabin tent yacht canoe""".split()
+_NOUNS_HELDOUT = """sailboat lizard snake bicycle scooter motorbike kayak spaceship newsletter bookshop bistro
+museum theater studio farm vineyard greenhouse spreadsheet chatbot telescope trumpet cello cottage castle
+bridge tortoiseshell dinghy helicopter""".split()
+_TOPICS_HELDOUT = ["black holes", "the roman empire", "photosynthesis", "earthquakes", "the stock market",
+                   "vaccines", "electric cars", "the pyramids", "quantum computers", "coral reefs"]
+
+PHRASINGS = ("train", "heldout")
+_SPARE_WORDS = "really just please actually so um like quite maybe still ok oh hmm".split()
+QUESTION_KINDS = ("single", "corrected", "multi")
+POSITIONS = ("alone", "begin", "middle", "end")
+# How a fact was told, and how the question about it was asked: `kvchat eval` reports recall per family.
+STATED_FAMILIES = ("plain", "remember", "called", "list", "correction")
+ASKED_FAMILIES = ("plain", "what_did_i_say", "no_question_mark", "lower_case", "typo")
+OUT_OF_SCOPE_KINDS = ("greeting", "thanks", "request", "unknown")
+
+GREETING_REPLY = "Hello! Tell me something to remember, and ask me about it later."
+THANKS_REPLY = "You're welcome."
+DEMO_REPLY = "I'm a small demo model: I can only remember what you tell me. Use --model for a real model."
+UNKNOWN_REPLY = "You haven't told me that yet."
+CHATTER_REPLY = "I see. Tell me anything you want me to remember."
+LIST_ACK = "Noted, I will remember all of that."
+POLITE_REPLIES = frozenset({GREETING_REPLY, THANKS_REPLY, DEMO_REPLY, UNKNOWN_REPLY, CHATTER_REPLY})
+
+
+@dataclass(frozen=True)
+class Templates:
+    """One thing said several ways: the training chats use `train`, held-out-phrasing chats `heldout` (disjoint)."""
+
+    train: tuple[str, ...]
+    heldout: tuple[str, ...]
+
+    def pick(self, phrasing: str, rng: random.Random) -> str:
+        return rng.choice(self.train if phrasing == "train" else self.heldout)
+
+
+def _t(train: list[str], heldout: list[str]) -> Templates:
+    return Templates(tuple(train), tuple(heldout))
+
+
 @dataclass(frozen=True)
 class Slot:
-    """One thing the user can tell: how it is stated, corrected, asked and answered."""
+    """One thing the user can tell: how it is stated (a clause with {v}, no capital, no full stop), asked, recalled
+    ("what did I say ...") and answered. `field` names the pool its values come from."""
 
     key: str
-    state: str  # user says it
-    ack: str  # assistant acknowledges
-    correct: str  # user corrects it ({old} is the previous value)
-    ask: str  # user asks
-    answer: str  # assistant answers
+    field: str
+    states: Templates
+    asks: Templates
+    recalls: Templates
+    answer: str
 
-    def render(self, template: str, value: str, old: str = "") -> str:
-        return template.format(v=value, old=old)
+    @property
+    def canonical_ask(self) -> str:
+        return self.asks.train[0]
+
+    def reply(self, value: str) -> str:
+        return self.answer.format(v=value)
+
+    def ack(self, value: str) -> str:
+        text = self.reply(value)
+        return f"Noted: {text[0].lower()}{text[1:]}"
+
+
+def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), ())) -> Slot:
+    """A fact of the form "my {x} is {v}"."""
+    be, was, it = ("are", "were", "they") if plural else ("is", "was", "it")
+    return Slot(
+        key, field,
+        _t([f"my {x} {be} {{v}}", f"{{v}} {be} my {x}", f"my {x}: {{v}}", f"my {x} {be} now {{v}}",
+            f"the answer for my {x} is {{v}}", f"my {x} has always been {{v}}", f"{{v}}, that {be} my {x}",
+            *extra_states[0]],
+           [f"my {x} {'happen' if plural else 'happens'} to be {{v}}", f"as for my {x}: {{v}}",
+            f"my {x}? {{v}}", *extra_states[1]]),
+        _t([f"What {be} my {x}?", f"Can you tell me my {x}?", f"Do you remember my {x}?", f"Tell me my {x}.",
+            f"Which {'ones' if plural else 'one'} {be} my {x}?", f"And my {x}?", f"Do you know my {x}?",
+            f"What was my {x}?", f"Could you tell me what my {x} {be}?"]
+           + ([f"What's my {x}?"] if not plural else []),
+           [f"Do you know what my {x} {be}?", f"I forgot my {x}. What {be} {it}?", f"Any idea what my {x} {be}?",
+            f"My {x}, what {be} {it}?"]),
+        _t([f"What did I say my {x} {was}?", f"What did I tell you my {x} {was}?",
+            f"What did I say about my {x}?", f"Remember my {x}? What {was} {it}?"],
+           [f"Remind me, what {was} my {x} again?", f"Earlier I mentioned my {x}. What {was} {it}?",
+            f"What had I told you about my {x}?"]),
+        f"Your {x} {be} {{v}}.")
 
 
 def _slots() -> list[Slot]:
     slots = [
-        Slot("name", "My name is {v}.", "Nice to meet you, {v}.", "Actually, my name is {v}, not {old}.",
-             "What is my name?", "Your name is {v}."),
-        Slot("city", "I live in {v}.", "Noted: you live in {v}.", "Correction: I moved, I live in {v} now, not {old}.",
-             "Where do I live?", "You live in {v}."),
-        Slot("color", "My favorite color is {v}.", "Noted: your favorite color is {v}.",
-             "I changed my mind, my favorite color is {v}, not {old}.", "What is my favorite color?",
-             "Your favorite color is {v}."),
-        Slot("food", "I really love {v}.", "Noted: you love {v}.", "Correction: I love {v} now, not {old}.",
-             "What food do I love?", "You love {v}."),
-        Slot("animal", "My favorite animals are {v}.", "Noted: your favorite animals are {v}.",
-             "Actually, my favorite animals are {v}, not {old}.", "What are my favorite animals?",
-             "Your favorite animals are {v}."),
-        Slot("birthday", "My birthday is on {v}.", "Noted: your birthday is on {v}.",
-             "Sorry, my birthday is on {v}, not {old}.", "When is my birthday?", "Your birthday is on {v}."),
-        Slot("locker", "My locker number is {v}.", "Noted: your locker number is {v}.",
-             "Correction: my locker number is {v}, not {old}.", "What is my locker number?",
-             "Your locker number is {v}."),
-        Slot("meeting", "My meeting is on {v}.", "Noted: your meeting is on {v}.",
-             "The meeting moved, it is on {v} now, not {old}.", "When is my meeting?", "Your meeting is on {v}."),
+        _attribute("name", "name", "names", extra_states=(["call me {v}"], ["people call me {v}"])),
+        Slot("city", "cities",
+             _t(["I live in {v}", "my home is in {v}", "I am living in {v}", "I moved to {v}", "my city is {v}",
+                 "I'm from {v}", "I stay in {v}"],
+                ["I'm based in {v}", "home for me is {v}", "I reside in {v}"]),
+             _t(["Where do I live?", "What city do I live in?", "Do you know where I live?", "Where is my home?",
+                 "What is my city?", "Where am I from?", "Tell me where I live."],
+                ["Which city is my home?", "In which city do I live?", "Where am I based?"]),
+             _t(["Where did I say I live?", "What did I tell you about where I live?",
+                 "What city did I say I live in?"],
+                ["Remind me where I live.", "Which city did I mention as home?"]),
+             "You live in {v}."),
+        _attribute("color", "favorite color", "colors"),
+        Slot("food", "foods",
+             _t(["I really love {v}", "my favorite food is {v}", "I love eating {v}", "I love {v}",
+                 "my favourite food is {v}", "I could eat {v} every day", "nothing beats {v}"],
+                ["I can't get enough of {v}", "I adore {v}", "the food I like best is {v}"]),
+             _t(["What food do I love?", "What is my favorite food?", "What do I love to eat?",
+                 "What's my favourite food?", "Which food do I love?", "What do I like to eat?"],
+                ["Which food do I like best?", "What should you cook for me?", "What dish do I adore?"]),
+             _t(["What did I say I love to eat?", "What did I tell you my favorite food was?",
+                 "What food did I say I love?"],
+                ["Remind me what food I love.", "Which dish did I mention loving?"]),
+             "You love {v}."),
+        _attribute("animal", "favorite animals", "animals", plural=True),
+        _attribute("birthday", "birthday", "birthdays", extra_states=(["I was born on {v}"], ["I celebrate on {v}"])),
+        _attribute("locker", "locker number", "numbers"),
+        _attribute("meeting", "meeting day", "weekdays", extra_states=(["my meeting is on {v}"], ["I meet them on {v}"])),
     ]
-    for rel in _RELATIONS:
-        slots.append(Slot(
-            f"rel:{rel}", f"My {rel}'s name is {{v}}.", f"Noted: your {rel}'s name is {{v}}.",
-            f"Correction: my {rel}'s name is {{v}}, not {{old}}.", f"What is my {rel}'s name?",
-            f"Your {rel}'s name is {{v}}."))
+    slots += [_attribute(f"rel:{rel}", f"{rel}'s name", "names") for rel in _RELATIONS]
     return slots
 
 
 SLOTS = _slots()
-SLOT_BY_KEY = {s.key: s for s in SLOTS}
-QUESTION_KINDS = ("single", "corrected", "multi")
-POSITIONS = ("alone", "begin", "middle", "end")
+_FIXED_SLOTS = {s.key: s for s in SLOTS}
 
 
-def _value(slot: Slot, p: Pools, rng: random.Random) -> str:
-    if slot.key == "birthday":
-        return f"{rng.choice(_MONTHS)} {1 + rng.randrange(28)}"
-    if slot.key == "locker":
-        return p.pick("numbers", rng)
-    if slot.key == "meeting":
-        return rng.choice(_WEEKDAYS)
-    field = {"city": "cities", "color": "colors", "food": "foods", "animal": "animals"}.get(slot.key, "names")
-    return p.pick(field, rng)
+@lru_cache(maxsize=None)
+def called_slot(det: str, noun: str) -> Slot:
+    """Something the user names: "the boat is called Wavelet"."""
+    d = f"{det} {noun}"
+    answer_det = {"my": "Your", "our": "Your"}.get(det, det.capitalize())
+    return Slot(
+        f"called:{d}", "names",
+        _t([f"{d} is called {{v}}", f"{d}'s name is {{v}}", f"{d} is named {{v}}", f"I call {d} {{v}}",
+            f"I named {d} {{v}}", f"{d} has the name {{v}}", f"{{v}} is the name of {d}", f"we call {d} {{v}}",
+            f"{d}, it is called {{v}}"],
+           [f"we named {d} {{v}}", f"the name of {d} is {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"]),
+        _t([f"What is {d} called?", f"What's {d}'s name?", f"What is the name of {d}?", f"What do I call {d}?",
+            f"How is {d} named?", f"Tell me the name of {d}.", f"Do you remember {d}'s name?",
+            f"What was {d} called?"],
+           [f"What do we call {d}?", f"What name does {d} have?", f"Do you know what {d} is called?",
+            f"Which name did {d} get?"]),
+        _t([f"What did I say {d} was called?", f"What did I name {d}?", f"What name did I give {d}?",
+            f"What did I tell you {d} is called?"],
+           [f"Remind me what {d} is called.", f"What was {d}'s name again?"]),
+        f"{answer_det} {noun} is called {{v}}.")
+
+
+def slot_for(key: str) -> Slot:
+    if key.startswith("called:"):
+        det, noun = key.removeprefix("called:").split(" ", 1)
+        return called_slot(det, noun)
+    return _FIXED_SLOTS[key]
+
+
+SLOT_BY_KEY = _FIXED_SLOTS  # the fixed kinds; slot_for also knows every named thing
+
+_REMEMBER = _t(["Remember that {c}.", "Please remember that {c}.", "Don't forget: {c}.", "Keep in mind that {c}.",
+                "Remember: {c}.", "Please note that {c}.", "I want you to remember that {c}.", "Note this: {c}.",
+                "For the record, {c}.", "Remember this, {c}.", "Don't forget that {c}."],
+               ["Can you remember that {c}?", "Note that {c}.", "Just so you know, {c}.", "Make a note that {c}."])
+# Openers and closers dress a sentence the way people type it; "" (none) is the commonest.
+_OPENERS = _t(["", "", "", "", "Hey, ", "Oh, and ", "By the way, ", "So, ", "OK, ", "Also, ", "Well, ", "Hi! ",
+               "Okay so ", "And "],
+              ["", "", "", "", "Btw, ", "Listen, ", "Alright, ", "Anyway, "])
+_CLOSERS = _t(["", "", "", "", " by the way", " :)", " ok", " thanks", " haha", " now"],
+              ["", "", "", "", " btw", " if that helps", " fyi"])
+_ASK_OPENERS = _t(["", "", "", "", "Hey, ", "Quick question: ", "So, ", "OK, ", "Sorry, ", "Um, ", "Hmm, ", "Hi! ",
+                   "And "],
+                  ["", "", "", "", "Tell me, ", "Wait, ", "Question: ", "Hey there, "])
+_ASK_CLOSERS = _t(["", "", "", "", " please", " again", " now", " :)"], ["", "", "", "", " if you know",
+                                                                         " by any chance"])
+_LIST = _t(["{a}, and {b}.", "{a}. {B}.", "{a}, {b} and {c}.", "{a}. {B}. {C}."],
+           ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and {c}."])
+_CORRECT_FULL = _t(["Correction: {c}, not {old}.", "Actually, {c}, not {old}.", "I changed my mind, {c}."],
+                   ["Sorry, I was wrong: {c}.", "Let me correct that: {c}.", "Update: {c} now."])
+_CORRECT_SHORT = _t(["Actually, it's {v}.", "Sorry, I meant {v}.", "No wait, it's {v}."],
+                    ["Oops, it's {v}, not {old}.", "My mistake, it's {v}.", "Make that {v}."])
+_GREETINGS = _t(["Hi!", "Hello.", "Hey there!", "Good morning!", "Hello, how are you?", "Hi, nice to meet you."],
+                ["Good evening!", "Howdy!", "Hey, what's up?", "Greetings.", "Hiya"])
+_THANKS = _t(["Thanks!", "Thank you.", "Thanks a lot!", "Thank you so much.", "Great, thanks."],
+             ["Cheers!", "Much appreciated.", "Thanks for remembering!", "Thx"])
+_REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} times {b}?", "Tell me a joke.",
+                "Tell me something interesting about {t}.", "Can you summarize the history of {t}?",
+                "Translate good morning into French.", "Write an email to my {r}.", "What do you know about {t}?"],
+               ["Compose a short story about {t}.", "How does {t} work?", "Calculate {a} plus {b}.",
+                "Could you describe {t} in detail?", "What's {a} divided by {b}?",
+                "Write some code that sorts a list.", "Give me three facts about {t}."])
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+_KEYBOARD_NEIGHBORS = dict(zip("qwertyuiopasdfghjklzxcvbnm", "wqrtyuiopoadsfghjkklxzcvbnbm"))
+
+
+def typo(text: str, rng: random.Random, protect: tuple[str, ...] = ()) -> str:
+    """One one-letter slip in one word of 4+ letters (a neighbor key, a dropped, doubled or swapped letter); words
+    in `protect` (values, named things) are left alone. Text without such a word comes back unchanged."""
+    words = text.split(" ")
+    spots = [i for i, w in enumerate(words) if sum(c.isalpha() for c in w) >= 4
+             and w.strip(".,?!:;'").lower() not in {p.lower() for p in protect}]
+    if not spots:
+        return text
+    i = rng.choice(spots)
+    w = words[i]
+    letters = [j for j, c in enumerate(w) if c.isalpha()]
+    j = rng.choice(letters[1:-1] or letters)
+    how = rng.randrange(4)
+    if how == 0 and w[j].lower() in _KEYBOARD_NEIGHBORS:
+        w = w[:j] + _KEYBOARD_NEIGHBORS[w[j].lower()] + w[j + 1:]
+    elif how == 1:
+        w = w[:j] + w[j + 1:]
+    elif how == 2:
+        w = w[:j] + w[j] + w[j:]
+    elif j + 1 < len(w) and w[j + 1].isalpha():
+        w = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    else:
+        w = w[:j] + w[j] + w[j:]
+    words[i] = w
+    return " ".join(words)
 
 
 @dataclass
@@ -179,6 +356,8 @@ class Question:
     distance: int  # rounds between the question and the oldest round it needs
     keys: tuple[str, ...]
     values: tuple[str, ...]  # the latest value of each key: what the answer must contain
+    stated: str = "plain"  # how the (first) fact was told: STATED_FAMILIES
+    asked: str = "plain"  # how the question is asked: ASKED_FAMILIES
 
     @property
     def distance_bucket(self) -> str:
@@ -191,10 +370,18 @@ class Question:
 
 
 @dataclass
+class OutOfScope:
+    round_index: int
+    kind: str  # OUT_OF_SCOPE_KINDS
+
+
+@dataclass
 class Dialogue:
     system: str | None
+    phrasing: str = "train"
     rounds: list[Round] = field(default_factory=list)
     questions: list[Question] = field(default_factory=list)
+    out_of_scope: list[OutOfScope] = field(default_factory=list)
     # What the user has told so far (key -> latest value) as each round begins: lets a benchmark cut the chat at any
     # round and ask about everything known there.
     known_before: list[dict[str, str]] = field(default_factory=list)
@@ -202,20 +389,229 @@ class Dialogue:
     def recall_rounds(self, upto: int) -> list[Round]:
         """One question per fact known before round `upto`, with the expected reply: asked at the end of the chat
         rounds[:upto], the way a user comes back to an old chat and asks about it."""
-        return [Round(SLOT_BY_KEY[k].ask, SLOT_BY_KEY[k].answer.format(v=v))
+        return [Round(slot_for(k).canonical_ask, slot_for(k).reply(v))
                 for k, v in sorted(self.known_before[upto].items())]
 
 
-def _distractor(rng: random.Random) -> Round:
-    topic = rng.choice(_TOPICS)
-    user = rng.choice([f"Tell me something interesting about {topic}.", f"Can you give me a short fact about {topic}?",
-                       f"What do you know about {topic}?", f"I am curious about {topic}, any quick thoughts?"])
-    if rng.random() < 0.4:
-        user = " ".join(rng.sample(_FILLER, 2)) + " " + user
-    reply = rng.choice([f"Here is a short note about {topic}: people have studied it for a long time.",
-                        f"Sure. {topic[0].upper() + topic[1:]} is a topic with many surprising details.",
-                        f"Happy to help. There is a lot to say about {topic}, and it is worth reading more."])
-    return Round(user, reply)
+@dataclass
+class _Known:
+    value: str
+    first: int  # round that first told it
+    last: int  # round that last told or corrected it
+    corrected: bool
+    stated: str
+
+
+class _Writer:
+    """Writes one chat round by round; `known` is what the user has told so far."""
+
+    def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: bool = False):
+        self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
+        self.known: dict[str, _Known] = {}
+        self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
+
+    # -- values and slots --
+    def value(self, slot: Slot) -> str:
+        rng = self.rng
+        if slot.field == "birthdays":
+            return f"{rng.choice(_MONTHS)} {1 + rng.randrange(28)}"
+        if slot.field == "weekdays":
+            return rng.choice(_WEEKDAYS)
+        return self.p.pick(slot.field, rng)
+
+    def fresh_slot(self) -> Slot | None:
+        rng = self.rng
+        if rng.random() < 0.35:
+            for _ in range(8):
+                det = rng.choice(("my", "my", "our", "the"))
+                slot = called_slot(det, self.noun())
+                if not any(k.endswith(" " + slot.key.split(" ", 1)[1]) for k in self.known):
+                    return slot
+        free = [s for s in SLOTS if s.key not in self.known]
+        return rng.choice(free) if free else None
+
+    def noun(self) -> str:
+        if self.phrasing == "heldout":
+            return self.rng.choice(_NOUNS_HELDOUT)
+        return pseudo_word(self.rng) if self.rng.random() < 0.25 else self.rng.choice(_NOUNS_TRAIN)
+
+    def clause(self, slot: Slot, value: str, templates: Templates | None = None) -> str:
+        template = (templates or slot.states).pick(self.phrasing, self.rng)
+        while template.startswith("{v}") and slot.field in ("colors", "foods", "animals"):
+            template = (templates or slot.states).pick(self.phrasing, self.rng)  # "Crows are ..." would recase it
+        if self.rng.random() < 0.15:
+            template = template.lower()  # typed in lower case; the value stays as typed
+        return template.replace("{v}", value)
+
+    def with_spare_words(self, text: str, value: str = "") -> str:
+        """Training noise: a word or two that changes nothing ("really", "just") put somewhere, so that the model
+        keys on what is asked, not on the exact sentence."""
+        if not self.noise or self.rng.random() > 0.3:
+            return text
+        words = (text.replace(value, "\0") if value else text).split(" ")  # a value of two words stays whole
+        for _ in range(self.rng.choice((1, 1, 2))):
+            words.insert(self.rng.randrange(1, len(words) + 1), self.rng.choice(_SPARE_WORDS))
+        return " ".join(words).replace("\0", value)
+
+    def with_unknown_words(self, text: str) -> str:
+        """Training noise for prompts that state nothing: a word or two replaced by made-up ones, so that a word the
+        model has never seen is not taken for a name to remember."""
+        words = text.split(" ")
+        if not self.noise or self.rng.random() > 0.5 or len(words) < 3:  # a short prompt is all signal
+            return text
+        for _ in range(self.rng.choice((1, 1, 2))):
+            i = self.rng.randrange(len(words))
+            word = pseudo_word(self.rng)
+            words[i] = (word.capitalize() if i == 0 or self.rng.random() < 0.3 else word) + \
+                "".join(c for c in words[i][-1:] if c in ".,?!")
+        return " ".join(words)
+
+    def styled(self, text: str, protect: tuple[str, ...]) -> str:
+        """Out-of-scope prompts are typed carelessly too."""
+        text = self.with_unknown_words(text)
+        roll = self.rng.random()
+        if roll < 0.1:
+            return text.lower()
+        if roll < 0.2:
+            return typo(text, self.rng, protect)
+        return text
+
+    def dressed(self, text: str, openers: Templates, closers: Templates) -> str:
+        """`text` (a sentence ending in . ? or !) with an opener before it and a closer before its last mark."""
+        end = text[-1] if text[-1:] in ".?!" else ""
+        body = text[: len(text) - len(end)]
+        opener = openers.pick(self.phrasing, self.rng)
+        if opener and body[:2] not in ("I ", "I'") and body[1:2].islower():
+            body = body[0].lower() + body[1:]
+        return opener + body + closers.pick(self.phrasing, self.rng) + end
+
+    # -- rounds --
+    def statement(self, i: int) -> Round:
+        rng = self.rng
+        slots = []
+        for _ in range(rng.choice((2, 2, 3)) if rng.random() < 0.2 else 1):
+            slot = self.fresh_slot()
+            if slot is not None and slot.key not in [s.key for s in slots]:
+                slots.append(slot)
+        if not slots:
+            return self.chatter()
+        values = [self.value(s) for s in slots]
+        clauses = [self.clause(s, v) for s, v in zip(slots, values)]
+        if len(slots) > 1:
+            template = _LIST.pick(self.phrasing, rng)
+            while ("{c}" in template or "{C}" in template) != (len(slots) == 3):
+                template = _LIST.pick(self.phrasing, rng)
+            parts = dict(zip("abc", clauses))
+            text = template.format(a=_cap(parts["a"]), b=parts["b"], c=parts.get("c", ""), B=_cap(parts["b"]),
+                                   C=_cap(parts.get("c", "")))
+            family, reply = "list", LIST_ACK
+        elif rng.random() < 0.4:
+            text = _REMEMBER.pick(self.phrasing, rng).format(c=clauses[0])
+            family, reply = "remember", slots[0].ack(values[0])
+        else:
+            text, family, reply = _cap(clauses[0]) + ".", "plain", slots[0].ack(values[0])
+        if len(slots) == 1 and not text.startswith(values[0]):
+            text = _cap(self.dressed(text, _OPENERS, _CLOSERS))
+        if len(slots) == 1:
+            text = self.with_spare_words(text, values[0])
+        for s, v in zip(slots, values):
+            self.known[s.key] = _Known(v, i, i, False, "called" if s.key.startswith("called:") else family)
+        self.last_single = slots[0].key if len(slots) == 1 else None
+        return Round(text, reply)
+
+    def correction(self, i: int) -> Round:
+        rng = self.rng
+        short = self.last_single is not None and rng.random() < 0.5
+        key = self.last_single if short else rng.choice(list(self.known))
+        slot, old = slot_for(key), self.known[key].value
+        new = self.value(slot)
+        if new == old:
+            return self.chatter()
+        if short:
+            text = _CORRECT_SHORT.pick(self.phrasing, rng).format(v=new, old=old)
+        else:
+            text = _CORRECT_FULL.pick(self.phrasing, rng).format(c=self.clause(slot, new), old=old)
+        known = self.known[key]
+        self.known[key] = _Known(new, known.first, i, True, "correction")
+        self.last_single = None
+        return Round(_cap(text), slot.ack(new))
+
+    def question_text(self, slot: Slot, asked: str) -> str:
+        rng = self.rng
+        text = (slot.recalls if asked == "what_did_i_say" else slot.asks).pick(self.phrasing, rng)
+        text = self.with_spare_words(_cap(self.dressed(text, _ASK_OPENERS, _ASK_CLOSERS)))
+        if asked == "no_question_mark":
+            text = text.rstrip("?.")
+        elif asked == "lower_case":
+            text = text.lower()
+        elif asked == "typo":
+            text = typo(text, rng, protect=tuple(slot.key.split(" ")[1:]))
+        return text
+
+    def asked_family(self) -> str:
+        return self.rng.choices(ASKED_FAMILIES, weights=(35, 20, 15, 15, 15))[0]
+
+    def question(self, i: int, askable: list[str]) -> Round:
+        rng = self.rng
+        corrected = [k for k in askable if self.known[k].corrected]
+        if len(askable) >= 2 and rng.random() < 0.2:
+            keys, kind = tuple(rng.sample(askable, 2)), "multi"
+        elif corrected and rng.random() < 0.5:
+            keys, kind = (rng.choice(corrected),), "corrected"
+        else:
+            keys = (rng.choice(askable),)
+            kind = "corrected" if self.known[keys[0]].corrected else "single"
+        asked = "plain" if kind == "multi" else self.asked_family()
+        slots = [slot_for(k) for k in keys]
+        answers = [s.reply(self.known[k].value) for s, k in zip(slots, keys)]
+        if kind == "multi":
+            asks = [s.asks.pick(self.phrasing, rng).removeprefix("And ") for s in slots]
+            question = f"{asks[0][:-1]}, and {asks[1][0].lower()}{asks[1][1:]}"
+            reply = f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
+        else:
+            question, reply = self.question_text(slots[0], asked), answers[0]
+        position = rng.choice(POSITIONS)
+        distance = i - min(self.known[k].last if kind == "corrected" else self.known[k].first for k in keys)
+        self.dlg.questions.append(Question(i, kind, position, distance, keys,
+                                           tuple(self.known[k].value for k in keys),
+                                           self.known[keys[0]].stated, asked))
+        self.last_single = None
+        return Round(_ask(question, position, rng), reply)
+
+    def out_of_scope(self, i: int) -> Round:
+        rng = self.rng
+        kind = rng.choices(OUT_OF_SCOPE_KINDS, weights=(20, 20, 35, 25))[0]
+        if kind == "unknown":
+            slot = self.unknown_slot()
+            text, reply = self.question_text(slot, self.asked_family()), UNKNOWN_REPLY
+        elif kind == "request":
+            topics = _TOPICS if self.phrasing == "train" else _TOPICS_HELDOUT
+            text = _REQUESTS.pick(self.phrasing, rng).format(
+                t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
+            text, reply = self.styled(text, ()), DEMO_REPLY
+        else:
+            text = (_GREETINGS if kind == "greeting" else _THANKS).pick(self.phrasing, rng)
+            text, reply = self.styled(text, ()), GREETING_REPLY if kind == "greeting" else THANKS_REPLY
+        self.dlg.out_of_scope.append(OutOfScope(i, kind))
+        self.last_single = None
+        return Round(text, reply)
+
+    def unknown_slot(self) -> Slot:
+        free = [s for s in SLOTS if s.key not in self.known]
+        if free and self.rng.random() < 0.6:
+            return self.rng.choice(free)
+        while True:
+            slot = called_slot(self.rng.choice(("my", "our", "the")), self.noun())
+            if slot.key not in self.known:
+                return slot
+
+    def chatter(self) -> Round:
+        self.last_single = None
+        if self.noise and self.rng.random() < 0.15:  # a word the model never saw, said alone: not a fact
+            words = [pseudo_word(self.rng) for _ in range(self.rng.choice((1, 1, 2)))]
+            return Round(_cap(" ".join(words)) + self.rng.choice(("!", ".", "", " :)")), CHATTER_REPLY)
+        text = " ".join(self.rng.sample(_FILLER, self.rng.choice((1, 2))))
+        return Round(self.with_unknown_words(text), CHATTER_REPLY)
 
 
 def _ask(question: str, position: str, rng: random.Random) -> str:
@@ -229,63 +625,38 @@ def _ask(question: str, position: str, rng: random.Random) -> str:
     return f"{before} {question} {after}"
 
 
-def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True) -> Dialogue:
-    """A chat of n_rounds: facts, corrections, distractors, and questions placed after what they ask about."""
-    dlg = Dialogue(SYSTEM_PROMPT if with_system else None)
-    known: dict[str, tuple[str, int, int, bool]] = {}  # key -> (value, first round, last round, corrected)
-    slots = {s.key: s for s in SLOTS}
+def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
+                  phrasing: str = "train", noise: bool = False) -> Dialogue:
+    """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
+    small talk. `noise` (training only) adds spare words to facts and questions and made-up words to the rest."""
+    dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
+    w = _Writer(rng, p, phrasing, dlg, noise)
     for i in range(n_rounds):
-        dlg.known_before.append({k: v[0] for k, v in known.items()})
+        dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
-        askable = [k for k in known if i - known[k][1] >= 1]
-        if askable and (roll < 0.3 or i >= n_rounds - 2):
-            dlg.rounds.append(_question_round(rng, dlg, i, known, slots, askable))
-        elif known and roll < 0.45:
-            key = rng.choice(list(known))
-            old = known[key][0]
-            new = _value(slots[key], p, rng)
-            if new == old:
-                dlg.rounds.append(_distractor(rng))
-                continue
-            slot = slots[key]
-            dlg.rounds.append(Round(slot.correct.format(v=new, old=old), slot.ack.format(v=new)))
-            known[key] = (new, known[key][1], i, True)
-        elif roll < 0.75:
-            free = [s for s in SLOTS if s.key not in known]
-            if not free:
-                dlg.rounds.append(_distractor(rng))
-                continue
-            slot = rng.choice(free)
-            value = _value(slot, p, rng)
-            dlg.rounds.append(Round(slot.state.format(v=value), slot.ack.format(v=value)))
-            known[slot.key] = (value, i, i, False)
+        askable = [k for k, v in w.known.items() if i - v.first >= 1]
+        if askable and (roll < 0.25 or i >= n_rounds - 2):
+            rnd = w.question(i, askable)
+        elif w.known and roll < 0.36:
+            rnd = w.correction(i)
+        elif roll < 0.64:
+            rnd = w.statement(i)
+        elif roll < 0.86:
+            rnd = w.out_of_scope(i)
         else:
-            dlg.rounds.append(_distractor(rng))
-    dlg.known_before.append({k: v[0] for k, v in known.items()})
+            rnd = w.chatter()
+        dlg.rounds.append(rnd)
+    dlg.known_before.append({k: v.value for k, v in w.known.items()})
     return dlg
 
 
-def _question_round(rng, dlg, i, known, slots, askable) -> Round:
-    corrected = [k for k in askable if known[k][3]]
-    if len(askable) >= 2 and rng.random() < 0.25:
-        keys, kind = tuple(rng.sample(askable, 2)), "multi"
-    elif corrected and rng.random() < 0.5:
-        keys, kind = (rng.choice(corrected),), "corrected"
-    else:
-        keys = (rng.choice(askable),)
-        kind = "corrected" if known[keys[0]][3] else "single"
-    asks = [slots[k].ask for k in keys]
-    answers = [slots[k].answer.format(v=known[k][0]) for k in keys]
-    question = asks[0] if len(asks) == 1 else f"{asks[0][:-1]}, and {asks[1][0].lower()}{asks[1][1:]}"
-    reply = answers[0] if len(answers) == 1 else f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
-    position = rng.choice(POSITIONS)
-    distance = i - min(known[k][1] if kind != "corrected" else known[k][2] for k in keys)
-    dlg.questions.append(Question(i, kind, position, distance, keys, tuple(known[k][0] for k in keys)))
-    return Round(_ask(question, position, rng), reply)
-
-
-def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int) -> list[Dialogue]:
-    rng = random.Random(f"{split}:{seed}")
+def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
+              phrasing: str = "train", noise: bool = False) -> list[Dialogue]:
+    """`count` chats: values from `split`'s pools, sentences from `phrasing`'s templates (both "train" or
+    "heldout"). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` either."""
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"unknown phrasing {phrasing!r} (accepted: {', '.join(PHRASINGS)})")
+    rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
     p = pools(split)
-    return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), with_system=rng.random() < 0.8)
+    return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise)
             for _ in range(count)]

@@ -14,6 +14,7 @@ from kvchat.engine.generate import GenerationResult, TokenCallback, generate
 from kvchat.engine.gguf_file import GGUFFile
 from kvchat.engine.loader import load_model
 from kvchat.engine.model import KVCache, Transformer
+from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.tokenizer import Tokenizer
 from kvchat.errors import ContextOverflowError
@@ -70,8 +71,13 @@ class Engine:
 
     def complete(self, prompt: list[int], max_tokens: int, sampling: SamplingParams = SamplingParams(),
                  on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
-                 cache: KVCache | None = None, stop_strings: tuple[str, ...] = ()) -> GenerationResult:
+                 cache: KVCache | None = None, stop_strings: tuple[str, ...] = (),
+                 guard: ReplyGuard = ReplyGuard()) -> GenerationResult:
         cache = cache if cache is not None else self.new_cache(len(prompt) + max_tokens)
         return generate(self.model, cache, prompt, decoder=self.tokenizer.stream_decoder(), max_tokens=max_tokens,
                         sampling=sampling, stop_tokens=self.tokenizer.eog_ids, stop_strings=stop_strings,
-                        on_token=on_token, cancel=cancel)
+                        on_token=on_token, cancel=cancel, **self.guarding(guard))
+
+    def guarding(self, guard: ReplyGuard) -> dict:
+        """generate()'s guard arguments for this model: the loop check and the model's reply cap."""
+        return {"guard": guard if guard.enabled else None, "reply_cap": guard.cap_for(self.metadata)}

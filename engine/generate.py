@@ -1,5 +1,6 @@
 """Prefill, then incremental decode: one token at a time into the KV cache, streamed to a callback, stopping on an
-end-of-generation token, a stop string, the token limit, the context limit, or a cancel from another thread."""
+end-of-generation token, a stop string, the token limit, the context limit, a cancel from another thread, or the
+generation guard (a looping reply, the model's reply cap: engine.reply_guard)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 import torch
 
 from kvchat.engine.model import Attend, KVCache, SplitAttend, Transformer
+from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import Sampler, SamplingParams
 from kvchat.engine.tiered_kv import TieredKV
 from kvchat.errors import ContextOverflowError
@@ -23,7 +25,9 @@ TokenCallback = Callable[[int, str], None]
 class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = ""  # "eog" | "stop_string" | "max_tokens" | "context" | "cancelled"
+    # "eog" | "stop_string" | "max_tokens" | "context" | "cancelled" | "repetition" | "reply_cap" (the last two: the
+    # generation guard stopped a reply that looped or ran past the model's cap)
+    stop_reason: str = ""
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     first_token_seconds: float = 0.0  # from the call to the first sampled token
@@ -62,11 +66,13 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
-             cuda_graph: bool | None = None, attend: Attend = None) -> GenerationResult:
+             cuda_graph: bool | None = None, attend: Attend = None, guard: ReplyGuard | None = None,
+             reply_cap: int | None = None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
     generated token but the last (nothing has attended to it yet). A TieredKV cache picks the rounds the prompt's
-    upper layers see itself (`attend` does not apply)."""
+    upper layers see itself (`attend` does not apply). `guard` stops a looping reply; `reply_cap` (the model's,
+    from ReplyGuard.cap_for) stops one that runs on."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     limit = context_length or model.cfg.context_length
@@ -105,6 +111,12 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
             break
         if len(result.tokens) >= max_tokens:
             result.stop_reason = "max_tokens"
+            break
+        if guard is not None and guard.loops(result.tokens):
+            result.stop_reason = "repetition"
+            break
+        if reply_cap is not None and len(result.tokens) >= reply_cap:
+            result.stop_reason = "reply_cap"
             break
         if cancel is not None and cancel.is_set():
             result.stop_reason = "cancelled"

@@ -37,8 +37,10 @@ LazyTensor = tuple[tuple[int, ...], Callable[[], np.ndarray]]
 def write_model_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, np.ndarray | LazyTensor],
                      vocab: ByteBPEVocab, chat_template: str | None = None, name: str = "kvchat-model",
                      qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-                     overrides: dict[str, GGMLQuantizationType] | None = None) -> None:
-    """`qtype` is the type of every matrix; `overrides` sets it for single tensors (e.g. keep output.weight F32)."""
+                     overrides: dict[str, GGMLQuantizationType] | None = None,
+                     extra: Mapping[str, int | str] | None = None) -> None:
+    """`qtype` is the type of every matrix; `overrides` sets it for single tensors (e.g. keep output.weight F32);
+    `extra` adds metadata keys (ints as uint32, else strings), e.g. kvchat's own `kvchat.reply_cap`."""
     overrides = overrides or {}
     for t in {qtype, *overrides.values()}:
         if t not in WRITABLE_TYPES:
@@ -47,6 +49,11 @@ def write_model_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Ma
     writer = GGUFWriter(os.fspath(path), cfg.arch)
     _write_metadata(writer, cfg, name, qtype)
     _write_vocab(writer, vocab, chat_template)
+    for key, value in (extra or {}).items():
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, str(value))
     types = {}
     for tname, (shape, _) in lazy.items():
         types[tname] = GGMLQuantizationType.F32 if len(shape) == 1 else overrides.get(tname, qtype)

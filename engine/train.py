@@ -25,6 +25,7 @@ from torch import nn
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.dialogues import (_ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, Dialogue, dialogues)
 from kvchat.engine.gguf_export import write_model_gguf
+from kvchat.engine.reply_guard import DEMO_REPLY_CAP, REPLY_CAP_KEY
 from kvchat.engine.vocab import ByteBPEVocab
 
 # ChatML, as Qwen writes it; the system prompt is optional.
@@ -43,8 +44,8 @@ class TrainConfig:
     n_kv_heads: int = 4
     ffn_dim: int = 768
     context_length: int = 4096
-    n_merges: int = 900
-    steps: int = 4400
+    n_merges: int = 1200
+    steps: int = 5600
     batch: int = 32
     max_tokens: int = 3072
     lr: float = 2e-3
@@ -108,7 +109,7 @@ def encode_dialogue(tok, dlg: Dialogue) -> tuple[np.ndarray, np.ndarray]:
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
     split, count, seed, lo, hi = args
-    return [encode_dialogue(_worker_tok, d) for d in dialogues(split, count, seed, lo, hi)]
+    return [encode_dialogue(_worker_tok, d) for d in dialogues(split, count, seed, lo, hi, noise=True)]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -230,7 +231,7 @@ def vocab_from_state(state: dict) -> ByteBPEVocab:
 
 def export_gguf(model: TrainModel, vocab: ByteBPEVocab, path: Path, qtype: Q = Q.F16) -> Path:
     write_model_gguf(path, model.mc, model.gguf_tensors(), vocab, CHAT_TEMPLATE, name="kvchat-memory-demo",
-                     qtype=qtype)
+                     extra={REPLY_CAP_KEY: DEMO_REPLY_CAP}, qtype=qtype)
     return path
 
 

@@ -132,3 +132,18 @@ def test_prompt_longer_than_context(models):
 def test_bad_options(models, args, needle):
     proc = kvchat("generate", "--model", str(models.get()), *args, "hi")
     assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_chat_message_empty_or_longer_than_the_context_is_refused_before_anything_is_saved(models):
+    import json as json_
+
+    path = models.get(context_length=64, style="chatml", arch="qwen2")
+    sid = run_kvchat("new", "--model", str(path)).stdout.strip()
+    run_kvchat("send", sid, "hello", "--max-tokens", "2")
+    for message in ("", "   \n\t ", "word " * 300):
+        proc = run_kvchat("send", sid, message, "--max-tokens", "2", check=False)
+        assert_one_line_error(proc, "context" if message.strip() else "empty")
+    proc = run_kvchat("send", sid, "-", "--max-tokens", "2", check=False, stdin="  \n")
+    assert_one_line_error(proc, "the message is empty")
+    [chat] = json_.loads(run_kvchat("sessions", "--json").stdout)
+    assert chat["n_rounds"] == 1  # only the first message's round

@@ -26,7 +26,7 @@ def test_training_and_heldout_values_are_disjoint():
     assert real and not made_up & real
     # and the chats themselves: no held-out value ever appears in a training chat
     text = " ".join(r.user + " " + r.assistant for d in dialogues("train", 300, 0, 10, 30) for r in d.rounds).lower()
-    words = {w.strip(".,?!'s") for w in text.split()}
+    words = {w.strip(".,?!:;()").removesuffix("'s") for w in text.split()}
     assert not {w for w in real if w in words}
 
 
@@ -67,3 +67,62 @@ def test_round_text_matches_the_shipped_template(models):
     dlg = dialogues("train", 1, 0, 6, 6)[0]
     texts = fmt.round_texts(Conversation(dlg.rounds, dlg.system))
     assert texts == [round_text(r.user, r.assistant, dlg.system if i == 0 else None) for i, r in enumerate(dlg.rounds)]
+
+
+def _all_templates():
+    from kvchat.engine import dialogues as d
+
+    groups = [d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS, d._REQUESTS]
+    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat")]:
+        groups += [slot.states, slot.asks, slot.recalls]
+    return groups
+
+
+def test_held_out_phrasings_are_new_templates_not_new_values():
+    for templates in _all_templates():
+        assert templates.train and templates.heldout
+        train = {t.lower() for t in templates.train}
+        assert not train & {t.lower() for t in templates.heldout}, templates
+
+
+def test_every_phrasing_family_and_out_of_scope_kind_occurs_with_its_polite_reply():
+    from kvchat.engine.dialogues import (ASKED_FAMILIES, OUT_OF_SCOPE_KINDS, POLITE_REPLIES, STATED_FAMILIES,
+                                         UNKNOWN_REPLY)
+
+    for phrasing in ("train", "heldout"):
+        stated, asked, kinds = set(), set(), set()
+        for dlg in dialogues("heldout", 40, 2, 30, 40, phrasing):
+            assert dlg.phrasing == phrasing
+            stated |= {q.stated for q in dlg.questions}
+            asked |= {q.asked for q in dlg.questions}
+            for o in dlg.out_of_scope:
+                kinds.add(o.kind)
+                assert dlg.rounds[o.round_index].assistant in POLITE_REPLIES
+                if o.kind == "unknown":
+                    assert dlg.rounds[o.round_index].assistant == UNKNOWN_REPLY
+        assert stated == set(STATED_FAMILIES) and asked == set(ASKED_FAMILIES) and kinds == set(OUT_OF_SCOPE_KINDS)
+
+
+def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
+    from kvchat.engine.dialogues import typo
+
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "What is the boat called?"
+        slipped = typo(text, rng, protect=("boat",))
+        changed = [(a, b) for a, b in zip(text.split(), slipped.split()) if a != b]
+        assert len(changed) <= 1 and "boat" in slipped
+        if changed:
+            a, b = changed[0]
+            assert abs(len(a) - len(b)) <= 1
+
+
+def test_training_noise_changes_the_messages_never_the_facts():
+    plain = dialogues("train", 20, 5, 20, 30)
+    noisy = dialogues("train", 20, 5, 20, 30, noise=True)
+    assert [r.user for d in plain for r in d.rounds] != [r.user for d in noisy for r in d.rounds]
+    for dlg in noisy:
+        for q in dlg.questions:
+            for value in q.values:
+                assert value in dlg.rounds[q.round_index].assistant
+                assert any(value in r.user for r in dlg.rounds[: q.round_index])

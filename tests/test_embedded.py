@@ -13,6 +13,7 @@ from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.evaluate import evaluate, heldout_chats
 from kvchat.engine.parity import ours_greedy, reference_greedy
 from kvchat.engine.policies import make_policy
+from kvchat.engine.reply_guard import ReplyGuard
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,23 @@ def test_same_greedy_answers_as_llama_cpp(engine):
         ours = ours_greedy(engine, prompt, 40)
         end = next((i + 1 for i, t in enumerate(ours) if t in engine.tokenizer.eog_ids), len(ours))
         assert ours[:end] == reference_greedy(DEFAULT_MODEL, prompt, end)
+
+
+def test_it_answers_what_a_new_user_types(engine):
+    """The issue's example, as a new user typed it, and a question about something never told."""
+    from kvchat.engine.dialogues import DEMO_REPLY, UNKNOWN_REPLY
+    from kvchat.engine.generate import generate, prefill
+
+    conv, cache, replies = Conversation([], None), engine.new_cache(512), []
+    for message in ("Remember that the boat is called Wavelet.", "What is the boat called?",
+                    "What is my sister's name?", "Write me a poem about cats"):
+        start = cache.length
+        out = generate(engine.model, cache, engine.chat.open_round_tokens(conv, message), max_tokens=60,
+                       decoder=engine.tokenizer.stream_decoder(), stop_tokens=engine.tokenizer.eog_ids,
+                       stop_strings=engine.chat.stop_strings, **engine.guarding(ReplyGuard()))
+        replies.append(out.text)
+        conv.rounds.append(Round(message, out.text))
+        cache.truncate(start)
+        prefill(engine.model, cache, engine.chat.round_spans(conv)[-1])
+    assert replies == ["Noted: the boat is called Wavelet.", "The boat is called Wavelet.", UNKNOWN_REPLY,
+                       DEMO_REPLY]

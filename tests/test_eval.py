@@ -20,8 +20,9 @@ def test_every_policy_runs_the_same_chats(models, name):
     options = {"watershed": 0} if name.startswith("round") else {}  # calibration has its own tests
     result = evaluate(engine, make_policy(name, engine, **options), chats, max_new_tokens=4)
     assert result.overall.questions == sum(len(c.questions) for c in chats) > 0
-    for table in (result.by_kind, result.by_position, result.by_distance):
+    for table in (result.by_kind, result.by_position, result.by_distance, result.by_stated, result.by_asked):
         assert sum(t.questions for t in table.values()) == result.overall.questions
+    assert result.out_of_scope.questions == sum(len(c.out_of_scope) for c in chats)
     assert result.tokens > 0 and result.min_chat_rounds >= 6
 
 
@@ -51,3 +52,22 @@ def test_eval_json_has_top_level_accuracy(models):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert 0.0 <= out["accuracy"] <= 1.0 and out["policy"] == "full" and set(out["by_kind"]) <= {"single", "corrected", "multi"}
+    assert out["phrasing"] == "heldout" and {"by_stated", "by_asked", "out_of_scope", "stop_reasons"} <= set(out)
+
+
+def test_the_demo_model_is_scored_on_held_out_phrasings_and_out_of_scope_prompts():
+    """A random model answers nothing politely; the shipped one does, and its replies stay under the cap."""
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.dialogues import POLITE_REPLIES
+    from kvchat.engine.evaluate import sample_replies
+
+    engine = Engine(DEFAULT_MODEL, device="cpu")
+    chats = heldout_chats(3, 4, 16, 20, phrasing="heldout")
+    assert {c.phrasing for c in chats} == {"heldout"}
+    result = evaluate(engine, make_policy("full"), chats)
+    assert result.out_of_scope.questions >= 5 and result.out_of_scope.accuracy >= 0.6
+    assert result.accuracy >= 0.4 and result.longest_reply <= 40
+    assert sum(result.stop_reasons.values()) == result.overall.questions + result.out_of_scope.questions
+    samples = sample_replies(engine, chats, 12, temperature=0.8)
+    assert samples.replies == 12 and samples.reply_cap == 40 and samples.longest <= 80
+    assert samples.looped <= samples.replies and POLITE_REPLIES

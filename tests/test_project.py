@@ -49,3 +49,20 @@ def test_every_dependency_says_why():
     for dep in deps:
         at = next(i for i, line in enumerate(lines) if line.strip().startswith(f'"{dep}"'))
         assert lines[at - 1].strip().startswith("#"), f"{dep} has no comment saying why"
+
+
+def test_the_cli_s_written_out_policy_lists_match_the_engine_s():
+    from kvchat.app.cli import EVAL_POLICIES, main
+    from kvchat.engine.policies import CHAT_POLICIES, POLICIES
+
+    assert EVAL_POLICIES == sorted(POLICIES)
+    app_choice = next(p for p in main.params if p.name == "kv_policy")
+    assert list(app_choice.type.choices) == list(CHAT_POLICIES)
+
+
+def test_commands_that_need_no_model_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvchat.app.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -81,7 +81,7 @@ async def test_first_message_starts_a_chat_streams_the_reply_and_saves_the_round
         await wait_idle(pilot)
         reply = screen(app).query_one(ReplyView)
         assert reply.pieces > 1  # it arrived token by token, not at once
-        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada.")]
+        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Noted: your name is Ada.")]
         [chat] = store().sessions()
         assert chat["title"] == "My name is Ada." and chat["n_rounds"] == 1 and chat["kv_bytes"] > 0
         status = status_text(app)
@@ -92,7 +92,7 @@ async def test_first_message_starts_a_chat_streams_the_reply_and_saves_the_round
         await type_and_send(pilot, "What is my name?")
         await wait_idle(pilot)
         assert shown_messages(app)[-1] == ("assistant", "Your name is Ada.")  # answered from the kept KV
-        assert [r.assistant_text for r in store().rounds(chat["id"])] == ["Nice to meet you, Ada.",
+        assert [r.assistant_text for r in store().rounds(chat["id"])] == ["Noted: your name is Ada.",
                                                                           "Your name is Ada."]
     app.backend.close()
 
@@ -106,8 +106,8 @@ async def test_escape_stops_the_reply_and_the_part_written_is_saved(slow_tokens)
         await wait_idle(pilot)
         [chat] = store().sessions()
         [row] = store().rounds(chat["id"])
-        assert row.assistant_text and row.assistant_text != "Nice to meet you, Ada."
-        assert "Nice to meet you, Ada.".startswith(row.assistant_text.strip())
+        assert row.assistant_text and row.assistant_text != "Noted: your name is Ada."
+        assert "Noted: your name is Ada.".startswith(row.assistant_text.strip())
         assert shown_messages(app)[-1] == ("assistant", row.assistant_text)
         assert [str(n.render()) for n in screen(app).query(".note")] == ["stopped"]
     app.backend.close()
@@ -126,11 +126,11 @@ async def test_switching_chats_while_generating_stops_that_reply_and_restores_th
         await open_from_list(pilot, ids.index(other))
         await wait_idle(pilot)
         assert screen(app).open_sid == other
-        assert shown_messages(app) == [("user", "My name is Bob."), ("assistant", "Nice to meet you, Bob.")]
+        assert shown_messages(app) == [("user", "My name is Bob."), ("assistant", "Noted: your name is Bob.")]
         assert_restored_from_disk(app)
         [row] = store().rounds(new)  # the stopped reply is saved in its own chat
-        assert row.user_text == "My name is Ada." and "Nice to meet you, Ada.".startswith(row.assistant_text)
-        assert row.assistant_text != "Nice to meet you, Ada."
+        assert row.user_text == "My name is Ada." and "Noted: your name is Ada.".startswith(row.assistant_text)
+        assert row.assistant_text != "Noted: your name is Ada."
         assert any("Stopped the reply" in n for n in notifications(app))
         assert not notifications(app, "error")
 
@@ -169,7 +169,7 @@ async def test_a_slow_restore_shows_progress_and_switching_away_cancels_it(monke
         assert not app.backend.is_in_memory(long_chat)  # its restore stopped; nothing half-restored is kept
         assert app.backend.is_in_memory(short_chat)
         assert not notifications(app, "error")  # a cancelled restore is silent
-        assert shown_messages(app) == [("user", "My name is Bob."), ("assistant", "Nice to meet you, Bob.")]
+        assert shown_messages(app) == [("user", "My name is Bob."), ("assistant", "Noted: your name is Bob.")]
         assert_restored_from_disk(app)
     app.backend.close()
 
@@ -221,7 +221,7 @@ async def test_fork_at_a_chosen_round_opens_the_fork_restored_from_the_shared_kv
         assert store().session(fork)["title"] == "source (fork)"
         assert [r.user_text for r in store().rounds(fork)] == ["My name is Ada."]
         assert len(store().rounds(source)) == 2
-        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada.")]
+        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Noted: your name is Ada.")]
         assert_restored_from_disk(app)
     app.backend.close()
 
@@ -273,11 +273,11 @@ async def test_regenerate_replaces_the_last_reply_and_copy_takes_the_selected_me
         await wait_idle(pilot)
         [after] = store().rounds(sid)
         assert after.created != before.created  # a new round, answered again (greedy: the same words)
-        assert after.assistant_text == "Nice to meet you, Ada."
-        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada.")]
+        assert after.assistant_text == "Noted: your name is Ada."
+        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Noted: your name is Ada.")]
 
         await pilot.press("ctrl+o")
-        assert app.clipboard == "Nice to meet you, Ada."  # nothing selected: the last reply
+        assert app.clipboard == "Noted: your name is Ada."  # nothing selected: the last reply
         await pilot.click(".message.user")
         await pilot.press("ctrl+o")
         assert app.clipboard == "My name is Ada."
@@ -373,7 +373,7 @@ def test_an_unknown_saved_kv_policy_falls_back_to_the_full_cache_and_keeps_the_r
 
 
 async def test_engine_and_storage_errors_are_notifications_never_a_crash(tmp_path):
-    sid = seed_chat("lost model", [("My name is Ada.", "Nice to meet you, Ada.")], with_kv=False)
+    sid = seed_chat("lost model", [("My name is Ada.", "Noted: your name is Ada.")], with_kv=False)
     with store().transaction() as db:
         db.execute("UPDATE sessions SET model_path = ? WHERE id = ?", [str(tmp_path / "gone.gguf"), sid])
     app = make_app()
@@ -381,7 +381,7 @@ async def test_engine_and_storage_errors_are_notifications_never_a_crash(tmp_pat
         await wait_for(pilot, lambda: screen(app).sidebar.chats, what="the chat list")
         await open_from_list(pilot, 0)
         await wait_idle(pilot)
-        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada.")]
+        assert shown_messages(app) == [("user", "My name is Ada."), ("assistant", "Noted: your name is Ada.")]
         assert any("gone.gguf is missing; its text is safe" in n for n in notifications(app, "error"))
         await type_and_send(pilot, "What is my name?")
         await wait_idle(pilot)
@@ -462,3 +462,21 @@ def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
         assert second._upper_fetcher._closed
     finally:
         backend.close()
+
+
+async def test_the_empty_screen_says_what_the_demo_model_can_do_and_an_empty_message_is_refused():
+    from textual.widgets import Markdown
+
+    from kvchat.app.tui.chat_view import DEMO_LINE
+
+    app = make_app()
+    async with app.run_test(size=(120, 35)) as pilot:
+        await wait_for(pilot, lambda: "cpu" in status_text(app), what="the model")
+        welcome = screen(app).query_one("#welcome", Markdown)
+        await wait_for(pilot, lambda: DEMO_LINE in welcome.source, what="the demo line")
+        assert "--model" in DEMO_LINE and "F9" in DEMO_LINE
+        await pilot.press("space", "space", "enter")
+        await pilot.pause()
+        assert "The message is empty: type something to send." in notifications(app, "warning")
+        assert not store().sessions() and not shown_messages(app)
+    app.backend.close()

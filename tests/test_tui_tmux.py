@@ -75,7 +75,7 @@ def test_a_chat_survives_a_restart_and_comes_back_from_disk(kvchat_home):
         first.wait_for(r"kvchat-memory-demo\.gguf · cpu")
         first.type("My name is Ada.")
         first.keys("Enter")
-        first.wait_for(r"Nice to meet you, Ada\.")
+        first.wait_for(r"Noted: your name is Ada\.")
         first.wait_for(r"KV [\d.]+ KiB on disk")  # the round's K/V is written
         first.keys("C-q")
         assert first.gone(), "the app did not quit"
@@ -87,7 +87,7 @@ def test_a_chat_survives_a_restart_and_comes_back_from_disk(kvchat_home):
         second.wait_for(r"My name is Ada\.")  # the chat is in the list
         second.keys("C-f", "Enter", "Enter")  # the filter box, into the list, open the chat
         screen = second.wait_for(r"restored from disk: \d+ tokens loaded, 0 recomputed, [\d.]+ ms")
-        assert "Nice to meet you, Ada." in screen  # its history
+        assert "Noted: your name is Ada." in screen  # its history
         second.type("What is my name?")
         second.keys("Enter")
         screen = second.wait_for(r"Your name is Ada\.")

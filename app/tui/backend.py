@@ -23,6 +23,7 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
 from kvchat.engine.policies import KVPolicy, chat_policy
+from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.storage.db import RoundRow, Store
@@ -233,7 +234,8 @@ class ChatBackend:
 
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
-             regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None) -> Reply:
+             regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None,
+             guard: ReplyGuard = ReplyGuard()) -> Reply:
         """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
         `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again."""
         with self.model_lock:
@@ -247,7 +249,7 @@ class ChatBackend:
                 raise KvchatError("the message is empty")
             try:
                 result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
-                                      cancel=cancel)
+                                      cancel=cancel, guard=guard)
             except BaseException:
                 if regenerate:  # no new reply: the old one comes back (its K/V is recomputed on the next open)
                     self.store.add_round(sid, row)
@@ -351,3 +353,11 @@ def default_model() -> Path:
         raise KvchatError(f"the embedded model is missing from this install ({DEFAULT_MODEL}); choose a model file "
                           f"in the settings")
     return DEFAULT_MODEL
+
+
+def is_demo_model(path: str | Path) -> bool:
+    """Whether `path` is the embedded demo model (which the app's empty screens describe)."""
+    try:
+        return Path(path).resolve() == DEFAULT_MODEL.resolve()
+    except OSError:
+        return False

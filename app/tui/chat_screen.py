@@ -28,7 +28,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, ProgressBar
 
 from kvchat.app.chat_session import RestoreCancelled
-from kvchat.app.tui.backend import ChatStats, Transcript, default_model
+from kvchat.app.tui.backend import ChatStats, Transcript, default_model, is_demo_model
+from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.app.tui.chat_view import ChatView, ReplyView
 from kvchat.app.tui.composer import Composer
 from kvchat.app.tui.sidebar import Sidebar
@@ -42,6 +43,9 @@ def describe(exc: BaseException) -> str:
         return str(exc)
     return f"unexpected {type(exc).__name__}: {exc}"
 
+
+# The stop reasons a reply is marked with (a reply cut at the length limit is plain to see).
+GUARD_NOTES = ("cancelled", "repetition", "reply_cap")
 
 class Later(Message):
     """A function a worker wants run on the UI thread."""
@@ -205,7 +209,8 @@ class ChatScreen(Screen):
         except Exception as exc:  # noqa: BLE001
             self._report(exc, "Cannot load the model")
 
-    def _model_ready(self, path: str, device: str) -> None:
+    async def _model_ready(self, path: str, device: str) -> None:
+        await self.chat_view.set_demo(is_demo_model(path))
         if self.open_sid is None:
             self.status_bar.set_model(path, device)
 
@@ -305,7 +310,8 @@ class ChatScreen(Screen):
         if self.opening is not opening:
             return
         self.open_info = transcript.info
-        await self.chat_view.show_rounds(transcript.rounds, transcript.info["system_prompt"])
+        await self.chat_view.show_rounds(transcript.rounds, transcript.info["system_prompt"],
+                                         demo=is_demo_model(transcript.info["model_path"]))
         self.composer.set_history([r.user_text for r in transcript.rounds])
         self.status_bar.set_model(transcript.info["model_path"], self.status_bar.device)
 
@@ -371,7 +377,7 @@ class ChatScreen(Screen):
             reply = self.backend.send(gen.sid, text, max_tokens=prefs.max_tokens, sampling=prefs.sampling,
                                       on_token=lambda _tok, piece: self._later(self._streamed, gen, piece),
                                       cancel=gen.cancel, regenerate=regenerate, kv_policy=prefs.kv_policy,
-                                      calibrating=self._calibrating("generating…"))
+                                      calibrating=self._calibrating("generating…"), guard=prefs.guard)
         except Exception as exc:  # noqa: BLE001
             self._later(self._reply_failed, gen, text, describe(exc))
             return
@@ -400,7 +406,7 @@ class ChatScreen(Screen):
         if gen.sid == self.open_sid:
             self.status_bar.set_activity("saving KV…")
             if gen.view is not None and gen.view.is_attached:
-                note = "stopped" if result.stop_reason == "cancelled" else ""
+                note = STOP_NOTES.get(result.stop_reason, "") if result.stop_reason in GUARD_NOTES else ""
                 await gen.view.finish(reply.round.assistant_text, note)
             else:  # the view was replaced meanwhile (switched away and back): show the stored rounds
                 self._reload_transcript(gen.sid)
@@ -441,7 +447,8 @@ class ChatScreen(Screen):
         if sid != self.open_sid or self.generation is not None:
             return
         self.open_info = transcript.info
-        await self.chat_view.show_rounds(transcript.rounds, transcript.info["system_prompt"])
+        await self.chat_view.show_rounds(transcript.rounds, transcript.info["system_prompt"],
+                                         demo=is_demo_model(transcript.info["model_path"]))
         self.composer.set_history([r.user_text for r in transcript.rounds])
         self.status_bar.set_chat(stats, self.last_replies.get(sid))
 

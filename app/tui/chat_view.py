@@ -11,6 +11,10 @@ from kvchat.storage.db import RoundRow
 
 WELCOME = ("**No chat open.** Type a message below to start a new chat, or pick one on the left.\n\n"
            "Press **F1** for every key.")
+# Shown while the embedded demo model is the one new chats use: a new user's first reply comes from it.
+DEMO_LINE = ("*The built-in demo model only remembers what you tell it (names, places, dates, what things are called) "
+             "and answers questions about it; for a real assistant choose a GGUF model in the settings (F9) or run "
+             "`kvchat --model FILE.gguf`.*")
 
 
 class MessageView(Vertical):
@@ -63,16 +67,28 @@ class ChatView(VerticalScroll):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.selected: MessageView | None = None
+        self.demo = False  # new chats (or the open chat) run on the embedded demo model: say what it can do
 
     def compose(self) -> ComposeResult:
-        yield Markdown(WELCOME, id="welcome")
+        yield Markdown(WELCOME, id="welcome", classes="no-chat")
+
+    @staticmethod
+    def _with_demo_line(text: str, demo: bool) -> str:
+        return f"{text}\n\n{DEMO_LINE}" if demo else text
 
     async def show_welcome(self, text: str = WELCOME) -> None:
         self.selected = None
         await self.remove_children()
-        await self.mount(Markdown(text, id="welcome"))
+        await self.mount(Markdown(self._with_demo_line(text, self.demo), id="welcome", classes="no-chat"))
 
-    async def show_rounds(self, rounds: list[RoundRow], system_prompt: str | None) -> None:
+    async def set_demo(self, demo: bool) -> None:
+        """Whether new chats use the demo model; the no-chat screen shown now says so at once."""
+        self.demo = demo
+        for welcome in self.query(".no-chat").results(Markdown):
+            await welcome.update(self._with_demo_line(WELCOME, demo))
+
+    async def show_rounds(self, rounds: list[RoundRow], system_prompt: str | None, demo: bool = False) -> None:
+        """The chat's rounds; an empty chat on the demo model (`demo`) says what that model can do."""
         self.selected = None
         await self.remove_children()
         views = []
@@ -81,7 +97,7 @@ class ChatView(VerticalScroll):
         for r in rounds:
             views += [MessageView("user", r.user_text), MessageView("assistant", r.assistant_text)]
         if not views:
-            views.append(Markdown("*An empty chat: type a message below.*", id="welcome"))
+            views.append(Markdown(self._with_demo_line("*An empty chat: type a message below.*", demo), id="welcome"))
         await self.mount_all(views)
         self.scroll_end(animate=False)
         self.anchor()

@@ -38,6 +38,7 @@ class Composer(TextArea):
     def action_submit(self) -> None:
         text = self.text
         if not text.strip():
+            self.app.notify("The message is empty: type something to send.", severity="warning", timeout=4)
             return
         self.post_message(self.Submitted(self, text))
 

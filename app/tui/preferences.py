@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from kvchat.engine.policies import CHAT_POLICIES
+from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.paths import data_dir
@@ -29,6 +30,11 @@ class Preferences:
     max_tokens: int = 512
     kv_policy: str = "full"  # one of CHAT_POLICIES: what the chats opened from now on run under
     compact_kv: bool = True  # after each saved round, drop the K/V that restoring on this machine recomputes anyway
+    reply_guard: bool = True  # stop a reply that loops or runs past the model's reply cap (engine.reply_guard)
+
+    @property
+    def guard(self) -> ReplyGuard:
+        return ReplyGuard(enabled=self.reply_guard)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -54,6 +60,8 @@ class Preferences:
                 prefs.kv_policy = "full"
             if not isinstance(prefs.compact_kv, bool):
                 prefs.compact_kv = True
+            if not isinstance(prefs.reply_guard, bool):
+                prefs.reply_guard = True
             return prefs.validate()
         except (OSError, ValueError, TypeError, KvchatError):
             return cls()

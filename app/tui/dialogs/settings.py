@@ -57,6 +57,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                 yield self._hint(ROUND_HINT)
                 yield Checkbox("Compact chats: after each reply, drop the stored K/V that reopening the chat on this "
                                "machine recomputes anyway", p.compact_kv, id="compact-kv")
+                yield Checkbox("Guard replies: stop a reply that keeps repeating itself or runs past the model's "
+                               "reply cap", p.reply_guard, id="reply-guard")
                 if self.chat_title is not None:
                     yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)")
                 else:
@@ -110,7 +112,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                        top_p=number("top-p", float), seed=number("seed", int) if seed else None,
                        max_tokens=number("max-tokens", int),
                        kv_policy=self.query_one("#kv-policy", Select).value,
-                       compact_kv=self.query_one("#compact-kv", Checkbox).value).validate()
+                       compact_kv=self.query_one("#compact-kv", Checkbox).value,
+                       reply_guard=self.query_one("#reply-guard", Checkbox).value).validate()
 
     def action_cancel(self) -> None:
         self.dismiss(None)
