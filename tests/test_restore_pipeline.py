@@ -574,6 +574,8 @@ def test_round_policy_restores_split_the_lower_tier_and_recompute_compacted_uppe
     assert stats.tokens_planned == ends[first - 1] and stats.tokens_recomputed == 0 and not stats.notes
     for i in range(first):  # exact upper layers, not the approximation of a round recomputed alone
         assert compacted.cache.host[i] is not None and loaded.cache.host[i] is not None
-        assert relative_error(compacted.cache.host[i].float(), loaded.cache.host[i].float()) < 1e-4
+        # fp32 sums in another order (chunked recompute vs the first prefill): 1e-4 apart; a round recomputed
+        # without its context would be ~1e-1 off
+        assert relative_error(compacted.cache.host[i].float(), loaded.cache.host[i].float()) < 5e-4
     compacted.wait_for_upper()
     assert answer_and_forget(compacted) == expected
