@@ -232,7 +232,7 @@ def sample_replies(engine: Engine, chats: list[Dialogue], count: int, temperatur
     cap = guard.cap_for(engine.metadata) or 0
     out = SampledReplies(temperature=temperature, reply_cap=cap)
     chat = engine.chat
-    for n_chat, dlg in enumerate(chats):
+    for dlg in chats:
         cache = engine.new_cache(4096)
         closed = chat.round_spans(Conversation(dlg.rounds, dlg.system))
         asked = {q.round_index for q in dlg.questions} | {o.round_index for o in dlg.out_of_scope}
