@@ -279,7 +279,6 @@ def slot_for(key: str) -> Slot:
     return _FIXED_SLOTS[key]
 
 
-SLOT_BY_KEY = _FIXED_SLOTS  # the fixed kinds; slot_for also knows every named thing
 
 _REMEMBER = _t(["Remember that {c}.", "Please remember that {c}.", "Don't forget: {c}.", "Keep in mind that {c}.",
                 "Remember: {c}.", "Please note that {c}.", "I want you to remember that {c}.", "Note this: {c}.",
@@ -435,10 +434,10 @@ class _Writer:
             return self.rng.choice(_NOUNS_HELDOUT)
         return pseudo_word(self.rng) if self.rng.random() < 0.25 else self.rng.choice(_NOUNS_TRAIN)
 
-    def clause(self, slot: Slot, value: str, templates: Templates | None = None) -> str:
-        template = (templates or slot.states).pick(self.phrasing, self.rng)
+    def clause(self, slot: Slot, value: str) -> str:
+        template = slot.states.pick(self.phrasing, self.rng)
         while template.startswith("{v}") and slot.field in ("colors", "foods", "animals"):
-            template = (templates or slot.states).pick(self.phrasing, self.rng)  # "Crows are ..." would recase it
+            template = slot.states.pick(self.phrasing, self.rng)  # "Crows are ..." would recase it
         if self.rng.random() < 0.15:
             template = template.lower()  # typed in lower case; the value stays as typed
         return template.replace("{v}", value)
@@ -466,14 +465,14 @@ class _Writer:
                 "".join(c for c in words[i][-1:] if c in ".,?!")
         return " ".join(words)
 
-    def styled(self, text: str, protect: tuple[str, ...]) -> str:
+    def styled(self, text: str) -> str:
         """Out-of-scope prompts are typed carelessly too."""
         text = self.with_unknown_words(text)
         roll = self.rng.random()
         if roll < 0.1:
             return text.lower()
         if roll < 0.2:
-            return typo(text, self.rng, protect)
+            return typo(text, self.rng)
         return text
 
     def dressed(self, text: str, openers: Templates, closers: Templates) -> str:
@@ -588,10 +587,10 @@ class _Writer:
             topics = _TOPICS if self.phrasing == "train" else _TOPICS_HELDOUT
             text = _REQUESTS.pick(self.phrasing, rng).format(
                 t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
-            text, reply = self.styled(text, ()), DEMO_REPLY
+            text, reply = self.styled(text), DEMO_REPLY
         else:
             text = (_GREETINGS if kind == "greeting" else _THANKS).pick(self.phrasing, rng)
-            text, reply = self.styled(text, ()), GREETING_REPLY if kind == "greeting" else THANKS_REPLY
+            text, reply = self.styled(text), GREETING_REPLY if kind == "greeting" else THANKS_REPLY
         self.dlg.out_of_scope.append(OutOfScope(i, kind))
         self.last_single = None
         return Round(text, reply)

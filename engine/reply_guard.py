@@ -57,11 +57,10 @@ def repeating_tail(tokens: list[int], min_repeats: int = 4, max_period: int = 32
     return 0
 
 
-# What a user is told when a reply did not end by itself (the CLI on stderr, the app under the reply).
+# What a user is told when a reply was stopped (the CLI on stderr, the app under the reply); a reply cut at the
+# length limit is plain to see.
 STOP_NOTES = {
     "cancelled": "stopped",
     "repetition": "stopped: the reply kept repeating itself",
     "reply_cap": "stopped at the model's reply cap",
-    "max_tokens": "cut at the reply length limit",
-    "context": "stopped: the model's context is full",
 }

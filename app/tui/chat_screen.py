@@ -43,10 +43,6 @@ def describe(exc: BaseException) -> str:
         return str(exc)
     return f"unexpected {type(exc).__name__}: {exc}"
 
-
-# The stop reasons a reply is marked with (a reply cut at the length limit is plain to see).
-GUARD_NOTES = ("cancelled", "repetition", "reply_cap")
-
 class Later(Message):
     """A function a worker wants run on the UI thread."""
 
@@ -406,7 +402,7 @@ class ChatScreen(Screen):
         if gen.sid == self.open_sid:
             self.status_bar.set_activity("saving KV…")
             if gen.view is not None and gen.view.is_attached:
-                note = STOP_NOTES.get(result.stop_reason, "") if result.stop_reason in GUARD_NOTES else ""
+                note = STOP_NOTES.get(result.stop_reason, "")
                 await gen.view.finish(reply.round.assistant_text, note)
             else:  # the view was replaced meanwhile (switched away and back): show the stored rounds
                 self._reload_transcript(gen.sid)
