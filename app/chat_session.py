@@ -655,9 +655,11 @@ class ChatSession:
             by_round.setdefault(seg["round_idx"], []).append(seg)
         for i, row in enumerate(self.rounds):
             segs = by_round.get(i, [])
-            upper = self.cache.round_upper(i)
-            if upper is None or not any(s["layer_start"] < self.split < s["layer_end"] for s in segs):
+            if not any(s["layer_start"] < self.split < s["layer_end"] for s in segs):
                 continue
+            # The restore reads layers above the split in the background: wait for this round's, and its key bounds.
+            self.cache.ensure_upper(i)
+            upper = self.cache.round_upper(i)
             old = [s["file"] for s in segs]
             self.store.drop_segments(self.sid, i)  # a crash from here on costs a recompute, never text
             tokens = range(row.token_start, row.token_end)

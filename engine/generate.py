@@ -88,6 +88,7 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
     if tiered:
+        cache.reserve_decode(min(max_tokens, limit - cache.length))
         step = cache.step
     elif attend is None:
         step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
@@ -138,9 +139,9 @@ def decoder_step(model: Transformer, cache: KVCache, capacity: int, cuda_graph: 
     if cuda_graph is None:
         cuda_graph = model.device.type == "cuda"
     if cuda_graph:
-        from kvchat.engine.cuda_graph import GraphedDecode
+        from kvchat.engine.cuda_graph import graphed_decode
 
-        return GraphedDecode(model, cache, capacity)
+        return graphed_decode(model, cache, capacity)
     return lambda token: model(torch.tensor([token]), cache)[-1]
 
 

@@ -10,6 +10,7 @@ Shapes (batch is always 1: one chat at a time):
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvchat.engine.config import ModelConfig
+from kvchat.kernels.decode_attention import decode_attention, unsupported_reason
+from kvchat.kernels.gemv import gemv
+from kvchat.kernels.rms_norm import add_rms_norm
+from kvchat.kernels.rope_kv import rope_kv
+from kvchat.kernels.silu_mul import silu_mul
 
 
 class KVCache(nn.Module):
@@ -224,14 +230,14 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(x, rot)
         if queries is not None:
             queries.append(q)
-        if step is not None:  # CUDA-graph decode: slot and visibility live in device tensors
+        if step is not None:  # a decode step the kernels do not take: slot and length still live on the device
             kv = cache.layer(layer)
             kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
             kv[1].index_copy_(1, step.slot, v.transpose(0, 1))
-            keys, values, mask, causal = kv[0], kv[1], step.visible[None, :], False
-        else:
-            cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-            keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend)
+            visible = torch.arange(kv.shape[2], device=kv.device) < step.length
+            return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], visible[None, :], False)), self.wo)
+        cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend)
         return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
 
     def _qkv(self, x: Tensor, rot: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -245,6 +251,27 @@ class DecoderLayer(nn.Module):
         """The queries [T, H, D] this layer would form from hidden states h [T, d] entering it (KV policies score
         earlier rounds with them before deciding what the layer may attend to)."""
         return self._qkv(self.attn_norm(h), rot)[0]
+
+    def fused_decode(self, h: Tensor, pending: Tensor | None, layer: int, cache: KVCache, step: "DecodeStep",
+                     queries: list | None) -> tuple[Tensor, Tensor]:
+        """One decode token through the layer with the decode kernels: (h, pending) [1, d] -> the same for the next
+        layer, where h + pending is the hidden state (the residual add is left to the next norm, which does it in
+        the same kernel). The norms fused with their residual adds, RoPE with the K/V write, split-KV attention
+        over slots [0, step.length), SwiGLU, and the matrix products as GEMVs. ~10 kernels instead of ~26, so a
+        captured step spends its time reading weights rather than between small kernels. forward()'s numbers
+        within the dtype's rounding."""
+        cfg = self.cfg
+        h, x = add_rms_norm(h, pending, self.attn_norm.weight, self.attn_norm.eps)
+        qkv = gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
+        kv = cache.layer(layer)
+        q = rope_kv(qkv, self.rope.c_table, self.rope.s_table, step.position, kv, step.slot, cfg.n_heads,
+                    cfg.rope_dim, cfg.rope_neox)  # [H, D]; K and V went into the cache
+        if queries is not None:
+            queries.append(q[None])
+        attended = decode_attention(q, kv[0], kv[1], step.length).view(1, -1)
+        h, x = add_rms_norm(gemv(self.round_wo(attended), self.wo), h, self.ffn_norm.weight, self.ffn_norm.eps)
+        up = silu_mul(gemv(self.round_gate_up(x), self.w_gate_up))
+        return h, gemv(self.round_down(up), self.w_down)
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """q [T, H, D], keys/values [Hkv, S, D], mask broadcastable to [T, S] -> [T, H * D]."""
@@ -320,12 +347,29 @@ def attend_at(attend: Attend, layer: int) -> Tensor | None:
 
 @dataclass
 class DecodeStep:
-    """One decode token whose cache slot, visible slots and rotation are device tensors, so the step can be
+    """One decode token whose cache slot, attended length and rotation are device tensors, so the step can be
     captured once in a CUDA graph and replayed for every token (engine.cuda_graph)."""
 
     slot: Tensor  # [1] long: where the token's K/V go
-    visible: Tensor  # [capacity] bool: the slots it attends to (itself included)
+    position: Tensor  # [1] long: its position (RoPE)
+    length: Tensor  # [1] long: it attends to slots [0, length) (itself included: length = slot + 1)
     rot: tuple[Tensor, Tensor]  # C, S [1, 1, D] for its position
+
+
+_KERNEL_CHECKED: dict[tuple, bool] = {}
+
+
+def decode_kernel_runs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode steps attend through kernels.decode_attention for this model; if not (a shape or device it
+    does not take), the log says why, once."""
+    key = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, dtype, device.type)
+    if key not in _KERNEL_CHECKED:
+        reason = unsupported_reason(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+        if reason:
+            logging.getLogger(__name__).warning("decode attention kernel unavailable (%s): decode steps use SDPA",
+                                                reason)
+        _KERNEL_CHECKED[key] = reason is None
+    return _KERNEL_CHECKED[key]
 
 
 class Transformer(nn.Module):
@@ -379,6 +423,11 @@ class Transformer(nn.Module):
             rot = self.rope(positions)
         else:
             cache.reserve(start + h.shape[0])
+        if step is not None and decode_kernel_runs(self.cfg, h.dtype, h.device):
+            pending = None
+            for i in layers:
+                h, pending = self.layers[i].fused_decode(h, pending, i, cache, step, queries)
+            return h + pending
         for i in layers:
             h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step, queries)
         return h

@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from kvchat.engine.cuda_graph import Bound, Replay, StepInputs
 from kvchat.engine.key_bounds import BoundsTable, key_bounds
-from kvchat.engine.model import KVCache, Transformer
+from kvchat.engine.model import Transformer
 from kvchat.kernels.round_scores import round_mass
 
 # Round index -> its upper K/V token-major in host memory [n, L - split, 2, Hkv, D] (see `host_layout`), or None.
@@ -62,9 +63,15 @@ class TieredStats:
 
 
 class TieredKV:
-    def __init__(self, model: Transformer, policy, capacity: int = 256):
-        """`policy` is a RoundAttention policy: its `split`, `choose(mass)`, `progressive`, `max_idle`."""
+    def __init__(self, model: Transformer, policy, capacity: int = 256, decode: str | None = None):
+        """`policy` is a RoundAttention policy: its `split`, `choose(mass)`, `progressive`, `max_idle`.
+        `decode`: how decode steps run: "graph" (the default on CUDA) replays them from CUDA graphs, "static" runs
+        the same device-tensor steps without graphs (tests), "eager" (the default elsewhere) layer by layer."""
         cfg = model.cfg
+        self.decode_mode = decode or ("graph" if model.device.type == "cuda" else "eager")
+        if self.decode_mode not in ("graph", "static", "eager"):
+            raise ValueError(f"unknown decode mode {decode!r} (accepted: graph, static, eager)")
+        self._replayed: TieredDecode | None = None
         self.model, self.policy = model, policy
         self.split = policy.split
         if not 1 <= self.split < cfg.n_layers:
@@ -153,10 +160,19 @@ class TieredKV:
         """Decode one token of the open round: logits [V]."""
         if self.open_start is None:
             raise RuntimeError("no round is open: prefill the message first")
-        logits = self._run([token], progressive=self.policy.progressive)
+        if self.decode_mode == "eager":
+            logits = self._run([token], progressive=self.policy.progressive)
+        else:
+            logits = self._replayed_step(token)
         if self._should_recheck(logits):
             logits = self._recheck(logits)
         return logits
+
+    def reserve_decode(self, n_tokens: int) -> None:
+        """Room for `n_tokens` more tokens in both tiers, so that decode graphs captured now serve the whole reply
+        (a round brought in while decoding may still grow `upper`: the graph is then captured again)."""
+        self.lower.reserve(self.lower.length + n_tokens + 1)
+        self.upper.reserve(self.upper.length + n_tokens + 1)
 
     def truncate(self, position: int) -> None:
         """Forget every token from `position` on: inside the open round, or back to a closed round's start (the
@@ -204,6 +220,15 @@ class TieredKV:
         """Round r's upper K/V in segment layout [L - split, 2, Hkv, n, D] on the CPU (for saving)."""
         host = self.host[r]
         return None if host is None else host.permute(1, 2, 3, 0, 4).contiguous()
+
+    @torch.inference_mode()
+    def ensure_upper(self, r: int) -> None:
+        """Hold round r's upper K/V in host memory (fetched from the store or recomputed if need be) and know its
+        key bounds (for saving a round restored from a chat stored under the full cache)."""
+        host = self._upper_of(r)
+        if not self.key_bounds.known[r]:
+            keys = host[:, :, 0].to(self.model.device, non_blocking=True)  # [n, Lu, Hkv, D]
+            self.key_bounds.fill(r, key_bounds(keys.permute(1, 2, 0, 3)))
 
     def round_bounds(self, r: int) -> Tensor | None:
         """Round r's key bounds [L - split, 2, Hkv, nb, D] (a copy, for saving), or None if not computed."""
@@ -275,19 +300,43 @@ class TieredKV:
         return m.head(h[-1:])[-1]
 
     def _add_during_decode(self, h: Tensor, pos: Tensor) -> None:
-        """The token's query at layer w names the round it attends to most; bring it in if it is not resident."""
         t0 = time.perf_counter()
-        w, layer = self.split - 1, self.model.layers[self.split - 1]
-        mass = round_mass(layer.queries(h, self.model.rope(pos)), self.lower.layer(w)[0, :, : self.open_start],
-                          torch.tensor(self.round_starts))
+        self._add_named_round(self.model.layers[self.split - 1].queries(h, self.model.rope(pos)), t0)
+
+    def _add_named_round(self, query: Tensor, t0: float) -> bool:
+        """The token's query at layer w [1, H, D] names the round it attends to most; bring it in if it is not
+        resident. Whether it was brought in."""
+        w = self.split - 1
+        mass = round_mass(query, self.lower.layer(w)[0, :, : self.open_start], torch.tensor(self.round_starts))
         top = int(mass.argmax())
         self.stats.decode_select_ms += 1000 * (time.perf_counter() - t0)
         limit = max(2, len(self.stats.chosen))  # decoding may at most double what the prompt picked
         if top in self.resident or len(self.stats.added) >= limit:
-            return
+            return False
         self.last_chosen[top] = self.messages
         self.stats.added.append(top)
         self._insert_before_open([top])
+        return True
+
+    def _replayed_step(self, token: int) -> Tensor:
+        """`_run` for one decoded token through TieredDecode's two replays; the host looks at the token's query at
+        w (progressive selection) between them. Logits [V]."""
+        if self._replayed is None:
+            self._replayed = TieredDecode(self, capture=self.decode_mode == "graph")
+        replayed, p = self._replayed, self.lower.length
+        replayed.inputs.set(token, p, p, self.upper_base + p - self.open_start)
+        replayed.run_lower()
+        if self.policy.progressive and self.round_starts:
+            t0 = time.perf_counter()
+            if self._add_named_round(replayed.query_w, t0):  # the open round's upper slots moved up
+                replayed.inputs.set_slot(1, self.upper_base + p - self.open_start)
+        logits, queries = replayed.run_upper()
+        recheckable = bool(self.policy.recheck_below)
+        self._upper_input, self._upper_queries = (replayed.h, queries) if recheckable else (None, [])
+        self.lower.length = p + 1
+        self.upper.length = self.upper_base + p + 1 - self.open_start
+        self.open_tokens.append(token)
+        return logits[-1]
 
     @torch.inference_mode()
     def _insert_before_open(self, rounds: list[int]) -> None:
@@ -349,8 +398,7 @@ class TieredKV:
         missing = [r for r, known in enumerate(self.key_bounds.known) if not known]
         self._announce(missing)
         for r in missing:
-            keys = self._upper_of(r)[:, :, 0].to(self.model.device, non_blocking=True)  # [n, Lu, Hkv, D]
-            self.key_bounds.fill(r, key_bounds(keys.permute(1, 2, 0, 3)))
+            self.ensure_upper(r)
             self.stats.bounds_computed.append(r)
 
     @torch.inference_mode()
@@ -456,6 +504,57 @@ class TieredKV:
             if r and self.host[r] is not None and r not in chosen and self.messages - last >= limit:
                 self.host[r] = None
                 self.stats.dropped.append(r)
+
+
+class TieredDecode:
+    """A tiered cache's decode step as two replays (engine.cuda_graph): the lower tier (embedding and layers
+    [0, split) over every round), then, once the host has looked at the token's query at w and perhaps brought a
+    round in, the upper tier and the head over `upper`. The hidden state and the query at w pass between them in
+    buffers of their own, so each replay is captured again only when its own cache's storage or the rotary table
+    moved (growing `upper` for a round brought in recaptures the upper replay alone)."""
+
+    def __init__(self, tiered: TieredKV, capture: bool):
+        m = tiered.model
+        self.tiered, self.capture = tiered, capture
+        self.inputs = StepInputs(m.device, n_caches=2)
+        self.h = torch.zeros(1, m.cfg.d_model, device=m.device, dtype=m.dtype)
+        self.query_w = torch.zeros(1, m.cfg.n_heads, m.cfg.head_dim, device=m.device, dtype=m.dtype)
+        self._lower = self._upper = None
+        self._lower_bound = self._upper_bound = Bound()
+
+    def run_lower(self) -> None:
+        """Layers [0, split) for the token in `inputs`: its K/V into `lower`, h and query_w filled."""
+        t = self.tiered
+        t.model.rope.reserve(t.lower.capacity)
+        if not self._lower_bound.holds(t.lower.kv, t.model.rope.c_table):
+            self._lower = None  # free the old graph's memory before capturing the new one
+            self._lower = Replay(self._lower_step, t.model.device, self.capture)
+            self._lower_bound = Bound(t.lower.kv, t.model.rope.c_table)
+        self._lower()
+
+    def run_upper(self) -> tuple[Tensor, list[Tensor]]:
+        """Layers [split, L) and the head over `upper`: logits [1, V] and the upper layers' queries."""
+        t = self.tiered
+        if not self._upper_bound.holds(t.upper.kv, t.model.rope.c_table):
+            self._upper = None
+            self._upper = Replay(self._upper_step, t.model.device, self.capture)
+            self._upper_bound = Bound(t.upper.kv, t.model.rope.c_table)
+        return self._upper()
+
+    @torch.inference_mode()
+    def _lower_step(self) -> None:
+        m, t, queries = self.tiered.model, self.tiered, []
+        h = m.run_layers(m.embed(self.inputs.token), None, t.lower, None, layers=range(t.split),
+                         step=self.inputs.step(m, 0), queries=queries)
+        self.h.copy_(h)
+        self.query_w.copy_(queries[-1])
+
+    @torch.inference_mode()
+    def _upper_step(self) -> tuple[Tensor, list[Tensor]]:
+        m, t, queries = self.tiered.model, self.tiered, []
+        h = m.run_layers(self.h, None, t.upper, None, layers=range(t.split, m.cfg.n_layers),
+                         step=self.inputs.step(m, 1), queries=queries)
+        return m.head(h), queries
 
 
 def host_layout(upper_kv: Tensor, dtype: torch.dtype, pin: bool = False) -> Tensor:

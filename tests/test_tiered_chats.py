@@ -160,3 +160,27 @@ def test_send_takes_the_kv_policy(kvchat_home):
     bad = kvchat("send", sid, "hi", "--device", "cpu", "--kv-policy", "nearest", check=False)
     assert bad.returncode != 0 and "unknown KV policy 'nearest' for chats" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_chat_stored_in_layer_groups_is_stored_again_in_tiers_with_key_bounds(engine, kvchat_home, monkeypatch):
+    """A full-cache chat of several layer groups (as an 8B model's is stored): the restore reads the groups above
+    the split in the background, and store_tiers still re-stores every round as lower, upper and key bounds."""
+    from kvchat.app import chat_session
+    from kvchat.app.bench_resume import split_stored_rounds
+
+    monkeypatch.setattr(chat_session, "storage_groups", lambda n_layers, kv_bytes: (range(0, 4), range(4, 8)))
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
+                               model_path=str(DEFAULT_MODEL), system_prompt=SYSTEM)
+    chat = ChatSession(store, engine, sid)
+    for m in MESSAGES[:3]:
+        chat.send(m)
+    chat.close()
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 4), (4, 8)}
+    split_stored_rounds(store, engine, sid, policy(engine))
+    assert sorted((s["round_idx"], s["kind"], s["layer_start"], s["layer_end"]) for s in store.segments(sid)) == [
+        (i, kind, lo, hi) for i in range(3) for kind, lo, hi in (("key-bounds", 3, 8), ("kv", 0, 3), ("kv", 3, 8))]
+    reopened = ChatSession(store, engine, sid, policy=policy(engine))
+    reopened.restore()
+    assert reopened.cache.key_bounds.known == [True, True, True]
+    reopened.close()
