@@ -9,14 +9,11 @@ lengths up to 64k, and the captured graphs.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_interpreter import passed_in_interpreter
 
 from kvchat.kernels import decode_attention as kernel_module
 from kvchat.kernels.decode_attention import decode_attention, decode_attention_ref, unsupported_reason
@@ -173,15 +170,7 @@ def test_interpreted_tiered_replayed_steps_are_eager_steps():
 def test_the_kernel_in_triton_s_interpreter():
     if INTERPRET:
         pytest.skip("already in the interpreter")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "interpreted", str(Path(__file__))],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent, capture_output=True, text=True,
-        timeout=400)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == len(INTERPRETER_CASES) + 3 + 3, summary
-    assert "skipped" not in summary, summary
+    assert passed_in_interpreter(__file__) == len(INTERPRETER_CASES) + 3 + 3  # + split counts, length, 2 engine tests
 
 
 # --- in this process: what the kernel refuses, and the engine's fallback ---

@@ -3,14 +3,11 @@ against their torch definitions, on the CPU in triton's interpreter (through a c
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_interpreter import passed_in_interpreter
 
 from kvchat.kernels.gemv import gemv, gemv_ref
 from kvchat.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
@@ -112,14 +109,7 @@ def test_interpreted_kernels_match_references(dtype):
 def test_the_kernels_in_triton_s_interpreter():
     if INTERPRET:
         pytest.skip("already in the interpreter")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "interpreted", str(Path(__file__))],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == len(DTYPES), summary
+    assert passed_in_interpreter(__file__, timeout=300) == len(DTYPES)
 
 
 @pytest.mark.gpu
