@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvchat.errors import KvchatError
+from kvchat.storage.known_models import is_known_model, resolve_model
 
 ENGINE_METHODS = ("prefill", "kv-load", "kv-split")
 LLAMA_CPP = "llama.cpp"
@@ -43,9 +44,12 @@ RECALL_TOKENS = 48
 
 
 def model_names() -> list[str]:
+    """The embedded model, random-weight models of public shapes, and the known real models (storage.known_models:
+    installed by an extra, assembled on first use)."""
     from kvchat.engine.synthetic import SHAPES
+    from kvchat.storage.known_models import KNOWN_MODELS
 
-    return ["embedded", *SHAPES]
+    return ["embedded", *SHAPES, *KNOWN_MODELS]
 
 
 def method_names() -> list[str]:
@@ -128,6 +132,8 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
     for model in plan.models:
         if model == "embedded":
             from kvchat.assets import DEFAULT_MODEL as path
+        elif is_known_model(model):
+            path = resolve_model(model)
         else:
             path = model_file(Path(plan.cache_dir or _default_cache()), model)
         out = work / model
@@ -346,7 +352,7 @@ def _engine(spec):
 def _setup(spec: dict) -> dict:
     """Build each workload's chat, prefill it once and store every round as the app does (one store per model, so
     the GGUF file is hashed once)."""
-    from kvchat.app.chat_session import KVWriter, storage_groups
+    from kvchat.app.chat_session import KVWriter, storage_groups, trim_windows, window_live_from
     from kvchat.engine.generate import prefill
     from kvchat.engine.workloads import build_workload
     from kvchat.storage.db import RoundRow, Store, now
@@ -383,11 +389,14 @@ def _setup(spec: dict) -> dict:
         writer, start = KVWriter(store, fp), 0
         groups = storage_groups(cfg.n_layers, cfg.kv_bytes_per_token(engine.model.dtype.itemsize))  # as the app
         for i, (r, span) in enumerate(zip(conv.rounds, spans)):
-            store.add_round(sid, RoundRow(i, r.user, r.assistant or "", start, start + len(span), now()))
+            end = start + len(span)
+            store.add_round(sid, RoundRow(i, r.user, r.assistant or "", start, end, now()))
+            live = window_live_from(cfg, start, end, wl.tokens)  # sliding-window layers: as the app stores them
             for layers in groups:
-                writer.submit(sid, i, cache.read(layers, start, start + len(span)), layers,
-                              range(start, start + len(span)))
-            start += len(span)
+                at = live if any(cfg.window(layer) for layer in layers) else start
+                writer.submit(sid, i, trim_windows(cache.read(layers, start, end), layers, cfg, start, at),
+                              layers, range(start, end), live_from=at)
+            start = end
         writer.drain()
         if writer.errors:
             raise KvchatError(f"storing the {name} chat failed: {writer.errors[0]}")
@@ -678,12 +687,12 @@ def _llama_setup(spec: dict) -> dict:
     with the estimate (the CPU build on a large model)."""
     import llama_cpp
 
-    from kvchat.engine.chat_format import ChatFormat
+    from kvchat.engine.chat_format import ChatFormat, chat_template
     from kvchat.engine.gguf_file import GGUFFile
     from kvchat.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(spec["path"])
-    chat = ChatFormat(tok, GGUFFile(spec["path"]).metadata.get("tokenizer.chat_template"))
+    chat = ChatFormat(tok, chat_template(GGUFFile(spec["path"]).metadata))
     out, result = Path(spec["out"]), {"status": "ok", "workloads": {}}
     chats = {n: _load_workload(str(out / f"{n}.json")) for n in spec["workloads"] if (out / f"{n}.json").exists()}
     if not chats:
@@ -734,14 +743,14 @@ def _llama_setup(spec: dict) -> dict:
 def _run_llama(spec: dict) -> dict:
     import llama_cpp
 
-    from kvchat.engine.chat_format import ChatFormat
+    from kvchat.engine.chat_format import ChatFormat, chat_template
     from kvchat.engine.gguf_file import GGUFFile
     from kvchat.engine.tokenizer import Tokenizer
 
     state = spec["state"]
     wl = _load_workload(spec["workload"])
     tok = Tokenizer(spec["path"])
-    chat = ChatFormat(tok, GGUFFile(spec["path"]).metadata.get("tokenizer.chat_template"))
+    chat = ChatFormat(tok, chat_template(GGUFFile(spec["path"]).metadata))
     llm = _llama(spec["path"], state["n_ctx"])
     llm.eval(tok.encode("Hello there, how are you today?", add_bos=tok.add_bos))  # warm-up
     _last_logits(llm).argmax()

@@ -79,6 +79,24 @@ def storage_groups(n_layers: int, kv_bytes_per_token: int) -> tuple[range, ...]:
     return tuple(range(a, b) for a, b in zip(cuts, cuts[1:]))
 
 
+def window_live_from(cfg, start: int, end: int, chat_end: int) -> int:
+    """The first token of a round [start, end) whose K/V in sliding-window layers a chat ending at `chat_end` can
+    still read: a token at position t is in the window of position p iff p - window < t, and no later token comes
+    before the chat's end. The round's earlier tokens need not be stored in those layers."""
+    if not cfg.sliding_window:
+        return start
+    return min(end, max(start, chat_end - cfg.sliding_window + 1))
+
+
+def trim_windows(kv: torch.Tensor, layers: range, cfg, start: int, live_from: int) -> torch.Tensor:
+    """Zero (in place) the K/V [len(layers), 2, Hkv, n, D] of tokens before `live_from` in sliding-window layers:
+    zeros compress to almost nothing, and the segment keeps its shape (every reader takes it as it is)."""
+    windowed = [j for j, layer in enumerate(layers) if cfg.window(layer)]
+    if windowed and live_from > start:
+        kv[windowed, :, :, : live_from - start] = 0
+    return kv
+
+
 class RestoreCancelled(KvchatError):
     """The restore was cancelled (the user switched to another chat); the session holds no usable cache."""
 
@@ -116,14 +134,14 @@ class KVWriter:
         self._thread.start()
 
     def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range,
-               kind: str = SEGMENT_KV) -> None:
+               kind: str = SEGMENT_KV, live_from: int = 0) -> None:
         """`kv` (or, by `kind`, the round's key bounds) must not change afterwards (a copy, as KVCache.read
-        returns)."""
+        returns). `live_from`: its sliding-window layers hold zeros before this position (ChatSession.live_from)."""
         ready = None
         if kv.is_cuda:  # the writer's stream must not read the copy before the main stream has made it
             ready = torch.cuda.Event()
             ready.record()
-        self._jobs.put((sid, round_idx, kv, layers, tokens, kind, ready))
+        self._jobs.put((sid, round_idx, kv, layers, tokens, kind, live_from, ready))
 
     def submit_job(self, job: Callable[[], object], what: str) -> None:
         """Run `job` on the writer's thread once every save submitted before it is done (compaction)."""
@@ -148,17 +166,17 @@ class KVWriter:
             if item[0] == "job":
                 self._run_job(*item[1:])
                 continue
-            sid, round_idx, kv, layers, tokens, kind, ready = item
+            sid, round_idx, kv, layers, tokens, kind, live_from, ready = item
             try:
                 if ready is None:
-                    self._save(sid, round_idx, kv, layers, tokens, kind)
+                    self._save(sid, round_idx, kv, layers, tokens, kind, live_from)
                 else:
                     # Its own CUDA stream: copying K/V to the host overlaps decoding instead of queueing behind it.
                     stream = self._stream or torch.cuda.Stream(kv.device)
                     self._stream = stream
                     stream.wait_event(ready)
                     with torch.cuda.stream(stream):
-                        self._save(sid, round_idx, kv, layers, tokens, kind)
+                        self._save(sid, round_idx, kv, layers, tokens, kind, live_from)
             except Exception as exc:  # noqa: BLE001 - the writer must outlive any one failed save
                 # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
                 reason = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
@@ -177,7 +195,8 @@ class KVWriter:
         finally:
             self._jobs.task_done()
 
-    def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None:
+    def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range, kind: str,
+              live_from: int = 0) -> None:
         ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens,
                             kind=kind)
         crash_point("segment-durable")
@@ -185,18 +204,19 @@ class KVWriter:
                                token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
                                dtype=str(kv.dtype).removeprefix("torch."), byte_size=ref.byte_size,
                                raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
-                               model_fingerprint=self.fingerprint)
+                               model_fingerprint=self.fingerprint, live_from=live_from)
         crash_point("segment-row-committed")
 
 
 class ChatSession:
     def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
                  policy: KVPolicy | None = None, planner: Planner | None = None,
-                 compactor: Callable[[Store, str], object] | None = None):
+                 compactor: Callable[[Store, str], object] | None = None, trim_windows: bool = True):
         """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache.
         `planner`: chooses what a restore recomputes and what it loads (app.hardware_profile.profile_planner);
         None loads everything stored. `compactor`: run on the writer's thread after each round is saved
-        (app.compaction), or None."""
+        (app.compaction), or None. `trim_windows`: store sliding-window layers only where a later round can
+        still read them (see `live_from`); off, every layer of every token is stored (the bench's comparison)."""
         self.store, self.engine, self.sid = store, engine, sid
         self.planner, self.compactor = planner, compactor
         self.info = store.session(sid)
@@ -210,6 +230,12 @@ class ChatSession:
         self._upper_fetcher: SegmentPrefetcher | None = None
         self._bounds_fetcher: SegmentPrefetcher | None = None  # during a tiered restore
         self._upper_segments: dict[int, list[dict]] = {}  # tiered: each round's upper-layer segment rows
+        self.trim_windows = trim_windows
+        # (round, first layer of the group) -> live_from of what is stored (or on its way to disk) there
+        self._stored_live: dict[tuple[int, int], int] = {}
+        # Sliding-window K/V of positions below this may be zeros in the cache (restored from trimmed segments):
+        # it cannot be stored again as live.
+        self._window_valid_from = 0
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
         if self.policy is None:
@@ -258,14 +284,26 @@ class ChatSession:
         by_round: dict[int, list[dict]] = {}
         upper_only: dict[int, list[dict]] = {}  # tiered: segments of upper layers only, read in the background
         bounds: dict[int, list[dict]] = {}  # tiered: each round's key bounds, read with the lower layers
+        ends = [r.token_end for r in self.rounds]
+        total = ends[-1] if ends else 0
+        trimmed: set[int] = set()
         for seg in self.store.segments(self.sid):
             if seg["kind"] == SEGMENT_KEY_BOUNDS:
                 into = bounds if self.policy is not None and seg["layer_start"] == self.split else {}
+            elif not self._window_readable(seg, total):
+                trimmed.add(seg["round_idx"])  # recomputed, like a missing segment
+                continue
             else:
                 into = upper_only if seg["layer_start"] >= self.split else by_round
             into.setdefault(seg["round_idx"], []).append(seg)
-        ends = [r.token_end for r in self.rounds]
-        total = ends[-1] if ends else 0
+        if trimmed:
+            stats.notes.append(f"round {min(trimmed)}{'' if len(trimmed) == 1 else f'-{max(trimmed)}'}: stored "
+                               f"without the sliding-window K/V the chat's end now reads (a later round was "
+                               f"retracted); recomputed")
+        self._stored_live = {(i, seg["layer_start"]): seg["live_from"] for i, segs in by_round.items()
+                             for seg in segs}
+        self._window_valid_from = max((seg["live_from"] for segs in by_round.values() for seg in segs
+                                       if self._windowed(seg) and seg["live_from"] > seg["token_start"]), default=0)
         if total > self.engine.config.context_length:
             raise ContextOverflowError(f"the chat holds {total} tokens; the model's context is "
                                        f"{self.engine.config.context_length}")
@@ -533,8 +571,61 @@ class ChatSession:
             for layers in self.storage_groups:
                 if any(s["layer_start"] < layers.stop and layers.start < s["layer_end"] for s in stored.get(i, [])):
                     continue
+                if self.policy is None:
+                    self._submit_kv(i, layers)
+                    continue
                 kv = device_tier.read(layers, row.token_start, row.token_end)
                 self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end))
+
+    def store_all(self) -> None:
+        """Store every round's K/V from the restored cache, the way rounds are saved as a chat goes on (a chat
+        imported or created as text; the bench's stored chats). Full cache only."""
+        if self.policy is not None:
+            raise KvchatError("store_all stores the full cache's rounds; a tiered chat stores its tiers")
+        for i in range(len(self.rounds)):
+            for layers in self.storage_groups:
+                self._submit_kv(i, layers)
+
+    # ---- sliding-window layers (Gemma 3) ----
+
+    def live_from(self, i: int) -> int:
+        """Where round i's stored sliding-window K/V begins (window_live_from at the chat's end; never below
+        what the cache itself holds, after a restore from trimmed segments)."""
+        row = self.rounds[i]
+        if not self.engine.config.sliding_window or not self.trim_windows:
+            return row.token_start
+        live = window_live_from(self.engine.config, row.token_start, row.token_end, self.rounds[-1].token_end)
+        return max(live, min(row.token_end, self._window_valid_from))
+
+    def _windowed(self, seg: dict) -> bool:
+        """Whether a segment holds sliding-window layers."""
+        return any(self.engine.config.window(j) for j in range(seg["layer_start"], seg["layer_end"]))
+
+    def _window_readable(self, seg: dict, end: int) -> bool:
+        """Whether a stored K/V segment holds every sliding-window K/V a chat ending at `end` reads."""
+        if not self._windowed(seg):
+            return True
+        return seg["live_from"] <= max(seg["token_start"], end - self.engine.config.sliding_window + 1)
+
+    def _submit_kv(self, i: int, layers: range) -> None:
+        """Store round i's K/V of `layers` (full cache), zeros before `live_from` in its sliding-window layers."""
+        row, cfg = self.rounds[i], self.engine.config
+        live = self.live_from(i) if any(cfg.window(layer) for layer in layers) else row.token_start
+        kv = trim_windows(self.cache.read(layers, row.token_start, row.token_end), layers, cfg, row.token_start, live)
+        self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end), live_from=live)
+        self._stored_live[(i, layers.start)] = live
+
+    def _retrim(self) -> None:
+        """Store again the rounds whose sliding-window tail the chat's new end has moved past (or, after a
+        retraction, back into reach): only the last rounds before the end can change."""
+        cfg = self.engine.config
+        if not cfg.sliding_window or self.policy is not None:
+            return
+        for i in range(len(self.rounds)):
+            for layers in self.storage_groups:
+                stored = self._stored_live.get((i, layers.start))
+                if stored is not None and any(cfg.window(j) for j in layers) and stored != self.live_from(i):
+                    self._submit_kv(i, layers)
 
     def _add_tiered_round(self, i: int, start: int, end: int, tokens: list[int] | None,
                           upper: torch.Tensor | None = None) -> None:
@@ -806,8 +897,8 @@ class ChatSession:
         tokens, n_layers = range(row.token_start, row.token_end), self.engine.config.n_layers
         if self.policy is None:
             for layers in self.storage_groups:
-                self.writer.submit(self.sid, idx, self.cache.read(layers, row.token_start, row.token_end), layers,
-                                   tokens)
+                self._submit_kv(idx, layers)
+            self._retrim()
             return
         self.cache.close_round()
         lower = range(self.split)
@@ -845,8 +936,11 @@ class ChatSession:
         if row is None:
             return None
         self.rounds = self.rounds[:-1]
+        for layers in self.storage_groups:
+            self._stored_live.pop((len(self.rounds), layers.start), None)
         if self.restored is not None or self.cache.length:
             self.cache.truncate(row.token_start)
+            self._retrim()
         return row
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ from kvchat.app.errors import FriendlyGroup
              invoke_without_command=True)
 @click.version_option(package_name="kvchat")
 @click.option("--model", "model_path", default=None, type=click.Path(dir_okay=False),
-              help="The app only: GGUF model file for new chats (default: the settings' choice, else the embedded "
-                   "model).")
+              help="The app only: GGUF model file, or a known model's short name (gemma-3-270m), for new chats "
+                   "(default: the settings' choice, else the embedded model).")
 @click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
 # The choices are engine.policies.CHAT_POLICIES, written out: importing it would load torch for every command.
 @click.option("--kv-policy", "kv_policy", default=None, type=click.Choice(["full", "round"]),
@@ -38,24 +38,31 @@ def main(ctx: click.Context, model_path, device, kv_policy) -> None:
         return
     from kvchat.app.tui.app import run_app
 
-    if model_path is not None and not Path(model_path).is_file():
-        from kvchat.errors import KvchatError
-
-        raise KvchatError(f"the model file {model_path} does not exist")
+    if model_path is not None:
+        model_path = _resolve_model(ctx, None, model_path)
     run_app(model_path, _device(device) and device, kv_policy)
 
 
 def _model_option(f):
     return click.option("--model", "model_path", default=None, type=click.Path(dir_okay=False),
                         callback=_resolve_model,
-                        help="GGUF model file (llama or qwen2 architecture); default: the embedded demo model.")(f)
+                        help="GGUF model file (llama, qwen2, qwen3 or gemma3 architecture) or a known model's "
+                             "short name (gemma-3-270m, from the `gemma` extra); default: the embedded demo "
+                             "model.")(f)
 
 
 def _resolve_model(ctx, param, value):
+    from kvchat.errors import KvchatError
+
     if value is not None:
+        from kvchat.storage.known_models import is_known_model, resolve_model
+
+        if is_known_model(value):
+            return str(resolve_model(value))
+        if not Path(value).is_file():
+            raise KvchatError(f"{value}: no such file (give a GGUF file, or a known short name: gemma-3-270m)")
         return value
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.errors import KvchatError
 
     if not DEFAULT_MODEL.exists():
         raise KvchatError(f"the embedded model is missing from this install ({DEFAULT_MODEL}); pass --model PATH")
@@ -120,6 +127,9 @@ def info(model_path, as_json) -> None:
         "rope": ("neox" if cfg.rope_neox else "norm") + (", llama3 factors" if cfg.llama3_rope else ""),
         "tied_output": cfg.tied_output, "tensor_types": mi.tensor_types,
     }
+    if cfg.sliding_window:
+        facts["sliding_window"] = (f"{cfg.sliding_window} tokens on {cfg.n_layers - len(cfg.global_layers)} of "
+                                   f"{cfg.n_layers} layers")
     if as_json:
         click.echo(json.dumps(facts))
         return
@@ -128,6 +138,46 @@ def info(model_path, as_json) -> None:
         if isinstance(value, dict):
             value = ", ".join(f"{k}×{v}" for k, v in sorted(value.items()))
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+
+
+def _eval_text(model_path, policy_names, chats, seed, device, watershed, lengths, positions, as_json) -> None:
+    from kvchat.app.chats import calibrating
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.fidelity import text_fidelity
+    from kvchat.engine.policies import make_policy
+    from kvchat.errors import KvchatError
+
+    try:
+        wanted = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--lengths takes comma-separated token counts, not {lengths!r}") from None
+    if not wanted or min(wanted) < 200:
+        raise KvchatError(f"--lengths needs chat lengths of at least 200 tokens, not {lengths!r}")
+    engine = Engine(model_path, device=_device(device))
+    options = {} if watershed is None else {"watershed": watershed}
+    makers = {name: (lambda name=name: make_policy(name, engine, calibrating, **options)) for name in policy_names}
+    result = text_fidelity(engine, makers, wanted, chats, positions, seed,
+                           progress=None if as_json else lambda what: click.echo(f"\r{what:<70}", nl=False,
+                                                                                  err=True))
+    d = result.as_dict()
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    click.echo("", err=True)
+    click.echo(f"model {model_path}  device {result.device}  {chats} chats per length, up to {positions} reply "
+               f"positions each  ({result.seconds:.0f} s)")
+    for length, why in result.skipped.items():
+        click.echo(f"{length} tokens: skipped, {why}")
+    for length, entry in d["lengths"].items():
+        click.echo(f"{length} tokens (chats of {', '.join(map(str, entry['chat_tokens']))}):")
+        for p in entry["policies"]:
+            if "error" in p:
+                click.echo(f"  {p['policy']:<16} not measured: {p['error']}")
+                continue
+            buckets = "  ".join(f"{k}: {v['mean_kl']:.4f}/{v['top1']:.1%}" for k, v in p["by_position"].items())
+            at = f"@{p['watershed']}" if "watershed" in p else ""
+            click.echo(f"  {p['policy'] + at:<16} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
+                       f"(full {p['ppl_full']:.3f})  over {p['positions']} positions;  by position {buckets}")
 
 
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
@@ -157,17 +207,33 @@ EVAL_POLICIES = ["full", "round", "round-adaptive", "round-threshold", "round-to
                    "or run past the model's reply cap.")
 @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0.0, max=100.0),
               help="Temperature of --samples.")
+@click.option("--text", "text", is_flag=True,
+              help="Fidelity on real text instead (any model): every KV policy (or the one --kv-policy names) "
+                   "against the full cache, teacher-forced over the last reply of MT-Bench chats: mean KL, top-1 "
+                   "agreement and perplexity per reply position.")
+@click.option("--lengths", default="2000,8000,24000", show_default=True,
+              help="--text: chat lengths in tokens (comma-separated).")
+@click.option("--positions", default=256, show_default=True, type=click.IntRange(min=2),
+              help="--text: reply tokens teacher-forced per chat (at most).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
-def eval_(model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
-          phrasing, samples, temperature, as_json) -> None:
+@click.pass_context
+def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
+          phrasing, samples, temperature, text, lengths, positions, as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
-    how politely out-of-scope prompts are answered."""
+    how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
     from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
     from kvchat.engine.evaluate import evaluate, heldout_chats, sample_replies
     from kvchat.engine.policies import make_policy
     from kvchat.errors import KvchatError
 
+    if text:
+        source = click.core.ParameterSource
+        named = ctx.get_parameter_source("policy_name") != source.DEFAULT
+        n_chats = chats if ctx.get_parameter_source("chats") != source.DEFAULT else 2
+        _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device, watershed,
+                   lengths, positions, as_json)
+        return
     if max_rounds < min_rounds:
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
     engine = Engine(model_path, device=_device(device))
@@ -315,7 +381,8 @@ def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> Non
 
 @main.group(invoke_without_command=True)
 @click.option("--models", default="embedded,qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b", show_default=True,
-              help="Comma-separated: embedded and/or random-weight models shaped like public ones.")
+              help="Comma-separated: embedded, random-weight models shaped like public ones, and/or gemma-3-270m "
+                   "(real weights: the gemma extra).")
 @click.option("--workloads", default="2k,8k,32k", show_default=True,
               help="Comma-separated chat lengths (memory dialogues on the embedded model, MT-Bench chats otherwise).")
 @click.option("--methods", default=None,

@@ -86,7 +86,7 @@ def layer_round_distributions(engine, conversation: Conversation, message: str) 
     prefill(model, cache, history)
     start = cache.length
     positions = torch.arange(start, start + len(new_tokens))
-    rot = model.rope(positions)
+    rot = model.rotations(positions)
     h = model.embed(torch.tensor(new_tokens, dtype=torch.long))
     rows = []
     for i, layer in enumerate(model.layers):
@@ -276,7 +276,12 @@ def checked_watershed(engine, pairs: list[tuple[Conversation, str]], first: int,
     (up to L - 2, the last layer that leaves one above it), the layer that agreed most."""
     references = [reference_reply(engine, conv, message) for conv, message in pairs]
     agreed: dict[int, float] = {}
-    for layer in range(first, engine.config.n_layers - 1):
+    cfg = engine.config
+    # Sliding-window layers (Gemma 3) cannot choose rounds: they see nothing older than their window.
+    candidates = [i for i in range(1, cfg.n_layers - 1) if not cfg.window(i)]
+    if not candidates:
+        raise KvchatError("the model has no global attention layer below its last to choose rounds at")
+    for layer in [i for i in candidates if i >= first] or candidates:
         done = len(pairs) * (1 + len(agreed))
 
         def step(n: int, total: int) -> None:

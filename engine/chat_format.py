@@ -28,6 +28,23 @@ FALLBACK_TEMPLATE = (
 )
 FALLBACK_STOP_STRINGS = ("\n### User:",)
 
+# Gemma's turn format (its instruction-tuned models' template, minus the system-prompt handling: a system message
+# is a turn of its own here). Gemma 3 base files such as gemma-3-270m carry no template; llama.cpp knows this format
+# by the <start_of_turn> marker, and <end_of_turn> ends a reply (an end-of-generation token in llama.cpp's vocab).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Templates for files of an architecture that may come without one.
+ARCH_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
+
+
+def chat_template(metadata: dict) -> str | None:
+    """The file's template, else its architecture's known one, else None (the plain fallback)."""
+    return metadata.get("tokenizer.chat_template") or ARCH_TEMPLATES.get(metadata.get("general.architecture"))
+
 
 @dataclass
 class Round:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, asdict
 from typing import Any
 
@@ -10,8 +11,12 @@ from kvchat.errors import GGUFError
 
 
 # llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) for `llama` (its converter permutes Q/K to match) and the two
-# halves (x[i], x[i + d/2]) for `qwen2`: LLAMA_ROPE_TYPE_NORM vs LLAMA_ROPE_TYPE_NEOX.
-_NEOX_ROPE = {"llama": False, "qwen2": True}
+# halves (x[i], x[i + d/2]) for the others: LLAMA_ROPE_TYPE_NORM vs LLAMA_ROPE_TYPE_NEOX.
+_NEOX_ROPE = {"llama": False, "qwen2": True, "qwen3": True, "gemma3": True}
+# Gemma 3's sliding-window layers: llama.cpp fixes their pattern (five local layers, then one global: its
+# set_swa_pattern(6)) and their RoPE (base 10,000, no scaling) in code, not in the file's metadata.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_SWA_ROPE_BASE = 10_000.0
 
 # Bounds that no real decoder exceeds; past them the metadata is garbled and we refuse before allocating.
 _LIMITS = {
@@ -44,10 +49,35 @@ class ModelConfig:
     qkv_bias: bool
     tied_output: bool
     llama3_rope: bool  # per-dimension frequency factors from the file's rope_freqs tensor
+    # Qwen 3 and Gemma 3 additions; the defaults are Llama/Qwen 2's.
+    qk_norm: bool = False  # RMSNorm of each query and key head (weights [D]) before RoPE
+    post_norms: bool = False  # Gemma: RMSNorm of the attention's and the MLP's outputs before each residual add
+    gelu_ffn: bool = False  # Gemma: GELU (tanh approximation) gates the MLP instead of SiLU
+    embed_scale: float = 1.0  # Gemma: embeddings are multiplied by sqrt(d_model)
+    attn_scale: float = 0.0  # softmax scale of q.k; 0 means 1/sqrt(head_dim)
+    sliding_window: int = 0  # keys a sliding-window layer sees (itself included); 0: no such layers
+    swa_pattern: int = 0  # layer i slides iff i % swa_pattern < swa_pattern - 1
+    rope_base_swa: float = 0.0  # the sliding layers' RoPE base (unscaled); 0: the same table as the others
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when set
 
     @property
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def window(self, layer: int) -> int:
+        """Keys the layer's attention reaches back (0: all of them)."""
+        if self.sliding_window and self.swa_pattern and layer % self.swa_pattern < self.swa_pattern - 1:
+            return self.sliding_window
+        return 0
+
+    @property
+    def global_layers(self) -> list[int]:
+        """The layers that attend to the whole chat (all of them without sliding windows)."""
+        return [i for i in range(self.n_layers) if not self.window(i)]
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * element_size
@@ -104,6 +134,8 @@ class ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in gf.tensors,
             tied_output="output.weight" not in gf.tensors,
             llama3_rope="rope_freqs.weight" in gf.tensors,
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **(_gemma3_fields(key, n_heads, head_dim, d_model) if arch == "gemma3" else {}),
         )
         cfg.validate(str(name))
         return cfg
@@ -117,3 +149,22 @@ class ModelConfig:
             raise GGUFError(f"{name}: rope dimension {self.rope_dim} does not fit head size {self.head_dim}")
         if not (self.rms_eps > 0 and self.rope_base > 0):
             raise GGUFError(f"{name}: non-positive rms epsilon or rope base in the metadata")
+        if self.sliding_window < 0 or self.sliding_window > self.context_length:
+            raise GGUFError(f"{name}: sliding window {self.sliding_window} outside the context of "
+                            f"{self.context_length} tokens")
+        if self.final_softcap < 0 or self.attn_scale < 0 or not self.embed_scale > 0:
+            raise GGUFError(f"{name}: negative logit soft-cap, attention scale or embedding scale in the metadata")
+
+
+def _gemma3_fields(key, n_heads: int, head_dim: int, d_model: int) -> dict[str, Any]:
+    """What llama.cpp's gemma3 graph adds to a Llama layer, read as it reads it (llama_load_hparams for GEMMA3)."""
+    window = key("attention.sliding_window", 0)
+    n_layers = key("block_count")
+    return dict(
+        post_norms=True, gelu_ffn=True, embed_scale=math.sqrt(d_model),
+        # Gemma 3 27B (62 layers) scales queries by 1/sqrt(d_model / n_heads), the others by 1/sqrt(head size).
+        attn_scale=1.0 / math.sqrt(d_model / n_heads if n_layers == 62 else head_dim),
+        sliding_window=window, swa_pattern=GEMMA3_SWA_PATTERN if window else 0,
+        rope_base_swa=GEMMA3_SWA_ROPE_BASE if window else 0.0,
+        final_softcap=key("final_logit_softcapping", 0.0, float),
+    )

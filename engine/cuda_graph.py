@@ -37,7 +37,7 @@ class StepInputs:
         return self.values[3 + 2 * cache : 4 + 2 * cache]
 
     def step(self, model: Transformer, cache: int = 0) -> DecodeStep:
-        return DecodeStep(self.slot(cache), self.position, self.length(cache), model.rope.gather(self.position))
+        return DecodeStep(self.slot(cache), self.position, self.length(cache), model.gather_rotations(self.position))
 
     def set(self, token: int, position: int, *slots: int) -> None:
         """The token at `position`, written to `slots` (one per cache), attending to every slot up to its own."""
@@ -93,7 +93,7 @@ class GraphedDecode:
     def __init__(self, model: Transformer, cache: KVCache, capacity: int, capture: bool = True):
         self.model, self.cache = model, cache
         cache.reserve(capacity)  # the graph is bound to this storage: it must not grow while in use
-        model.rope.reserve(cache.capacity)
+        model.reserve_rotations(cache.capacity)
         self._bound = Bound(cache.kv, model.rope.c_table)
         self.inputs = StepInputs(model.device)
         # Warm-up runs really execute: point them at the last slot, which no token holds yet.

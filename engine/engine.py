@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.engine.chat_format import ChatFormat
+from kvchat.engine.chat_format import ChatFormat, chat_template
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate
 from kvchat.engine.gguf_file import GGUFFile
@@ -49,7 +49,7 @@ class Engine:
         self.model: Transformer = loaded.model
         self.load_seconds = loaded.load_seconds
         self.tokenizer = Tokenizer(path)
-        self.chat = ChatFormat(self.tokenizer, loaded.gguf.metadata.get("tokenizer.chat_template"))
+        self.chat = ChatFormat(self.tokenizer, chat_template(loaded.gguf.metadata))
         self.metadata = loaded.gguf.metadata
 
     @property

@@ -82,6 +82,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, qtype: GGMLQuant
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
 
 
 def _write_vocab(w: GGUFWriter, vocab: ByteBPEVocab, chat_template: str | None) -> None:

@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from kvchat.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # Far beyond any real model (Llama-3.1-405B has ~1,100 tensors and ~40 metadata keys besides the vocab arrays).
 MAX_TENSORS = 100_000
 MAX_KV = 100_000

@@ -14,8 +14,8 @@ import torch
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.dequant import SUPPORTED_TYPES, dequantize
 from kvchat.engine.gguf_file import GGUFFile, TensorInfo
-from kvchat.engine.model import LayerWeights, Transformer, identity
-from kvchat.engine.numerics import input_rounding
+from kvchat.engine.model import LayerWeights, Transformer, gelu_tanh, identity
+from kvchat.engine.numerics import gelu_fp16_table, input_rounding
 from kvchat.errors import GGUFError
 
 
@@ -54,6 +54,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if cfg.qkv_bias:
             shapes.update({p + "attn_q.bias": (q_dim,), p + "attn_k.bias": (kv_dim,), p + "attn_v.bias": (kv_dim,)})
+        if cfg.qk_norm:
+            shapes.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
+        if cfg.post_norms:
+            shapes.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     return shapes
 
 
@@ -134,6 +138,9 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
         rule = input_rounding([gf.tensors[n].qtype for n in names]) if numerics == "llama.cpp" else None
         return rule or identity
 
+    def optional(name: str, wanted: bool) -> torch.Tensor | None:
+        return get(name, torch.float32) if wanted else None
+
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
@@ -152,6 +159,11 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
             round_wo=rounding(p + "attn_output.weight"),
             round_gate_up=rounding(p + "ffn_gate.weight", p + "ffn_up.weight"),
             round_down=rounding(p + "ffn_down.weight"),
+            q_norm=optional(p + "attn_q_norm.weight", cfg.qk_norm),
+            k_norm=optional(p + "attn_k_norm.weight", cfg.qk_norm),
+            post_attn_norm=optional(p + "post_attention_norm.weight", cfg.post_norms),
+            post_ffn_norm=optional(p + "post_ffw_norm.weight", cfg.post_norms),
+            gelu=gelu_fp16_table if numerics == "llama.cpp" else gelu_tanh,
         ))
     model = Transformer(
         cfg,

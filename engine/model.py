@@ -1,4 +1,4 @@
-"""A compact Llama/Qwen2 decoder in the spirit of gpt-fast's model.py, built to be driven layer by layer.
+"""A compact Llama/Qwen/Gemma 3 decoder in the spirit of gpt-fast's model.py, built to be driven layer by layer.
 
 Everything the KV techniques need is a public method: run any contiguous range of layers on given hidden states,
 at explicit absolute positions, attending over all or a chosen subset of the cached tokens; and the KV cache
@@ -11,7 +11,6 @@ Shapes (batch is always 1: one chat at a time):
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +48,13 @@ class KVCache(nn.Module):
                               dtype=dtype),
             persistent=False,
         )
+        # Each slot's position, where slots are not positions (Round Attention's packed upper tier) and the model
+        # has sliding-window layers, whose windows are over positions; None: slot s holds position s.
+        self.slot_positions: Tensor | None = None
+
+    def track_positions(self) -> None:
+        """Keep `slot_positions` (its owner fills it as it places tokens); it grows with the cache."""
+        self.slot_positions = torch.zeros(self.capacity, dtype=torch.long, device=self.kv.device)
 
     def layer(self, layer: int) -> Tensor:
         """K and V of one model layer: [2, Hkv, capacity, D] (a view)."""
@@ -66,6 +72,8 @@ class KVCache(nn.Module):
         new_cap = max(n_slots, 2 * self.capacity)
         grown = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         grown[:, :, :, : self.capacity] = self.kv
+        if self.slot_positions is not None:
+            self.slot_positions = torch.cat([self.slot_positions, self.slot_positions.new_zeros(new_cap - self.capacity)])
         self.kv = grown
 
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
@@ -127,12 +135,14 @@ class RotaryTable(nn.Module):
     rotation is x * C + partner(x) * S over queries and keys together: a handful of kernels, which matters in decode.
     """
 
-    def __init__(self, cfg: ModelConfig, freq_factors: Tensor | None, device: torch.device):
+    def __init__(self, cfg: ModelConfig, freq_factors: Tensor | None, device: torch.device, local: bool = False):
         super().__init__()
         half = cfg.rope_dim // 2
         # theta_i = pos * freq_scale * base^(-2i / rope_dim) / freq_factor_i, the same formula as ggml's rope.
-        inv_freq = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim)
-        inv_freq = inv_freq * cfg.rope_freq_scale
+        # `local`: Gemma 3's sliding-window layers, with their own base and no scaling.
+        base, scale = (cfg.rope_base_swa, 1.0) if local else (cfg.rope_base, cfg.rope_freq_scale)
+        inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim)
+        inv_freq = inv_freq * scale
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -183,8 +193,22 @@ class RotaryTable(nn.Module):
         return (xf * c + self._partner(xf) * s).to(x.dtype)
 
 
+# One (C, S) pair per rotary table of the model (one table, or Gemma 3's global and local ones); each layer takes
+# its own: DecoderLayer.rope_slot.
+Rotations = tuple[tuple[Tensor, Tensor], ...]
+
+
 def identity(x: Tensor) -> Tensor:
     return x
+
+
+def head_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of each head x [..., heads, D] over its D values (Qwen 3 / Gemma 3's query and key norms)."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 @dataclass
@@ -201,31 +225,52 @@ class LayerWeights:
     round_wo: Callable[[Tensor], Tensor] = identity
     round_gate_up: Callable[[Tensor], Tensor] = identity
     round_down: Callable[[Tensor], Tensor] = identity
+    # Qwen 3 / Gemma 3
+    q_norm: Tensor | None = None  # [D]
+    k_norm: Tensor | None = None  # [D]
+    post_attn_norm: Tensor | None = None  # [d]  Gemma: applied to the attention's output before the residual add
+    post_ffn_norm: Tensor | None = None  # [d]
+    gelu: Callable[[Tensor], Tensor] = gelu_tanh  # Gemma's gate activation (engine.numerics may round it)
+
+
+def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
+    return None if weight is None else RMSNorm(weight, eps)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: LayerWeights, rope: RotaryTable):
+    def __init__(self, cfg: ModelConfig, w: LayerWeights, rope: RotaryTable, rope_slot: int = 0, window: int = 0):
         super().__init__()
         self.cfg = cfg
         self.attn_norm = RMSNorm(w.attn_norm, cfg.rms_eps)
         self.ffn_norm = RMSNorm(w.ffn_norm, cfg.rms_eps)
+        self.q_norm, self.k_norm = _optional_norm(w.q_norm, cfg.rms_eps), _optional_norm(w.k_norm, cfg.rms_eps)
+        self.post_attn_norm = _optional_norm(w.post_attn_norm, cfg.rms_eps)
+        self.post_ffn_norm = _optional_norm(w.post_ffn_norm, cfg.rms_eps)
+        self.gelu = w.gelu
+        self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
         self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
         self.wo = nn.Parameter(w.wo, requires_grad=False)
         self.w_gate_up = nn.Parameter(w.w_gate_up, requires_grad=False)
         self.w_down = nn.Parameter(w.w_down, requires_grad=False)
-        self.rope = rope  # shared by all layers, not a child module
+        self.rope = rope  # shared by the layers using it, not a child module
+        self.rope_slot = rope_slot  # which of the model's Rotations is this layer's
         self.round_qkv, self.round_wo = w.round_qkv, w.round_wo
         self.round_gate_up, self.round_down = w.round_gate_up, w.round_down
 
-    def forward(self, h: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
+    def forward(self, h: Tensor, layer: int, rot: Rotations, cache: KVCache, start: int,
                 attend: Tensor | None, step: "DecodeStep | None" = None, queries: list | None = None) -> Tensor:
-        h = h + self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step, queries)
-        x = self.ffn_norm(h)
-        gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(self.round_down(F.silu(gate) * up), self.w_down)
+        a = self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step, queries)
+        h = h + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        y = self._mlp(self.ffn_norm(h))
+        return h + (y if self.post_ffn_norm is None else self.post_ffn_norm(y))
 
-    def _attention(self, x: Tensor, layer: int, rot: tuple[Tensor, Tensor], cache: KVCache, start: int,
+    def _mlp(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
+        act = self.gelu(gate) if self.cfg.gelu_ffn else F.silu(gate)
+        return F.linear(self.round_down(act * up), self.w_down)
+
+    def _attention(self, x: Tensor, layer: int, rot: Rotations, cache: KVCache, start: int,
                    attend: Tensor | None, step: "DecodeStep | None", queries: list | None = None) -> Tensor:
         q, k, v = self._qkv(x, rot)
         if queries is not None:
@@ -234,20 +279,28 @@ class DecoderLayer(nn.Module):
             kv = cache.layer(layer)
             kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
             kv[1].index_copy_(1, step.slot, v.transpose(0, 1))
-            visible = torch.arange(kv.shape[2], device=kv.device) < step.length
+            visible = _step_visible(cache, step, self.window)
             return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], visible[None, :], False)), self.wo)
         cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
-        keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend)
+        keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend, self.window)
         return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
 
-    def _qkv(self, x: Tensor, rot: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, x: Tensor, rot: Rotations) -> tuple[Tensor, Tensor, Tensor]:
         """Normed hidden states x [T, d] -> q [T, H, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
         cfg, n_new = self.cfg, x.shape[0]
         qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
-        qk = self.rope.apply(qkv[:, : cfg.n_heads + cfg.n_kv_heads], rot)  # queries and keys in one rotation
+        qk = self._head_norms(qkv[:, : cfg.n_heads + cfg.n_kv_heads])
+        qk = self.rope.apply(qk, rot[self.rope_slot])  # queries and keys in one rotation
         return qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, cfg.n_heads + cfg.n_kv_heads :]
 
-    def queries(self, h: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+    def _head_norms(self, qk: Tensor) -> Tensor:
+        """Queries and keys [T, H + Hkv, D] -> each head RMS-normed with its own weights (Qwen 3, Gemma 3)."""
+        if self.q_norm is None:
+            return qk
+        n = self.cfg.n_heads
+        return torch.cat([self.q_norm(qk[:, :n]), self.k_norm(qk[:, n:])], dim=1)
+
+    def queries(self, h: Tensor, rot: Rotations) -> Tensor:
         """The queries [T, H, D] this layer would form from hidden states h [T, d] entering it (KV policies score
         earlier rounds with them before deciding what the layer may attend to)."""
         return self._qkv(self.attn_norm(h), rot)[0]
@@ -263,20 +316,47 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         h, x = add_rms_norm(h, pending, self.attn_norm.weight, self.attn_norm.eps)
         qkv = gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
+        if self.q_norm is not None:
+            n_qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+            qk = self._head_norms(qkv[:, :n_qk].view(-1, cfg.head_dim)[None]).view(1, n_qk)
+            qkv = torch.cat([qk, qkv[:, n_qk:]], dim=1)
         kv = cache.layer(layer)
         q = rope_kv(qkv, self.rope.c_table, self.rope.s_table, step.position, kv, step.slot, cfg.n_heads,
                     cfg.rope_dim, cfg.rope_neox)  # [H, D]; K and V went into the cache
         if queries is not None:
             queries.append(q[None])
-        attended = decode_attention(q, kv[0], kv[1], step.length).view(1, -1)
-        h, x = add_rms_norm(gemv(self.round_wo(attended), self.wo), h, self.ffn_norm.weight, self.ffn_norm.eps)
-        up = silu_mul(gemv(self.round_gate_up(x), self.w_gate_up))
-        return h, gemv(self.round_down(up), self.w_down)
+        if self.window and cache.slot_positions is not None:  # a window over positions in a packed cache
+            attended = self._masked_decode(q, kv[0], kv[1], _step_visible(cache, step, self.window))
+        else:
+            attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale,
+                                        window=self.window).view(1, -1)
+        out = gemv(self.round_wo(attended), self.wo)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        h, x = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps)
+        gate_up = gemv(self.round_gate_up(x), self.w_gate_up)
+        if cfg.gelu_ffn:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.gelu(gate) * up
+        else:
+            act = silu_mul(gate_up)
+        out = gemv(self.round_down(act), self.w_down)
+        return h, out if self.post_ffn_norm is None else self.post_ffn_norm(out)
+
+    def _masked_decode(self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+        """One token's attention q [H, D] over keys/values [Hkv, C, D] where `visible` [C] (bool) -> [1, H * D], in
+        plain matrix products (SDPA may pick a backend whose first call cannot be captured in a CUDA graph). For
+        the packed upper tier's sliding-window layers, which hold few slots."""
+        cfg = self.cfg
+        grouped = q.view(cfg.n_kv_heads, cfg.n_rep, cfg.head_dim).float()
+        scores = grouped @ keys.float().transpose(1, 2) * cfg.softmax_scale  # [Hkv, n_rep, C]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        return (probs @ values.float()).to(q.dtype).reshape(1, cfg.n_heads * cfg.head_dim)
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """q [T, H, D], keys/values [Hkv, S, D], mask broadcastable to [T, S] -> [T, H * D]."""
         cfg, n_new = self.cfg, q.shape[0]
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scale = cfg.softmax_scale
         if n_new == 1 and cfg.n_rep > 1:
             # One query token: the n_rep query heads sharing a KV head become n_rep query rows of that head, so K/V
             # are never repeated and every SDPA backend applies (decode's hot path).
@@ -291,12 +371,15 @@ class DecoderLayer(nn.Module):
         return out[0].transpose(0, 1).reshape(n_new, cfg.n_heads * cfg.head_dim)
 
 
-def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None):
+def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int = 0):
     """Keys/values [Hkv, S, D] for new tokens in slots [start, start+T), and how to mask them.
 
     Without `attend` the new tokens see every slot before them (a contiguous prefix, sliced, no copy); with it they
-    see exactly the slots listed (all of which precede them) plus the new tokens causally.
+    see exactly the slots listed (all of which precede them) plus the new tokens causally. A sliding-window layer
+    (`window` > 0) sees only the last `window` slots up to each token itself.
     """
+    if window:
+        return _window_kv(cache, layer, start, n_new, attend, window)
     end, kv = start + n_new, cache.layer(layer)
     if attend is None:
         keys, values = kv[0, :, :end], kv[1, :, :end]
@@ -326,6 +409,45 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
     return keys, values, cols[None, :] <= (n_prev + rows)[:, None], False
 
 
+def _step_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
+    """The slots [C] a decode step sees, built on the device (graph-safe): [0, length), and for a sliding-window
+    layer only the last `window` positions (by slot, or by `slot_positions` in a packed cache)."""
+    slots = torch.arange(cache.capacity, device=cache.kv.device)
+    visible = slots < step.length
+    if window:
+        if cache.slot_positions is None:
+            visible &= slots >= step.length - window
+        else:
+            visible &= cache.slot_positions > step.position - window
+    return visible
+
+
+def _window_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int):
+    """_attended_kv for a sliding-window layer: position t is visible from position p iff p - window < t <= p
+    (llama.cpp's LLAMA_SWA_TYPE_STANDARD). Slots are positions except in a cache with `slot_positions` (closed
+    rounds packed in any order, then the open round's tokens in order). Where slots are positions only the slots some new token can
+    see are gathered, so the mask is [T, T + window - 1] at most."""
+    end, kv, device = start + n_new, cache.layer(layer), cache.kv.device
+    if cache.slot_positions is not None:
+        if attend is not None:
+            raise ValueError("a packed cache with slot positions takes no `attend`")
+        cols, rows = torch.arange(end, device=device), torch.arange(start, end, device=device)
+        pos = cache.slot_positions
+        mask = (cols[None, :] <= rows[:, None]) & (pos[:end][None, :] > pos[start:end][:, None] - window)
+        return kv[0, :, :end], kv[1, :, :end], mask, False
+    first = max(0, start - window + 1)
+    if attend is None:
+        cols = torch.arange(first, end, device=device)
+        keys, values = kv[0, :, first:end], kv[1, :, first:end]
+    else:
+        attend = attend.to(device)
+        cols = torch.cat([attend[attend >= first], torch.arange(start, end, device=device)])
+        keys, values = kv[0].index_select(1, cols), kv[1].index_select(1, cols)
+    rows = torch.arange(start, end, device=device)
+    mask = (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - window)
+    return keys, values, mask, False
+
+
 @dataclass(frozen=True)
 class SplitAttend:
     """What new tokens see, by layer: every earlier slot in layers below `split`, only the `upper` slots [S] (and
@@ -353,7 +475,7 @@ class DecodeStep:
     slot: Tensor  # [1] long: where the token's K/V go
     position: Tensor  # [1] long: its position (RoPE)
     length: Tensor  # [1] long: it attends to slots [0, length) (itself included: length = slot + 1)
-    rot: tuple[Tensor, Tensor]  # C, S [1, 1, D] for its position
+    rot: Rotations  # C, S [1, 1, D] for its position, per rotary table
 
 
 _KERNEL_CHECKED: dict[tuple, bool] = {}
@@ -381,11 +503,30 @@ class Transformer(nn.Module):
         device = tok_embeddings.device
         self.tok_embeddings = nn.Parameter(tok_embeddings, requires_grad=False)  # [V, d]
         self.rope = RotaryTable(cfg, freq_factors, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, self.rope) for w in layers)
+        # Gemma 3's sliding-window layers rotate with their own base: a second table, the model's Rotations[1].
+        self.rope_local = RotaryTable(cfg, None, device, local=True) if cfg.rope_base_swa else None
+        self.ropes = [t for t in (self.rope, self.rope_local) if t is not None]
+        self.layers = nn.ModuleList(self._layer(cfg, i, w) for i, w in enumerate(layers))
         self.output_norm = RMSNorm(output_norm, cfg.rms_eps)
         # Tied models reuse the embedding matrix as the output projection.
         self.output = None if output is None else nn.Parameter(output, requires_grad=False)  # [V, d]
         self.round_output = round_output
+
+    def _layer(self, cfg: ModelConfig, i: int, w: LayerWeights) -> DecoderLayer:
+        local = bool(cfg.window(i)) and self.rope_local is not None
+        return DecoderLayer(cfg, w, self.rope_local if local else self.rope, int(local), cfg.window(i))
+
+    def rotations(self, positions: Tensor) -> Rotations:
+        """positions [T] (best on the CPU: see RotaryTable.forward) -> each table's C, S [T, 1, D]."""
+        return tuple(table(positions) for table in self.ropes)
+
+    def gather_rotations(self, positions: Tensor) -> Rotations:
+        """Like rotations, for positions already on the device and within the tables (graph-safe)."""
+        return tuple(table.gather(positions) for table in self.ropes)
+
+    def reserve_rotations(self, n_pos: int) -> None:
+        for table in self.ropes:
+            table.reserve(n_pos)
 
     @property
     def device(self) -> torch.device:
@@ -400,11 +541,12 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [T] -> hidden states [T, d]."""
-        return F.embedding(tokens.to(self.device), self.tok_embeddings)
+        h = F.embedding(tokens.to(self.device), self.tok_embeddings)
+        return h if self.cfg.embed_scale == 1.0 else (h.float() * self.cfg.embed_scale).to(h.dtype)
 
     def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
                    layers: range | None = None, attend: Attend = None, step: DecodeStep | None = None,
-                   queries: list | None = None, rot: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                   queries: list | None = None, rot: Rotations | None = None) -> Tensor:
         """Run `layers` (default: all) on hidden states h [T, d] of tokens at `positions` [T].
 
         Their K/V go to slots [start, start + T) of those layers. `attend` [S] (cache slots, all before `start`)
@@ -412,15 +554,15 @@ class Transformer(nn.Module):
         slot before `start`. Does not move cache.length.
         With `step` (one token, CUDA-graph decode) positions, slot and visibility come from its device tensors.
         `queries`, if given, receives each layer's queries [T, H, D] (a tiered cache's rechecks score rounds with
-        them without running the layers again). `rot`: the rotation of `positions` already on the device
-        (RotaryTable.gather), so the host never waits for the device to copy positions over.
+        them without running the layers again). `rot`: the rotations of `positions` already on the device
+        (gather_rotations), so the host never waits for the device to copy positions over.
         """
         layers = range(self.cfg.n_layers) if layers is None else layers
         if step is not None:
             rot = step.rot
         elif rot is None:
             cache.reserve(start + h.shape[0])
-            rot = self.rope(positions)
+            rot = self.rotations(positions)
         else:
             cache.reserve(start + h.shape[0])
         if step is not None and decode_kernel_runs(self.cfg, h.dtype, h.device):
@@ -435,7 +577,10 @@ class Transformer(nn.Module):
     def head(self, h: Tensor) -> Tensor:
         """Final norm and output projection: [T, d] -> logits [T, V] in fp32."""
         weight = self.tok_embeddings if self.output is None else self.output
-        return F.linear(self.round_output(self.output_norm(h)), weight).float()
+        logits = F.linear(self.round_output(self.output_norm(h)), weight).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, attend: Attend = None,

@@ -62,3 +62,11 @@ def input_rounding(qtypes: list[Q]) -> Rounding | None:
         # Tensors fused into one matrix whose llama.cpp roundings differ: keep exact math for that matrix.
         return None
     return kinds.pop()
+
+
+def gelu_fp16_table(x: Tensor) -> Tensor:
+    """GELU (tanh approximation) as ggml's CPU back end computes it: looked up in a table indexed by the fp16
+    value of x and holding fp16 results (GGML_GELU_FP16), x for x >= 10 and 0 for x <= -10."""
+    table = torch.nn.functional.gelu(_to_half(x.float()), approximate="tanh")
+    y = _to_half(table)
+    return torch.where(x >= 10, x.float(), torch.where(x <= -10, torch.zeros_like(y), y)).to(x.dtype)

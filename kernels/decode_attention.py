@@ -12,6 +12,8 @@ splits), each computing a partial softmax over its split; a second kernel merges
   over all splits at every length.
 * `slots` (optional) lists the cache slots to attend to, in any order, and `length` then counts the listed ones:
   a policy's visible subset (Round Attention's kept rounds, a restricted view) in the same kernel.
+* `window` (optional): a sliding-window layer (Gemma 3) attends only to the last `window` of those keys, and the
+  splits share out just them.
 
 `decode_attention_ref` is the plain-torch definition the kernel is tested against.
 
@@ -32,17 +34,20 @@ if triton is not None:
 
 # Query heads per KV head a tile holds at most (MQA with up to 128 query heads).
 MAX_GROUP = 128
+# The window given to the kernel when there is none: larger than any length, so it starts at key 0.
+_NO_WINDOW = 2**31 - 1
 
 
 def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor | int, slots: Tensor | None = None,
-                         scale: float | None = None) -> Tensor:
+                         scale: float | None = None, window: int = 0) -> Tensor:
     """q [H, D], k / v [Hkv, C, D], length: the keys attended to (slots [0, length), or the first `length` entries
-    of `slots`) -> [H, D] in q's dtype, computed in float32."""
+    of `slots`; with `window`, only the last `window` of them) -> [H, D] in q's dtype, computed in float32."""
     n_heads, head_dim = q.shape
     n_kv_heads = k.shape[0]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     n = int(length)
-    index = torch.arange(n, device=k.device) if slots is None else slots[:n].to(device=k.device, dtype=torch.long)
+    first = max(0, n - window) if window else 0
+    index = torch.arange(first, n, device=k.device) if slots is None else slots[first:n].to(k.device, torch.long)
     keys = k.index_select(1, index).float().repeat_interleave(n_heads // n_kv_heads, dim=0)  # [H, n, D]
     values = v.index_select(1, index).float().repeat_interleave(n_heads // n_kv_heads, dim=0)
     probs = torch.softmax(torch.einsum("hd,hnd->hn", q.float(), keys) * scale, dim=-1)  # [H, n]
@@ -54,7 +59,7 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, slots_ptr, out_ptr, lse_ptr,
                       stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
-                      n_rep, qk_scale_log2,
+                      n_rep, qk_scale_log2, window,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       N_SPLITS: tl.constexpr, SUBSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr):
@@ -63,9 +68,10 @@ if triton is not None:
         kv_head = tl.program_id(0)
         split = tl.program_id(1)
         n_keys = tl.load(length_ptr).to(tl.int32)
+        first = tl.maximum(n_keys - window, 0)
         # Every split gets the same whole number of key blocks of the current length (the last may get fewer).
-        per_split = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(n_keys - first, N_SPLITS), BLOCK_N) * BLOCK_N
+        lo = first + split * per_split
         hi = tl.minimum(lo + per_split, n_keys)
 
         rows = tl.arange(0, BLOCK_H)
@@ -185,12 +191,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None = None,
-                     scale: float | None = None, n_splits: int | None = None) -> Tensor:
+                     scale: float | None = None, n_splits: int | None = None, window: int = 0) -> Tensor:
     """Attention of one token's queries q [H, D] over a cache's k, v [Hkv, C, D] (views of the engine's cache
     are fine: only the head dimension must be contiguous) -> [H, D] in q's dtype.
 
     `length` (a one-element integer tensor on the device, read by the kernel, never by the host) is the number of
-    keys: slots [0, length), or with `slots` [C'] the first `length` slots it lists. Nothing here syncs with the
+    keys: slots [0, length), or with `slots` [C'] the first `length` slots it lists; with `window` > 0 only the
+    last `window` of those (a sliding-window layer). Nothing here syncs with the
     device, so the call can be captured in a CUDA graph and replayed for any length up to C (or C'). Raises
     ValueError where `unsupported_reason` gives one (callers fall back to `decode_attention_ref`)."""
     _check(q, k, v, length, slots)
@@ -203,13 +210,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Ten
     n_rep = n_heads // n_kv_heads
     n_splits = n_splits or default_splits(n_kv_heads, capacity if slots is None else slots.numel(), q.device)
     block_n, warps, stages = _tiles(head_dim, q.dtype)
+    if window:  # no more splits than the window has key blocks
+        n_splits = min(n_splits, triton.cdiv(window, block_n))
     block_d = max(16, triton.next_power_of_2(head_dim))
     part = torch.empty(n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(n_heads, n_splits, dtype=torch.float32, device=q.device)
     _split_kernel[(n_kv_heads, n_splits)](
         q, k, v, length, length if slots is None else slots, part, lse,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        n_rep, scale * math.log2(math.e),
+        n_rep, scale * math.log2(math.e), int(window) or _NO_WINDOW,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
         N_SPLITS=n_splits, SUBSET=slots is not None,
         # fp32: full-precision products, not TF32. The interpreter multiplies bfloat16 tiles wrongly in tl.dot

@@ -87,9 +87,16 @@ def _m003_restore_streams(db: Database) -> None:
     restores.add_column("plan", str, not_null_default="")
 
 
+def _m004_window_live_from(db: Database) -> None:
+    # Sliding-window layers (Gemma 3) never read a token again once the chat has moved a window past it: a segment
+    # stores those layers' K/V as zeros before `live_from` (a token position). Rows written before hold them all.
+    db["kv_segments"].add_column("live_from", int, not_null_default=0)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
-                                                            ("003_restore_streams", _m003_restore_streams)]
+                                                            ("003_restore_streams", _m003_restore_streams),
+                                                            ("004_window_live_from", _m004_window_live_from)]
 
 
 @dataclass

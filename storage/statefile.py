@@ -56,7 +56,7 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
                     "token_end": r.token_end} for r in rounds],
         "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
-                                        "codec", "dtype", "byte_size", "raw_size", "checksum", "file")}
+                                        "codec", "dtype", "byte_size", "raw_size", "checksum", "file", "live_from")}
                      for s in segments],
         # What a compacted chat leaves out (recomputing it was faster than loading it where it was exported), so
         # an importer can say so; anything absent is recomputed on first open either way.
@@ -228,10 +228,12 @@ def _validate_manifest(m, bad) -> dict:
             kind = s.setdefault("kind", SEGMENT_KV)  # files exported before segments had kinds hold only K/V
             if not (isinstance(kind, str) and kind in SEGMENT_KINDS):
                 raise bad(f"segment {j} is of an unknown kind {str(kind)[:40]!r}")
+            s.setdefault("live_from", 0)  # and before sliding windows were trimmed, every token
         ok = (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ints)
               and isinstance(s.get("file"), str) and _BLOB_NAME.fullmatch(s["file"])
               and _is_hex64(s.get("checksum")) and isinstance(s.get("codec"), str) and isinstance(s.get("dtype"), str)
               and 0 <= s["round_idx"] < len(rounds) and 0 < s["byte_size"] <= MAX_BLOB_BYTES
+              and _is_int(s["live_from"]) and 0 <= s["live_from"] <= s["token_end"]
               and (s["token_start"], s["token_end"]) == (rounds[s["round_idx"]]["token_start"],
                                                          rounds[s["round_idx"]]["token_end"]))
         if not ok:

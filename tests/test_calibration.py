@@ -148,10 +148,15 @@ def test_the_check_climbs_to_the_first_layer_that_agrees_enough(monkeypatch):
     measured = {2: 0.95, 3: 0.995, 4: 1.0}
     monkeypatch.setattr(calibration, "reference_reply", lambda engine, conv, message: None)
     monkeypatch.setattr(calibration, "agreement", lambda engine, refs, layer, progress=None: measured[layer])
-    engine = type("E", (), {"config": type("C", (), {"n_layers": 6})()})()
+    engine = type("E", (), {"config": type("C", (), {"n_layers": 6, "window": lambda self, i: 0})()})()
     assert calibration.checked_watershed(engine, [("chat", "message")], 2) == (3, {2: 0.95, 3: 0.995})
     measured.update({3: 0.9, 4: 0.95})  # none reaches it: the best, the lowest of equals
     assert calibration.checked_watershed(engine, [("chat", "message")], 2) == (2, {2: 0.95, 3: 0.9, 4: 0.95})
+    # Gemma 3's pattern: five sliding-window layers, then a global one; only global layers can choose rounds
+    gemma = type("E", (), {"config": type("C", (), {"n_layers": 13, "window": lambda self, i: 512 * (i % 6 < 5)})()})()
+    measured.update({5: 0.9, 11: 0.995})
+    assert calibration.checked_watershed(gemma, [("chat", "message")], 2) == (11, {5: 0.9, 11: 0.995})
+    assert calibration.checked_watershed(gemma, [("chat", "message")], 7) == (11, {11: 0.995})
 
 
 def test_agreement_is_measured_on_the_full_caches_sure_tokens(engine):

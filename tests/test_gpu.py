@@ -9,11 +9,13 @@ from gguf import GGMLQuantizationType as Q
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
 from kvchat.engine.parity import compare, ours_logits, relative_error
-from kvchat.engine.synthetic import REFERENCE_PROMPT
+from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
 
 pytestmark = pytest.mark.gpu
 SPECS = [dict(qtype=Q.F16), dict(qtype=Q.Q4_K), dict(arch="qwen2", style="chatml"), dict(llama3_factor=8.0),
-         dict(n_kv_heads=4), dict(arch="qwen2", style="chatml", n_kv_heads=1)]
+         dict(n_kv_heads=4), dict(arch="qwen2", style="chatml", n_kv_heads=1),
+         # Qwen 3's head norms; Gemma 3's windows of 8 keys (48 decoded tokens cross many of them)
+         REFERENCE_MODELS["qwen3-f32"], REFERENCE_MODELS["gemma3-f32-swa"]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -44,7 +46,8 @@ def test_generation_on_cuda(models):
     assert len(out.tokens) == 16 and engine.model.tok_embeddings.is_cuda
 
 
-@pytest.mark.parametrize("spec", [dict(), dict(n_kv_heads=4), dict(arch="qwen2", style="chatml", n_kv_heads=1)])
+@pytest.mark.parametrize("spec", [dict(), dict(n_kv_heads=4), dict(arch="qwen2", style="chatml", n_kv_heads=1),
+                                  REFERENCE_MODELS["gemma3-f32-swa"]])
 def test_chunked_prefill_on_cuda_equals_one_pass(models, spec):
     """Later chunks attend through a lower-right causal bias (flash attention, grouped-query heads included):
     the same logits as one pass, within fp32 rounding."""

@@ -345,8 +345,9 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
         assert "kind" not in old.db["kv_segments"].columns_dict
         old.close()
     store = Store()
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 3
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 4
     assert kinds_and_files(store, sid) == [(0, "kv", "a")]
+    assert store.segments(sid)[0]["live_from"] == 0  # stored before windows were trimmed: every token held
     table = store.db["kv_segments"]
     assert table.pks == ["session_id", "round_idx", "layer_start", "kind"]
     assert [ix.columns for ix in table.indexes if ix.origin == "c"] == [["file"]]

@@ -41,3 +41,32 @@ def test_check_is_sensitive_to_rope_layout(models):
     engine.model.rope.neox = True  # qwen2's layout on a llama file
     wrong = ours_logits(engine, tokens)
     assert relative_error(wrong, ref) > 0.05
+
+
+def test_check_is_sensitive_to_sliding_windows(models):
+    """Gemma 3's five-of-six sliding-window layers and their own RoPE base: a decoder that lets those layers see
+    the whole prompt, or rotates them with the global base, is caught by a wide margin."""
+    path = models.get(**REFERENCE_MODELS["gemma3-f32-swa"])
+    engine = Engine(path, device="cpu")
+    m = engine.model
+    assert [layer.window for layer in m.layers] == [8, 8, 8, 8, 8, 0, 8]
+    tokens = engine.encode_prompt(PROMPT)
+    ref = reference_logits(path, tokens)
+    windows = [layer.window for layer in m.layers]
+    for layer in m.layers:
+        layer.window = 0
+    assert relative_error(ours_logits(engine, tokens), ref) > 0.01  # 10x the check's tolerance
+    for layer, window in zip(m.layers, windows):
+        layer.window, layer.rope, layer.rope_slot = window, m.rope, 0
+    assert relative_error(ours_logits(engine, tokens), ref) > 0.005  # 5x: only 8 positions, small angles
+
+
+def test_check_is_sensitive_to_head_norms(models):
+    """Qwen 3's query and key norms swapped (their weights differ by ~10%) are caught."""
+    path = models.get(**REFERENCE_MODELS["qwen3-f32"])
+    engine = Engine(path, device="cpu")
+    tokens = engine.encode_prompt(PROMPT)
+    ref = reference_logits(path, tokens)
+    for layer in engine.model.layers:
+        layer.q_norm, layer.k_norm = layer.k_norm, layer.q_norm
+    assert relative_error(ours_logits(engine, tokens), ref) > 0.01

@@ -134,7 +134,7 @@ def bounded_shares(engine, tiered: TieredKV, token: int) -> torch.Tensor:
     h = m.run_layers(m.embed(torch.tensor([token])), pos, reference, p, layers=range(tiered.split))
     best = torch.zeros(len(tiered.round_starts))
     for i, layer in enumerate(range(tiered.split, engine.config.n_layers)):
-        best = torch.maximum(best, table.round_share(m.layers[layer].queries(h, m.rope(pos))[-1], i))
+        best = torch.maximum(best, table.round_share(m.layers[layer].queries(h, m.rotations(pos))[-1], i))
         h = m.run_layers(h, pos, reference, p, layers=range(layer, layer + 1), attend=visible)
     return best
 

@@ -98,10 +98,16 @@ class RoundAttention(KVPolicy):
         return [0] + [r + 1 for r in select_rounds(rest, self.strategy, self.k, self.threshold, self.sigmas)]
 
     def check_model(self, model: Transformer) -> None:
-        lw = self.watershed
-        if lw is None or not 0 <= lw < model.cfg.n_layers - 1:
+        lw, cfg = self.watershed, model.cfg
+        if lw is None or not 0 <= lw < cfg.n_layers - 1:
             raise KvchatError(f"watershed layer {lw} leaves no layer above it in the model's "
-                              f"{model.cfg.n_layers} layers")
+                              f"{cfg.n_layers} layers")
+        if cfg.window(lw):
+            # Rounds are chosen from the attention at L_w, and a sliding-window layer attends to nothing older than
+            # its window (Gemma 3): only global layers can choose.
+            usable = [i for i in cfg.global_layers if i < cfg.n_layers - 1]
+            raise KvchatError(f"watershed layer {lw} is a sliding-window layer; choose a global one "
+                              f"({', '.join(map(str, usable))})")
 
     @classmethod
     def create(cls, engine=None, progress=None, **options) -> "RoundAttention":
@@ -130,7 +136,7 @@ class RoundAttention(KVPolicy):
         positions = torch.arange(start, start + len(new_tokens))
         # The new message's lower layers, as its prefill will compute them (same slots, same values).
         h = model.run_layers(model.embed(torch.tensor(new_tokens)), positions, cache, start, layers=range(lw))
-        queries = model.layers[lw].queries(h, model.rope(positions))
+        queries = model.layers[lw].queries(h, model.rotations(positions))
         starts = torch.tensor(round_starts, dtype=torch.long)
         mass = round_mass(queries, cache.kv[lw, 0, :, :start], starts).cpu()
         self.last_selection = self.choose(mass)
