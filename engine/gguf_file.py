@@ -29,6 +29,21 @@ MAX_KV = 100_000
 _LAZY_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
 
 
+class _Reader(GGUFReader):
+    """gguf's reader, slicing a plain ndarray view of its memory map: a numpy memmap pays for a subclass
+    finalizer on every slice, and the reader slices once per vocabulary entry (three times 262k for Gemma 3's
+    vocabulary: 10 s of a 12 s load on a 2-core CPU, 4x less this way). The slices are the same bytes."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None or plain.base is not self.data:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        end = offset + int(np.dtype(dtype).itemsize) * count
+        arr = plain[offset:end].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -48,7 +63,7 @@ class GGUFFile:
         self.path = Path(path)
         _check_header(self.path)
         try:
-            reader = GGUFReader(self.path, "r")
+            reader = _Reader(self.path, "r")
         except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on corrupt input; all mean the same
             raise GGUFError(f"{self.path}: not a readable GGUF file ({_describe(exc)})") from None
         self._reader = reader

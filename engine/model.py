@@ -73,7 +73,9 @@ class KVCache(nn.Module):
         grown = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         grown[:, :, :, : self.capacity] = self.kv
         if self.slot_positions is not None:
-            self.slot_positions = torch.cat([self.slot_positions, self.slot_positions.new_zeros(new_cap - self.capacity)])
+            grown_positions = self.slot_positions.new_zeros(new_cap)
+            grown_positions[: self.capacity] = self.slot_positions
+            self.slot_positions = grown_positions
         self.kv = grown
 
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
@@ -200,11 +202,6 @@ Rotations = tuple[tuple[Tensor, Tensor], ...]
 
 def identity(x: Tensor) -> Tensor:
     return x
-
-
-def head_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm of each head x [..., heads, D] over its D values (Qwen 3 / Gemma 3's query and key norms)."""
-    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -425,8 +422,8 @@ def _step_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
 def _window_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int):
     """_attended_kv for a sliding-window layer: position t is visible from position p iff p - window < t <= p
     (llama.cpp's LLAMA_SWA_TYPE_STANDARD). Slots are positions except in a cache with `slot_positions` (closed
-    rounds packed in any order, then the open round's tokens in order). Where slots are positions only the slots some new token can
-    see are gathered, so the mask is [T, T + window - 1] at most."""
+    rounds packed in any order, then the open round's tokens in order). Where slots are positions only the slots
+    some new token can see are gathered, so the mask is [T, T + window - 1] at most."""
     end, kv, device = start + n_new, cache.layer(layer), cache.kv.device
     if cache.slot_positions is not None:
         if attend is not None:

@@ -147,3 +147,23 @@ def test_a_chat_message_empty_or_longer_than_the_context_is_refused_before_anyth
     assert_one_line_error(proc, "the message is empty")
     [chat] = json_.loads(run_kvchat("sessions", "--json").stdout)
     assert chat["n_rounds"] == 1  # only the first message's round
+
+
+def test_gemma3_metadata_we_cannot_honour_is_refused(tmp_path):
+    """A window longer than the context, and a Gemma 3 / Qwen 3 file without its head norms: one line each."""
+    import numpy as np
+
+    from kvchat.engine.synthetic import random_tensors
+
+    wide = write_header_only(tmp_path / "wide.gguf", base_config(arch="gemma3", sliding_window=4096))
+    assert_one_line_error(kvchat("info", "--model", str(wide)), "sliding window 4096", "context of 64 tokens")
+    for arch in ("gemma3", "qwen3"):
+        cfg = base_config(arch=arch, qk_norm=True, post_norms=arch == "gemma3", rope_neox=True)
+        tensors = {name: make() for name, (_, make) in random_tensors(cfg, 0).items()
+                   if not name.endswith("attn_k_norm.weight")}
+        vocab, _ = make_vocab("llama3")
+        tensors["token_embd.weight"] = np.zeros((len(vocab.tokens), 256), np.float32)
+        path = tmp_path / f"{arch}.gguf"
+        write_model_gguf(path, cfg, tensors, vocab)
+        assert_one_line_error(kvchat("generate", "--model", str(path), "--device", "cpu", "hi"),
+                              "tensor blk.0.attn_k_norm.weight is missing")
