@@ -115,7 +115,7 @@ def test_gemma_270m_by_short_name(gemma_home, monkeypatch):
 
 @gemma_installed
 def test_gemma_270m_agrees_with_llama_cpp_on_real_text(gemma_home):
-    """Teacher-forced on 600 tokens of an MT-Bench chat (past the 512-token window): the engine's top token agrees
+    """Teacher-forced on 540 tokens of an MT-Bench chat (past the 512-token window): the engine's top token agrees
     with llama.cpp's about as often as llama.cpp's batched evaluation agrees with its own one-token decode (95.5%
     over 1,085 positions; the real model's activations are large and 8-bit activation rounding flips near-ties)."""
     from kvchat.engine.engine import Engine
@@ -125,8 +125,8 @@ def test_gemma_270m_agrees_with_llama_cpp_on_real_text(gemma_home):
     path = gemma_home / "models" / GEMMA.file
     engine = Engine(path, device="cpu")
     chat = mt_bench_workload(engine.chat, "parity", target=700)
-    tokens = [t for span in engine.chat.round_spans(chat.conversation) for t in span][:600]
-    assert len(tokens) == 600
+    tokens = [t for span in engine.chat.round_spans(chat.conversation) for t in span][:540]
+    assert len(tokens) == 540
     ours, ref = ours_logits(engine, tokens), reference_logits(path, tokens)
     assert (ours.argmax(1) == ref.argmax(1)).mean() >= 0.93
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 0.1  # a wrong layer moves it past 0.3
