@@ -352,7 +352,7 @@ def _engine(spec):
 def _setup(spec: dict) -> dict:
     """Build each workload's chat, prefill it once and store every round as the app does (one store per model, so
     the GGUF file is hashed once)."""
-    from kvchat.app.chat_session import KVWriter, storage_groups, trim_windows, window_live_from
+    from kvchat.app.chat_session import KVWriter, storage_groups, window_live_from, zero_unread_windows
     from kvchat.engine.generate import prefill
     from kvchat.engine.workloads import build_workload
     from kvchat.storage.db import RoundRow, Store, now
@@ -394,8 +394,8 @@ def _setup(spec: dict) -> dict:
             live = window_live_from(cfg, start, end, wl.tokens)  # sliding-window layers: as the app stores them
             for layers in groups:
                 at = live if any(cfg.window(layer) for layer in layers) else start
-                writer.submit(sid, i, trim_windows(cache.read(layers, start, end), layers, cfg, start, at),
-                              layers, range(start, end), live_from=at)
+                kv = zero_unread_windows(cache.read(layers, start, end), layers, cfg, start, at)
+                writer.submit(sid, i, kv, layers, range(start, end), live_from=at)
             start = end
         writer.drain()
         if writer.errors:

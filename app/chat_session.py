@@ -88,7 +88,7 @@ def window_live_from(cfg, start: int, end: int, chat_end: int) -> int:
     return min(end, max(start, chat_end - cfg.sliding_window + 1))
 
 
-def trim_windows(kv: torch.Tensor, layers: range, cfg, start: int, live_from: int) -> torch.Tensor:
+def zero_unread_windows(kv: torch.Tensor, layers: range, cfg, start: int, live_from: int) -> torch.Tensor:
     """Zero (in place) the K/V [len(layers), 2, Hkv, n, D] of tokens before `live_from` in sliding-window layers:
     zeros compress to almost nothing, and the segment keeps its shape (every reader takes it as it is)."""
     windowed = [j for j, layer in enumerate(layers) if cfg.window(layer)]
@@ -298,8 +298,8 @@ class ChatSession:
             into.setdefault(seg["round_idx"], []).append(seg)
         if trimmed:
             stats.notes.append(f"round {min(trimmed)}{'' if len(trimmed) == 1 else f'-{max(trimmed)}'}: stored "
-                               f"without the sliding-window K/V the chat's end now reads (a later round was "
-                               f"retracted); recomputed")
+                               f"without sliding-window K/V the chat's end now reads (the chat ends earlier than "
+                               f"when they were stored: a fork or a retraction); recomputed")
         self._stored_live = {(i, seg["layer_start"]): seg["live_from"] for i, segs in by_round.items()
                              for seg in segs}
         self._window_valid_from = max((seg["live_from"] for segs in by_round.values() for seg in segs
@@ -611,7 +611,8 @@ class ChatSession:
         """Store round i's K/V of `layers` (full cache), zeros before `live_from` in its sliding-window layers."""
         row, cfg = self.rounds[i], self.engine.config
         live = self.live_from(i) if any(cfg.window(layer) for layer in layers) else row.token_start
-        kv = trim_windows(self.cache.read(layers, row.token_start, row.token_end), layers, cfg, row.token_start, live)
+        kv = self.cache.read(layers, row.token_start, row.token_end)
+        zero_unread_windows(kv, layers, cfg, row.token_start, live)
         self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end), live_from=live)
         self._stored_live[(i, layers.start)] = live
 
