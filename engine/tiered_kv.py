@@ -456,18 +456,15 @@ class TieredKV:
         self.upper.truncate(0)
         self.upper.reserve(n + 512)
         self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
-        at = 0
-        for r in rounds:
-            self._place_positions(at, self.round_starts[r], self._round_length(r))
-            at += self._round_length(r)
         if copied:
             # the bytes that crossed (the device-to-device copies are not counted)
             self._account_transfer(t0, copied * staged[0].numel() * staged.element_size())
         self.resident, self.upper_base, self.upper.length = list(rounds), n, n
+        for r, first in self._resident_slots().items():
+            self._place_positions(first, self.round_starts[r], self._round_length(r))
 
     def _round_length(self, r: int) -> int:
-        end = self.round_starts[r + 1] if r + 1 < len(self.round_starts) else self.closed_end
-        return end - self.round_starts[r]
+        return self._round_end(r) - self.round_starts[r]
 
     def _resident_slots(self) -> dict[int, int]:
         """Round -> its first slot in `upper`, for the rounds the previous message left there."""
@@ -511,8 +508,7 @@ class TieredKV:
         """Round r's upper K/V from its text: its lower layers see every earlier round (as they did), its upper
         layers the first round and itself (the rounds it saw then are not all at hand): an approximation, which
         the restore stats report."""
-        m, start = self.model, self.round_starts[r]
-        end = self.round_starts[r + 1] if r + 1 < len(self.round_starts) else self.closed_end
+        m, start, end = self.model, self.round_starts[r], self._round_end(r)
         tokens = self.tokens[r] if self.tokens[r] is not None else self.token_source(r)
         if len(tokens) != end - start:
             raise RuntimeError(f"round {r} has {len(tokens)} tokens for slots [{start}, {end})")
