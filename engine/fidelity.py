@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvchat.engine.chat_format import Conversation
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import decoder_step, prefill
+from kvchat.engine.generate import decode_steps, prefill
 from kvchat.engine.policies import KVPolicy
 from kvchat.engine.tiered_kv import TieredKV
 from kvchat.engine.workloads import mt_bench_workload
@@ -118,28 +118,22 @@ def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Ten
     model, n = engine.model, len(chat.reply)
     capacity = chat.tokens + 8
     round_starts: list[int] = []
+    visible = None
     if policy.tiered:
         cache = TieredKV(model, policy, capacity)
         for span in chat.history:
             cache.prefill(span)
             cache.close_round()
         rows = [cache.prefill(chat.prompt)]
-        cache.reserve_decode(n)
-        step = cache.step
     else:
         cache = model.new_cache(capacity)
         for span in chat.history:
             round_starts.append(cache.length)
             prefill(model, cache, span)
         visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
-        first = cache.length
         rows = [prefill(model, cache, chat.prompt, attend=visible)]
-        if visible is None:
-            step = decoder_step(model, cache, cache.length + n + 1, None)
-        else:
-            def step(token: int) -> torch.Tensor:
-                seen = torch.cat([visible.cpu(), torch.arange(first, cache.length)])
-                return model(torch.tensor([token]), cache, attend=seen)[-1]
+    # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
+    step = decode_steps(model, cache, n, capacity, visible, first=sum(map(len, chat.history)))
     for token in chat.reply[:-1]:
         rows.append(step(token).clone())
     return torch.stack(rows).float()

@@ -87,15 +87,7 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     logits = cache.prefill(prompt) if tiered else prefill(model, cache, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
-    if tiered:
-        cache.reserve_decode(min(max_tokens, limit - cache.length))
-        step = cache.step
-    elif attend is None:
-        step = decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
-    else:  # a restricted view: eager steps that see the chosen slots and everything generated since
-        def step(tok: int) -> torch.Tensor:
-            visible = _with_own_slots(attend, first, cache.length)
-            return model(torch.tensor([tok]), cache, attend=visible)[-1]
+    step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph)
     decode_started = time.perf_counter()
     pieces: list[str] = []
     while True:
@@ -132,6 +124,24 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     result.text = _strip_stop("".join(pieces) + tail, stop_strings)
     result.decode_seconds = time.perf_counter() - decode_started
     return result
+
+
+def decode_steps(model: Transformer, cache: KVCache | TieredKV, max_tokens: int, limit: int, attend: Attend = None,
+                 first: int = 0, cuda_graph: bool | None = None):
+    """The decode step (token -> logits [V]) for up to `max_tokens` tokens after a prefill: a tiered cache's own
+    step, the full cache's (graphed on CUDA), or, with `attend` (the view the prefill had of the cache as it was
+    at slot `first`), eager steps that see the chosen slots and everything generated since."""
+    if isinstance(cache, TieredKV):
+        cache.reserve_decode(min(max_tokens, limit - cache.length))
+        return cache.step
+    if attend is None:
+        return decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
+
+    def step(tok: int) -> torch.Tensor:
+        visible = _with_own_slots(attend, first, cache.length)
+        return model(torch.tensor([tok]), cache, attend=visible)[-1]
+
+    return step
 
 
 def decoder_step(model: Transformer, cache: KVCache, capacity: int, cuda_graph: bool | None):
