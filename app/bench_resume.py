@@ -9,7 +9,11 @@ model already loaded and warmed up:
 - kv-split    the restore pipeline: the chat compacted for this machine (kvchat compact), its first rounds
               recomputed while the rest loads, as planned from this machine's measured profile, then answer;
 - llama.cpp   llama.cpp's own state file (llama_state_load_file) on the same GGUF file, then answer;
-- policy:NAME restore as kv-load, then answer under the KV policy NAME (what the new message may attend to).
+- kv-merge    the chat stored with layer pairs merged (Krul; r_l = 0.5: checked pairs on real models, Algorithm 1's
+              own ranking of every layer on random weights, where neither the check nor the I-R test means
+              anything), restored as kv-load, then answer;
+- policy:NAME restore as kv-load, then answer under the KV policy NAME (what the new message may attend to;
+              krul is measured as kv-merge).
 
 The first timed run follows a page-cache drop (cold, where the OS allows it); the warm figure is the median of the
 repeats after it. Time to first token runs from the start of the method to the first token of the reply. The floor
@@ -37,7 +41,8 @@ from typing import Callable
 from kvchat.errors import KvchatError
 from kvchat.storage.known_models import is_known_model, resolve_model
 
-ENGINE_METHODS = ("prefill", "kv-load", "kv-split")
+ENGINE_METHODS = ("prefill", "kv-load", "kv-split", "kv-merge")
+MERGE_SHARE = 0.5  # kv-merge: r_l, the share of layers merged (at most)
 LLAMA_CPP = "llama.cpp"
 REPLY_TOKENS = 32
 RECALL_TOKENS = 48
@@ -55,13 +60,13 @@ def model_names() -> list[str]:
 def method_names() -> list[str]:
     from kvchat.engine.policies import POLICIES
 
-    return [*ENGINE_METHODS, LLAMA_CPP, *(f"policy:{name}" for name in POLICIES)]
+    return [*ENGINE_METHODS, LLAMA_CPP, *(f"policy:{name}" for name in POLICIES if name != "krul")]
 
 
 def default_methods() -> list[str]:
-    """What runs when no method is named: every method but the round policies, which run when asked for (their
-    recall is not at target yet, and each calibrates its model on first use)."""
-    return [m for m in method_names() if not m.startswith("policy:round")]
+    """What runs when no method is named: every method but the round policies and kv-merge, which run when asked
+    for (their quality is not at target yet, and each calibrates its model on first use)."""
+    return [m for m in method_names() if not m.startswith("policy:round") and m != "kv-merge"]
 
 
 def parse_names(text: str, accepted: list[str], what: str) -> list[str]:
@@ -248,6 +253,8 @@ def _line(model: str, wl: str, m: dict, floor: dict | None) -> str:
     ratio = f", x{m['floor_ratio_warm']:.1f} floor" if floor else ""
     plan = (f"; plan: {m['split_plan']} (recompute {m['split_compute_ms']:,.0f} ms, load {m['split_load_ms']:,.0f} "
             f"ms)" if "split_plan" in m else "")
+    if "merge_pairs" in m:
+        plan = f"; layers {', '.join(m['merge_pairs']) or 'none'} merged in {m['merge_rounds']} rounds"
     return (f"{model} {wl} {m['method']}: first token {1000 * m['ttft_cold_s']:,.0f} ms cold, "
             f"{1000 * m['ttft_warm_s']:,.0f} ms warm{ratio}; {m['bytes_per_token']:,.0f} B/token on disk; "
             f"decode {m['decode_tok_s']:,.1f} tok/s{plan}")
@@ -472,6 +479,8 @@ def _run_engine(spec: dict) -> dict:
     sid, planner, split = wl["sid"], None, {}
     if method == "kv-split":
         sid, planner, split = _compacted_copy(store, engine, wl["sid"])
+    elif method == "kv-merge":
+        sid, split = _merged_copy(store, engine, wl["sid"], spec["model"])
     _warm_up(engine)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -560,7 +569,10 @@ def _run_engine(spec: dict) -> dict:
             cache.truncate(base)
         result["recall"] = {"correct": correct, "questions": len(asked), "accuracy": correct / len(asked)}
         close_sessions()
-    result["bytes_on_disk"] = 0 if method == "prefill" else split.get("split_disk_bytes", wl["kv_disk_bytes"])
+    if method == "kv-merge":
+        result.update(split)
+    result["bytes_on_disk"] = 0 if method == "prefill" else split.get(
+        "split_disk_bytes", split.get("merge_disk_bytes", wl["kv_disk_bytes"]))
     result["bytes_per_token"] = result["bytes_on_disk"] / wl["tokens"]
     if engine.device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
@@ -583,6 +595,31 @@ def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:
         "split_disk_bytes": report.bytes_left, "split_compacted_rounds": len(report.rounds),
         "split_compacted_prefix": list(report.prefix), "split_profile_s": profile_s,
         "split_profile": profile.to_dict()}
+
+
+def _merged_copy(store, engine, sid: str, model: str) -> tuple[str, dict]:
+    """kv-merge's chat: the stored chat forked and stored again with layer pairs merged (kvchat merge)."""
+    from kvchat.app.chat_session import ChatSession
+    from kvchat.app.layer_merges import ChatMerges
+    from kvchat.engine.synthetic import SHAPES
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    t0 = time.perf_counter()
+    fork = store.fork_session(sid, len(store.rounds(sid)), "kv-merge")
+    checked = model not in SHAPES
+    # Random weights attend almost uniformly, so no layer shows Krul's I-R pattern and the statistics only rank
+    # pairs (gamma 0): the figures are of speed and bytes, at the share asked for.
+    merges = ChatMerges(store, fork, engine, model_fingerprint(Path(engine.path), store), MERGE_SHARE,
+                        checked=checked, **({} if checked else {"gamma": 0.0}))
+    session = ChatSession(store, engine, fork, merges=merges)
+    session.restore()
+    merged = session.store_merged()
+    session.close()
+    if session.writer.errors:
+        raise KvchatError(f"storing the merged chat failed: {session.writer.errors[0]}")
+    return fork, {"merge_disk_bytes": sum(s["byte_size"] for s in store.segments(fork)), "merge_rounds": merged,
+                  "merge_pairs": [str(p) for p in merges.pairs()], "merge_checked": checked,
+                  "merge_share": MERGE_SHARE, "merge_s": time.perf_counter() - t0}
 
 
 def _stream_figures(stats) -> dict:

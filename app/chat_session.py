@@ -25,7 +25,9 @@ from typing import Callable
 
 import torch
 
+from kvchat.app.layer_merges import ChatMerges, pairs_text, parse_pairs
 from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.cross_layer import LayerPair, merge_pair, unmerge_pair
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.model import KVCache
@@ -37,12 +39,12 @@ from kvchat.engine.tiered_kv import TieredKV, host_layout
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import ContextOverflowError, KvchatError
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, RoundRow, Store, now
+from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.pagecache import resident_fraction
 from kvchat.storage.prefetch import SegmentPrefetcher
-from kvchat.storage.segments import merge_planes, tensor_on, write_segment
+from kvchat.storage.segments import merge_planes, tensor_on, token_rows_fit, write_segment
 from kvchat.storage.staging import HostToDevice, Staged
 
 log = logging.getLogger("kvchat.session")
@@ -134,14 +136,15 @@ class KVWriter:
         self._thread.start()
 
     def submit(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range,
-               kind: str = SEGMENT_KV, live_from: int = 0) -> None:
-        """`kv` (or, by `kind`, the round's key bounds) must not change afterwards (a copy, as KVCache.read
-        returns). `live_from`: its sliding-window layers hold zeros before this position (ChatSession.live_from)."""
+               kind: str = SEGMENT_KV, live_from: int = 0, merged: str = "") -> None:
+        """`kv` (or, by `kind`, the round's key bounds or a merged pair) must not change afterwards (a copy, as
+        KVCache.read returns). `live_from`: its sliding-window layers hold zeros before this position
+        (ChatSession.live_from); `merged`: the layer pairs it holds as zeros, stored merged ("4+5,6+7")."""
         ready = None
         if kv.is_cuda:  # the writer's stream must not read the copy before the main stream has made it
             ready = torch.cuda.Event()
             ready.record()
-        self._jobs.put((sid, round_idx, kv, layers, tokens, kind, live_from, ready))
+        self._jobs.put((sid, round_idx, kv, layers, tokens, kind, (live_from, merged), ready))
 
     def submit_job(self, job: Callable[[], object], what: str) -> None:
         """Run `job` on the writer's thread once every save submitted before it is done (compaction)."""
@@ -166,17 +169,17 @@ class KVWriter:
             if item[0] == "job":
                 self._run_job(*item[1:])
                 continue
-            sid, round_idx, kv, layers, tokens, kind, live_from, ready = item
+            sid, round_idx, kv, layers, tokens, kind, extra, ready = item
             try:
                 if ready is None:
-                    self._save(sid, round_idx, kv, layers, tokens, kind, live_from)
+                    self._save(sid, round_idx, kv, layers, tokens, kind, *extra)
                 else:
                     # Its own CUDA stream: copying K/V to the host overlaps decoding instead of queueing behind it.
                     stream = self._stream or torch.cuda.Stream(kv.device)
                     self._stream = stream
                     stream.wait_event(ready)
                     with torch.cuda.stream(stream):
-                        self._save(sid, round_idx, kv, layers, tokens, kind, live_from)
+                        self._save(sid, round_idx, kv, layers, tokens, kind, *extra)
             except Exception as exc:  # noqa: BLE001 - the writer must outlive any one failed save
                 # The text is already committed; this round's K/V will be recomputed when the chat is reopened.
                 reason = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
@@ -196,7 +199,7 @@ class KVWriter:
             self._jobs.task_done()
 
     def _save(self, sid: str, round_idx: int, kv: torch.Tensor, layers: range, tokens: range, kind: str,
-              live_from: int = 0) -> None:
+              live_from: int = 0, merged: str = "") -> None:
         ref = write_segment(self.store.kv_dir, kv, fingerprint=self.fingerprint, layers=layers, tokens=tokens,
                             kind=kind)
         crash_point("segment-durable")
@@ -204,14 +207,15 @@ class KVWriter:
                                token_start=tokens.start, token_end=tokens.stop, codec=ref.codec,
                                dtype=str(kv.dtype).removeprefix("torch."), byte_size=ref.byte_size,
                                raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
-                               model_fingerprint=self.fingerprint, live_from=live_from)
+                               model_fingerprint=self.fingerprint, live_from=live_from, merged=merged)
         crash_point("segment-row-committed")
 
 
 class ChatSession:
     def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
                  policy: KVPolicy | None = None, planner: Planner | None = None,
-                 compactor: Callable[[Store, str], object] | None = None, trim_windows: bool = True):
+                 compactor: Callable[[Store, str], object] | None = None, trim_windows: bool = True,
+                 merges: "ChatMerges | None" = None, ignore_merges: bool = False):
         """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache.
         `planner`: chooses what a restore recomputes and what it loads (app.hardware_profile.profile_planner);
         None loads everything stored. `compactor`: run on the writer's thread after each round is saved
@@ -236,6 +240,9 @@ class ChatSession:
         # Sliding-window K/V of positions below this may be zeros in the cache (restored from trimmed segments):
         # it cannot be stored again as live.
         self._window_valid_from = 0
+        self.merges = merges
+        self.ignore_merges = ignore_merges
+        self._round_pairs: dict[int, list[LayerPair]] = {}  # the pairs a round is stored merged in
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
         if self.policy is None:
@@ -290,12 +297,15 @@ class ChatSession:
         for seg in self.store.segments(self.sid):
             if seg["kind"] == SEGMENT_KEY_BOUNDS:
                 into = bounds if self.policy is not None and seg["layer_start"] == self.split else {}
+            elif seg["kind"] == SEGMENT_MERGED and self.ignore_merges:
+                continue  # the K/V rows naming it make their round recomputed (_unusable)
             elif not self._window_readable(seg, total):
                 trimmed.add(seg["round_idx"])  # recomputed, like a missing segment
                 continue
             else:
                 into = upper_only if seg["layer_start"] >= self.split else by_round
             into.setdefault(seg["round_idx"], []).append(seg)
+        self._route_merged(by_round, upper_only)
         if trimmed:
             stats.notes.append(f"round {min(trimmed)}{'' if len(trimmed) == 1 else f'-{max(trimmed)}'}: stored "
                                f"without sliding-window K/V the chat's end now reads (the chat ends earlier than "
@@ -342,6 +352,19 @@ class ChatSession:
             # and the cores (at 32k on an H200 it made the restore slower than the full cache's).
             self._start_upper_fetch()
         return restored
+
+    def _route_merged(self, by_round: dict[int, list[dict]], upper_only: dict[int, list[dict]]) -> None:
+        """Each merged pair goes with the K/V rows that name it (tiered: read with the lower layers, or in the
+        background with the upper ones); one that no K/V row names is left over, never read."""
+        for i in set(by_round) | set(upper_only):
+            merged = [s for s in by_round.get(i, []) + upper_only.get(i, []) if s["kind"] == SEGMENT_MERGED]
+            for into in (by_round, upper_only):
+                if i not in into:
+                    continue
+                listed = {(p.low, p.high + 1) for p in self._listed_pairs(
+                    [s for s in into[i] if s["kind"] == SEGMENT_KV])}
+                into[i] = [s for s in into[i] if s["kind"] != SEGMENT_MERGED] + [
+                    s for s in merged if (s["layer_start"], s["layer_end"]) in listed]
 
     def _plan(self, by_round: dict[int, list[dict]], upper_only: dict[int, list[dict]]) -> RestorePlan:
         """What to recompute and what to load: the planner's choice from this chat's stored segments (those of
@@ -586,6 +609,19 @@ class ChatSession:
             for layers in self.storage_groups:
                 self._submit_kv(i, layers)
 
+    def store_merged(self) -> int:
+        """Store every round again merged in the pairs the chat's statistics pick, after a probe at each round's
+        end (a chat stored before it merged: `kvchat merge`); returns how many rounds hold merged pairs."""
+        if self.merges is None or self.restored is None:
+            raise RuntimeError("store_merged needs a restored chat with merging on")
+        spans = self.engine.chat.round_spans(self.conversation())
+        tokens = [t for span in spans for t in span]
+        with torch.inference_mode():
+            self.merges.observe(self.cache, [(r.token_end, tokens[r.token_start:r.token_end]) for r in self.rounds])
+        self._round_pairs.clear()
+        self.store_all()
+        return sum(bool(self._pairs_for(i)) for i in range(len(self.rounds)))
+
     # ---- sliding-window layers (Gemma 3) ----
 
     def live_from(self, i: int) -> int:
@@ -598,8 +634,10 @@ class ChatSession:
         return max(live, min(row.token_end, self._window_valid_from))
 
     def _windowed(self, seg: dict) -> bool:
-        """Whether a segment holds sliding-window layers."""
-        return any(self.engine.config.window(j) for j in range(seg["layer_start"], seg["layer_end"]))
+        """Whether a segment holds sliding-window layers (a merged pair: its two layers)."""
+        held = (seg["layer_start"], seg["layer_end"] - 1) if seg["kind"] == SEGMENT_MERGED else \
+            range(seg["layer_start"], seg["layer_end"])
+        return any(self.engine.config.window(j) for j in held)
 
     def _window_readable(self, seg: dict, end: int) -> bool:
         """Whether a stored K/V segment holds every sliding-window K/V a chat ending at `end` reads."""
@@ -608,13 +646,47 @@ class ChatSession:
         return seg["live_from"] <= max(seg["token_start"], end - self.engine.config.sliding_window + 1)
 
     def _submit_kv(self, i: int, layers: range) -> None:
-        """Store round i's K/V of `layers` (full cache), zeros before `live_from` in its sliding-window layers."""
-        row, cfg = self.rounds[i], self.engine.config
-        live = self.live_from(i) if any(cfg.window(layer) for layer in layers) else row.token_start
-        kv = self.cache.read(layers, row.token_start, row.token_end)
-        zero_unread_windows(kv, layers, cfg, row.token_start, live)
-        self.writer.submit(self.sid, i, kv, layers, range(row.token_start, row.token_end), live_from=live)
+        """Store round i's K/V of `layers` (full cache), zeros before `live_from` in its sliding-window layers;
+        layers the round is merged in as zeros, each pair whose lower layer is here as a merged segment first (a
+        crash between the two leaves the old K/V row, which names no such pair)."""
+        row = self.rounds[i]
+        tokens = range(row.token_start, row.token_end)
+        live = self._group_live(i, layers)
+        kv = self._trimmed(i, layers, live)
+        pairs = [p for p in self._pairs_for(i) if p.low in layers or p.high in layers]
+        for p in pairs:
+            if p.low in layers:
+                both = torch.cat([self._trimmed(i, range(p.low, p.low + 1)),
+                                  self._trimmed(i, range(p.high, p.high + 1))])
+                merged = merge_pair(both[0], both[1], self.merges.retain)
+                self.writer.submit(self.sid, i, merged, range(p.low, p.high + 1), tokens, kind=SEGMENT_MERGED,
+                                   live_from=self._group_live(i, range(p.low, p.low + 1)))
+            for layer in (p.low, p.high):
+                if layer in layers:
+                    kv[layer - layers.start] = 0
+        self.writer.submit(self.sid, i, kv, layers, tokens, live_from=live, merged=pairs_text(pairs))
         self._stored_live[(i, layers.start)] = live
+
+    def _group_live(self, i: int, layers: range) -> int:
+        cfg = self.engine.config
+        return self.live_from(i) if any(cfg.window(layer) for layer in layers) else self.rounds[i].token_start
+
+    def _trimmed(self, i: int, layers: range, live: int | None = None) -> torch.Tensor:
+        """Round i's K/V of `layers` as stored: zeros before `live_from` in sliding-window layers."""
+        row = self.rounds[i]
+        kv = self.cache.read(layers, row.token_start, row.token_end)
+        live = self._group_live(i, layers) if live is None else live
+        return zero_unread_windows(kv, layers, self.engine.config, row.token_start, live)
+
+    def _pairs_for(self, i: int) -> list[LayerPair]:
+        """The layer pairs round i is stored merged in: those it was first stored with, else the chat's choice now."""
+        if self.merges is None:
+            return []
+        if i not in self._round_pairs:
+            # a tiered chat merges within its upper tier: the lower one is read in full at every message
+            within = range(self.split if self.policy is not None else 0, self.engine.config.n_layers)
+            self._round_pairs[i] = self.merges.pairs(within)
+        return self._round_pairs[i]
 
     def _retrim(self) -> None:
         """Store again the rounds whose sliding-window tail the chat's new end has moved past (or, after a
@@ -635,10 +707,9 @@ class ChatSession:
         key bounds."""
         if self.policy is None:
             return
-        parts = sorted(self._upper_parts.pop(i, []), key=lambda p: p[0].start)
-        if upper is None and parts and parts[0][0].start == self.split \
-                and parts[-1][0].stop == self.engine.config.n_layers:
-            upper = torch.cat([kv for _, kv in parts])
+        parts = self._upper_parts.pop(i, [])
+        if upper is None and parts:
+            upper = _assemble_upper(parts, self.split, self.engine.config.n_layers)
         bounds = self._stored_bounds(i, start, end) if upper is None else None
         self.cache.add_closed_round(start, end, upper, tokens, bounds=bounds)
 
@@ -724,16 +795,27 @@ class ChatSession:
             loaded = self._upper_fetcher.take(i)
             if isinstance(loaded, str):
                 reason = loaded
-            elif not _hold_span(loaded, row.token_start, row.token_end):
+            elif not _hold_span(segments, loaded, row.token_start, row.token_end):
                 reason = "upper-layer segment holds another token span"
             else:
-                parts = [kv for _, kv in sorted(loaded, key=lambda hk: hk[0].layer_start)]
-                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                return self._host_upper(segments, loaded, row.token_end - row.token_start)
         note = f"round {i}: {reason}; its upper layers recomputed"
         log.info("%s (chat %s)", note, self.sid)
         if self.restored is not None:
             self.restored.notes.append(note)
         return None
+
+    def _host_upper(self, segments: list[dict], loaded: list[tuple], n: int) -> torch.Tensor:
+        """Token-major upper K/V [n, L - split, 2, Hkv, D] from a round's upper segments, merged pairs unmerged."""
+        kv = sorted(((s, t) for s, (_, t) in zip(segments, loaded) if s["kind"] == SEGMENT_KV),
+                    key=lambda st: st[0]["layer_start"])
+        host = kv[0][1] if len(kv) == 1 else torch.cat([t for _, t in kv], dim=1)
+        for seg, (_, tensor) in zip(segments, loaded):
+            if seg["kind"] == SEGMENT_MERGED:
+                both = unmerge_pair(tensor.permute(1, 2, 3, 0, 4), n)  # back to [2, 2, Hkv, n + m, D] first
+                for layer, layer_kv in zip((seg["layer_start"], seg["layer_end"] - 1), both):
+                    host[:, layer - self.split] = layer_kv.permute(2, 0, 1, 3)
+        return host
 
     def store_tiers(self) -> int:
         """Tiered: store again, as a lower and an upper segment, every round whose K/V came as one segment of all
@@ -801,16 +883,28 @@ class ChatSession:
         self._waited += time.perf_counter() - t0
         if isinstance(loaded, str):
             return loaded
-        if not _hold_span(loaded, start, end):
+        if not _hold_span(segments, loaded, start, end):
             return "segment holds another token span"
-        for seg, (header, data) in zip(segments, loaded):
+        listed = set(self._listed_pairs([s for s in segments if s["kind"] == SEGMENT_KV]))
+        for seg, (header, data) in zip(segments, loaded):  # K/V rows first: their merged layers are zeros
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
-            self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv, keep_from)
+            if seg["kind"] != SEGMENT_MERGED:
+                self._place(i, range(seg["layer_start"], seg["layer_end"]), start, kv, keep_from)
+                continue
+            pair = LayerPair(seg["layer_start"], seg["layer_end"] - 1)
+            if pair in listed:  # else left over from before its round was stored again without it
+                try:
+                    both = unmerge_pair(kv, end - start)
+                except ValueError as exc:
+                    return f"merged K/V of layers {pair} damaged ({exc})"
+                self._place(i, range(pair.low, pair.low + 1), start, both[0:1], keep_from)
+                self._place(i, range(pair.high, pair.high + 1), start, both[1:2], keep_from)
         return None
 
     def _unusable(self, segments: list[dict], layers: range) -> str | None:
         """Why `segments` (one round's rows) cannot supply K/V of every layer in `layers`, or None."""
-        covered = sorted((s["layer_start"], s["layer_end"]) for s in segments
+        kv = [s for s in segments if s["kind"] == SEGMENT_KV]
+        covered = sorted((s["layer_start"], s["layer_end"]) for s in kv
                          if s["layer_start"] < layers.stop and layers.start < s["layer_end"])
         if not covered:
             return "no K/V stored"
@@ -823,7 +917,26 @@ class ChatSession:
             return f"K/V of layers {expect}..{layers.stop - 1} missing"
         if any(seg["model_fingerprint"] != self.fingerprint for seg in segments):
             return "K/V belongs to another model"
+        return self._merges_unusable(kv, segments, layers)
+
+    def _merges_unusable(self, kv: list[dict], segments: list[dict], layers: range) -> str | None:
+        """Why the layer pairs the K/V rows hold merged cannot be restored in `layers`, or None."""
+        # every pair with a layer from `layers` up: a tiered restore takes the upper layers of a segment that holds
+        # them too, so a pair above the split must be there as well
+        wanted = [p for p in self._listed_pairs(kv) if p.high >= layers.start]
+        if not wanted:
+            return None
+        if self.ignore_merges:
+            return f"stored with layers {', '.join(map(str, wanted))} merged (undoing merges)"
+        held = {(s["layer_start"], s["layer_end"]) for s in segments if s["kind"] == SEGMENT_MERGED}
+        missing = [p for p in wanted if (p.low, p.high + 1) not in held]
+        if missing:
+            return f"merged K/V of layers {', '.join(map(str, missing))} missing"
         return None
+
+    @staticmethod
+    def _listed_pairs(kv: list[dict]) -> list[LayerPair]:
+        return sorted({p for s in kv for p in parse_pairs(s.get("merged") or "")})
 
     def _place(self, i: int, layers: range, start: int, kv: torch.Tensor, keep_from: int = 0) -> None:
         """Write loaded K/V of `layers` from `keep_from` up into the cache (the layers below are the recompute
@@ -880,6 +993,9 @@ class ChatSession:
         crash_point("round-committed")
         self.rounds.append(row)
         self._settle_cache(start, prompt + result.tokens[:-1], closed)
+        if self.merges is not None and self.policy is None:  # the chat's statistics: late rows of message, reply
+            with torch.inference_mode():
+                self.merges.observe(self.cache, [(start + len(prompt), closed[:len(prompt)]), (row.token_end, closed)])
         self._save_round(idx, row)
         if self.compactor is not None:
             compactor = self.compactor
@@ -902,9 +1018,16 @@ class ChatSession:
             self._retrim()
             return
         self.cache.close_round()
-        lower = range(self.split)
+        lower, upper_layers = range(self.split), range(self.split, n_layers)
         self.writer.submit(self.sid, idx, self.cache.lower.read(lower, row.token_start, row.token_end), lower, tokens)
-        self.writer.submit(self.sid, idx, self.cache.round_upper(idx), range(self.split, n_layers), tokens)
+        upper = self.cache.round_upper(idx)  # a copy: the cache keeps the exact K/V
+        pairs = [p for p in self._pairs_for(idx) if p.low >= self.split]
+        for p in pairs:  # merged pair first, then the upper segment naming it (as _submit_kv)
+            merged = merge_pair(upper[p.low - self.split], upper[p.high - self.split], self.merges.retain)
+            self.writer.submit(self.sid, idx, merged, range(p.low, p.high + 1), tokens, kind=SEGMENT_MERGED)
+        for p in pairs:
+            upper[[p.low - self.split, p.high - self.split]] = 0
+        self.writer.submit(self.sid, idx, upper, upper_layers, tokens, merged=pairs_text(pairs))
         self._save_bounds(idx, tokens)
 
     def _save_bounds(self, idx: int, tokens: range) -> None:
@@ -976,7 +1099,22 @@ def _rounds_words(rounds: list[int]) -> str:
     return ("round " if len(rounds) == 1 else "rounds ") + ", ".join(runs)
 
 
-def _hold_span(loaded: list[tuple], start: int, end: int) -> bool:
-    """Whether every loaded K/V segment (header, data) holds tokens [start, end), one row per token."""
-    return all((header.token_start, header.token_end, header.shape[3]) == (start, end, end - start)
-               for header, _ in loaded)
+def _assemble_upper(parts: list[tuple[range, torch.Tensor]], split: int, n_layers: int) -> torch.Tensor | None:
+    """A tiered round's upper K/V [L - split, 2, Hkv, n, D] from the parts a restore placed, in order (a merged
+    pair's layers over the zeros its segment held), or None unless they cover every upper layer."""
+    covered: set[int] = set()
+    for layers, _ in parts:
+        covered |= set(layers)
+    if not covered >= set(range(split, n_layers)):
+        return None
+    upper = parts[0][1].new_empty(n_layers - split, *parts[0][1].shape[1:])
+    for layers, kv in parts:
+        upper[layers.start - split : layers.stop - split] = kv
+    return upper
+
+
+def _hold_span(segments: list[dict], loaded: list[tuple], start: int, end: int) -> bool:
+    """Whether every loaded segment (header, data) holds tokens [start, end): one row per token (K/V), or as many
+    and the retained ones after them (a merged pair)."""
+    return all((header.token_start, header.token_end) == (start, end) and token_rows_fit(
+        seg["kind"], header.shape[3], end - start) for seg, (header, _) in zip(segments, loaded))

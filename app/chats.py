@@ -54,6 +54,11 @@ def restore_words(r: dict) -> str:
     return words + (f"; {'; '.join(r['notes'])}" if r["notes"] else "")
 
 
+def merged_pairs(segments: list[dict]) -> list[str]:
+    """The layer pairs a round's K/V rows hold merged."""
+    return sorted({p for s in segments if s["kind"] == "kv" for p in (s.get("merged") or "").split(",") if p})
+
+
 def guard_options(f):
     """--guard/--no-guard and --reply-cap: the generation guard (engine.reply_guard), on by default."""
     f = click.option("--reply-cap", default=None, type=click.IntRange(min=1),
@@ -108,12 +113,17 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--compact/--no-compact", default=True, show_default=True,
                   help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
                        "recompute anyway (kvchat compact).")
+    @click.option("--merge", "merge_share", default=None, type=click.FloatRange(min=0.0, max=1.0),
+                  help="Store this chat's rounds with up to this share of the layers merged in pairs (Krul; 0: off; "
+                       "the chat keeps the setting). Only pairs the model's check accepted are used; under the round "
+                       "policy, only in its upper layers.")
     @guard_options
     @device_option
-    def send(session, message, max_tokens, policy_name, compact, guard, reply_cap, device):
+    def send(session, message, max_tokens, policy_name, compact, merge_share, guard, reply_cap, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
         from kvchat.app.chat_session import ChatSession
         from kvchat.app.hardware_profile import planning
+        from kvchat.app.layer_merges import chat_merges
         from kvchat.engine.engine import Engine
         from kvchat.engine.policies import chat_policy
 
@@ -130,7 +140,9 @@ def register(main: click.Group, model_option, device_option) -> None:
         engine = Engine(model_path, device=device)
         policy = chat_policy(policy_name, engine, calibrating)
         planner, compactor = planning(engine, info["model_fingerprint"], notice, compact)
-        chat = ChatSession(store, engine, info["id"], policy=policy, planner=planner, compactor=compactor)
+        merges = chat_merges(store, info, engine, merge_share, calibrating)
+        chat = ChatSession(store, engine, info["id"], policy=policy, planner=planner, compactor=compactor,
+                           merges=merges)
         chat.restore()
 
         def stream(_tok: int, piece: str) -> None:
@@ -147,6 +159,62 @@ def register(main: click.Group, model_option, device_option) -> None:
             store.rename_session(info["id"], " ".join(message.split())[:48])
         for problem in chat.writer.errors:
             click.echo(f"kvchat: warning: {problem}", err=True)
+
+    @main.command()
+    @click.argument("session")
+    @click.option("--share", default=0.5, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+                  help="The share of layers merged, at most (r_l); only pairs the model's check accepted are used.")
+    @device_option
+    def merge(session, share, device):
+        """Store SESSION's rounds again with layer pairs merged (Krul), and keep merging its new rounds."""
+        from kvchat.app.chat_session import ChatSession
+        from kvchat.app.layer_merges import chat_merges
+        from kvchat.engine.engine import Engine
+
+        store = _store()
+        info = store.session(session)
+        if not Path(info["model_path"]).exists():
+            raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
+        engine = Engine(info["model_path"], device=device)
+        chat = ChatSession(store, engine, info["id"], merges=chat_merges(store, info, engine, share, calibrating))
+        chat.restore()
+        merged = chat.store_merged()
+        chat.close()
+        if chat.writer.errors:
+            raise KvchatError(f"the rounds could not all be stored merged ({chat.writer.errors[0]}); those keep "
+                              f"their K/V as it was")
+        pairs = ", ".join(map(str, chat.merges.pairs())) or "none"
+        click.echo(f"{info['id']}: {merged} of {len(chat.rounds)} rounds stored with layers {pairs} merged"
+                   + ("" if merged else " (no layer pair of this chat passed the model's check)"))
+
+    @main.command()
+    @click.argument("session")
+    @device_option
+    def unmerge(session, device):
+        """Undo SESSION's cross-layer merges: its merged rounds are recomputed (exactly) and stored whole, and the
+        chat stops merging."""
+        from kvchat.app.chat_session import ChatSession
+        from kvchat.engine.engine import Engine
+        from kvchat.storage.db import SEGMENT_MERGED
+
+        store = _store()
+        info = store.session(session)
+        if not Path(info["model_path"]).exists():
+            raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
+        engine = Engine(info["model_path"], device=device)
+        chat = ChatSession(store, engine, info["id"], ignore_merges=True)
+        stats = chat.restore()
+        chat.close()
+        if chat.writer.errors:
+            raise KvchatError(f"the merged rounds could not be stored whole ({chat.writer.errors[0]}); nothing "
+                              f"was undone")
+        merged = [(s["round_idx"], s["kind"], s["layer_start"]) for s in store.segments(info["id"])
+                  if s["kind"] == SEGMENT_MERGED]
+        store.unlink_files(store.drop_segment_rows(info["id"], merged))
+        settings = {k: v for k, v in info["settings"].items() if k != "merge"}
+        store.update_session(info["id"], settings=settings)
+        click.echo(f"{info['id']}: {len(stats.recomputed_rounds)} merged rounds recomputed and stored whole; "
+                   f"merging off for this chat")
 
     @main.command()
     @click.option("--json", "as_json", is_flag=True)
@@ -175,7 +243,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         for r in store.rounds(info["id"]):
             mine = segs.get(r.idx, [])
             rounds.append({"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text,
-                           "tokens": [r.token_start, r.token_end],
+                           "tokens": [r.token_start, r.token_end], "merged": merged_pairs(mine),
                            "kv": "on disk" if kv_stored(store, mine) else "text only",
                            "kv_bytes": sum(s["byte_size"] for s in mine), "kv_raw_bytes": sum(s["raw_size"] for s in mine)})
         out = {"id": info["id"], "title": info["title"], "model": info["model_path"],
@@ -189,11 +257,19 @@ def register(main: click.Group, model_option, device_option) -> None:
         if out["system_prompt"]:
             click.echo(f"system: {out['system_prompt']}")
         for r in rounds:
+            merged = f", layers {', '.join(r['merged'])} merged" if r["merged"] else ""
             click.echo(f"\n[{r['idx']}] tokens {r['tokens'][0]}-{r['tokens'][1]}  KV {r['kv']} "
-                       f"({r['kv_bytes']:,} bytes)")
+                       f"({r['kv_bytes']:,} bytes{merged})")
             click.echo(f"user: {r['user']}")
             click.echo(f"assistant: {r['assistant']}")
         click.echo(f"\nKV on disk: {out['kv_bytes']:,} bytes ({out['kv_raw_bytes']:,} raw)")
+        counts: dict[str, int] = {}
+        for r in rounds:
+            for pair in r["merged"]:
+                counts[pair] = counts.get(pair, 0) + 1
+        if counts:
+            click.echo("merged layer pairs: " + ", ".join(f"{p} ({n} rounds)" for p, n in sorted(counts.items()))
+                       + f"; kvchat unmerge {out['id']} undoes them")
         lr = out["last_restore"]
         if lr:
             click.echo(f"last restore: {restore_words(lr)}")

@@ -140,7 +140,16 @@ def info(model_path, as_json) -> None:
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
 
 
-def _eval_text(model_path, policy_names, chats, seed, device, watershed, lengths, positions, as_json) -> None:
+def _policy_options(name: str, watershed, r_l, unchecked) -> dict:
+    """The options `kvchat eval` passes to policy `name`."""
+    if name.startswith("round"):
+        return {} if watershed is None else {"watershed": watershed}
+    if name == "krul":
+        return {"r_l": r_l, "checked": not unchecked}
+    return {}
+
+
+def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json) -> None:
     from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
     from kvchat.engine.fidelity import text_fidelity
@@ -154,8 +163,8 @@ def _eval_text(model_path, policy_names, chats, seed, device, watershed, lengths
     if not wanted or min(wanted) < 200:
         raise KvchatError(f"--lengths needs chat lengths of at least 200 tokens, not {lengths!r}")
     engine = Engine(model_path, device=_device(device))
-    options = {} if watershed is None else {"watershed": watershed}
-    makers = {name: (lambda name=name: make_policy(name, engine, calibrating, **options)) for name in policy_names}
+    makers = {name: (lambda name=name: make_policy(name, engine, calibrating, **options(name)))
+              for name in policy_names}
     result = text_fidelity(engine, makers, wanted, chats, positions, seed,
                            progress=None if as_json else lambda what: click.echo(f"\r{what:<70}", nl=False,
                                                                                   err=True))
@@ -176,13 +185,15 @@ def _eval_text(model_path, policy_names, chats, seed, device, watershed, lengths
                 continue
             buckets = "  ".join(f"{k}: {v['mean_kl']:.4f}/{v['top1']:.1%}" for k, v in p["by_position"].items())
             at = f"@{p['watershed']}" if "watershed" in p else ""
+            if "merged_pairs" in p:
+                at = " " + "/".join(",".join(pairs) or "none" for pairs in p["merged_pairs"])
             click.echo(f"  {p['policy'] + at:<16} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
                        f"(full {p['ppl_full']:.3f})  over {p['positions']} positions;  by position {buckets}")
 
 
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
 # command then paid for at start, `kvchat --help` and `kvchat sessions` too.
-EVAL_POLICIES = ["full", "round", "round-adaptive", "round-threshold", "round-topk"]
+EVAL_POLICIES = ["full", "krul", "round", "round-adaptive", "round-threshold", "round-topk"]
 
 
 @main.command("eval")
@@ -199,6 +210,10 @@ EVAL_POLICIES = ["full", "round", "round-adaptive", "round-threshold", "round-to
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--watershed", default=None, type=click.IntRange(min=0),
               help="Round policies: the watershed layer (default: the model's calibration, made on first use).")
+@click.option("--r-l", "r_l", default=0.5, show_default=True, type=click.FloatRange(min=0.0, max=1.0),
+              help="krul: the share of layers merged (at most; the check may accept fewer).")
+@click.option("--unchecked", is_flag=True,
+              help="krul: merge the pairs the chat's attention statistics pick, without the model's check.")
 @click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]),
               help="heldout: sentences written from templates training never saw; train: the training templates "
                    "(the values are held-out either way).")
@@ -218,7 +233,7 @@ EVAL_POLICIES = ["full", "round", "round-adaptive", "round-threshold", "round-to
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
 @click.pass_context
 def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
-          phrasing, samples, temperature, text, lengths, positions, as_json) -> None:
+          r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
     how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
     from kvchat.app.chats import calibrating
@@ -231,14 +246,14 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
         source = click.core.ParameterSource
         named = ctx.get_parameter_source("policy_name") != source.DEFAULT
         n_chats = chats if ctx.get_parameter_source("chats") != source.DEFAULT else 2
-        _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device, watershed,
-                   lengths, positions, as_json)
+        _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device,
+                   lambda name: _policy_options(name, watershed, r_l, unchecked), lengths, positions, as_json)
         return
     if max_rounds < min_rounds:
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
     engine = Engine(model_path, device=_device(device))
     policy = make_policy(policy_name, engine, calibrating,
-                         **({} if watershed is None else {"watershed": watershed}))
+                         **_policy_options(policy_name, watershed, r_l, unchecked))
     try:
         dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
     except ValueError as exc:
@@ -262,6 +277,8 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
     click.echo(f"accuracy {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over {d['chats']} chats of "
                f">= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
                f"(mean {d['mean_chat_tokens']:.0f}); {d['tokens_per_second']:.0f} tokens/s")
+    if "merged_layer_fraction" in d:
+        click.echo(f"layers merged: {d['merged_layer_fraction']:.1%} of the model's, on average at a question")
     for title in ("by_kind", "by_position", "by_distance", "by_stated", "by_asked"):
         cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in d[title].items())
         click.echo(f"{title.replace('_', ' ')}: {cells}")

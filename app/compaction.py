@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvchat.app.chat_session import round_layouts
 from kvchat.engine.restore_plan import HardwareProfile, compactable, plan_groups, plan_restore
-from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, Store
+from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, Store
 from kvchat.storage.failpoints import crash_point
 
 
@@ -66,6 +66,10 @@ def compact_session(store: Store, sid: str, profile: HardwareProfile) -> Compact
         for s in mine:
             # Key bounds summarize the keys of the layers from their first up: useless once those are all gone.
             if s["kind"] == SEGMENT_KEY_BOUNDS and not any(k["layer_end"] > s["layer_start"] for k in kept) and gone:
+                gone.append(s)
+            # A merged pair is read only for the K/V rows that name it: useless once none of those is kept.
+            if s["kind"] == SEGMENT_MERGED and gone and not any(
+                    f"{s['layer_start']}+{s['layer_end'] - 1}" in (k.get("merged") or "").split(",") for k in kept):
                 gone.append(s)
         if gone:
             report.rounds.append(i)

@@ -71,6 +71,7 @@ class EvalResult:
     # Tiered policies: device K/V over a full cache's, and rounds kept over rounds, at each question (means).
     kv_fractions: list[float] = field(default_factory=list)
     round_fractions: list[float] = field(default_factory=list)
+    merged_fractions: list[float] = field(default_factory=list)  # Krul: share of layers merged, at each question
 
     @property
     def accuracy(self) -> float:
@@ -87,6 +88,8 @@ class EvalResult:
         if self.kv_fractions:
             d["device_kv_fraction"] = round(sum(self.kv_fractions) / len(self.kv_fractions), 4)
             d["rounds_kept_fraction"] = round(sum(self.round_fractions) / len(self.round_fractions), 4)
+        if self.merged_fractions:
+            d["merged_layer_fraction"] = round(sum(self.merged_fractions) / len(self.merged_fractions), 4)
         return {"accuracy": round(self.accuracy, 4), "questions": self.overall.questions,
                 "correct": self.overall.correct, **d, "tokens_per_second": round(self.tokens_per_second, 1),
                 "by_kind": table(self.by_kind), "by_position": table(self.by_position),
@@ -156,11 +159,17 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
     questions = {q.round_index: q for q in dlg.questions}
     out_of_scope = {o.round_index: o.kind for o in dlg.out_of_scope}
     round_starts: list[int] = []
+    history: list[int] = []
     for i, rnd in enumerate(dlg.rounds):
         start = cache.length
         q = questions.get(i)
+        undo = None
         if q is not None or i in out_of_scope:
             prompt = chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
+            if not tiered:  # the history as the policy gives it to a new message (Krul: merged layers)
+                undo = policy.prepare(engine.model, cache, round_starts, history)
+                if hasattr(policy, "last_pairs") and round_starts:
+                    result.merged_fractions.append(2 * len(policy.last_pairs) / engine.config.n_layers)
             visible = None if tiered else policy.visible_slots(cache, round_starts, prompt, model=engine.model)
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
@@ -185,7 +194,10 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
                 result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})
         if q is not None or i in out_of_scope:
             cache.truncate(start)
+            if undo is not None:
+                undo()
         round_starts.append(start)
+        history += closed[i]
         if tiered:
             cache.prefill(closed[i])
             cache.close_round()

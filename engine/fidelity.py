@@ -67,6 +67,7 @@ class PolicyFidelity:
     by_position: dict[str, Tally] = field(default_factory=dict)
     error: str | None = None  # the policy refused this model (one line), nothing measured
     watershed: int | None = None  # round policies: the layer they chose at
+    merged: list[list[str]] = field(default_factory=list)  # krul: the pairs merged, per chat
 
     def add(self, position: int, kl: float, agree: bool, nll: float, nll_full: float) -> None:
         self.overall.add(kl, agree, nll, nll_full)
@@ -77,6 +78,8 @@ class PolicyFidelity:
         if self.error:
             return {"policy": self.policy, "error": self.error}
         extra = {} if self.watershed is None else {"watershed": self.watershed}
+        if self.merged:
+            extra["merged_pairs"] = self.merged
         return {"policy": self.policy, **extra, **self.overall.as_dict(),
                 "by_position": {k: v.as_dict() for k, v in self.by_position.items()}}
 
@@ -130,6 +133,7 @@ def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Ten
         for span in chat.history:
             round_starts.append(cache.length)
             prefill(model, cache, span)
+        policy.prepare(model, cache, round_starts, [t for span in chat.history for t in span])
         visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
         rows = [prefill(model, cache, chat.prompt, attend=visible)]
     # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
@@ -194,6 +198,8 @@ def text_fidelity(engine: Engine, policies: dict[str, Callable[[], KVPolicy]], l
                     policy = full if name == "full" else policies[name]()
                     fid.watershed = getattr(policy, "watershed", None)
                     got = forced_logits(engine, policy, chat)
+                    if hasattr(policy, "last_pairs"):
+                        fid.merged.append([str(p) for p in policy.last_pairs])
                 except KvchatError as exc:
                     fid.error = str(exc)
                     continue

@@ -36,7 +36,11 @@ def now() -> str:
 # the per-dimension min and max of the keys: [layers, 2, Hkv, blocks, D]).
 SEGMENT_KV = "kv"
 SEGMENT_KEY_BOUNDS = "key-bounds"
-SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS)
+# Two layers' K/V of a round merged into one (engine.cross_layer; [2, 2, Hkv, tokens + retained, D]): the row's
+# layer range runs from the lower layer to the higher one, and only those two are in it. The round's K/V segment
+# holds those layers as zeros and names the pair in its `merged` column.
+SEGMENT_MERGED = "merged"
+SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED)
 _SEGMENT_PK = ("session_id", "round_idx", "layer_start", "kind")
 
 
@@ -93,10 +97,20 @@ def _m004_window_live_from(db: Database) -> None:
     db["kv_segments"].add_column("live_from", int, not_null_default=0)
 
 
+def _m005_merged_layers(db: Database) -> None:
+    # Cross-layer merging (Krul): a K/V segment may hold some layer pairs as zeros, their K/V being in a segment of
+    # kind "merged"; `merged` names those pairs ("4+5,6+7"), so a restore never takes the zeros for K/V. Each chat
+    # keeps the attention statistics that choose its pairs.
+    db["kv_segments"].add_column("merged", str, not_null_default="")
+    db["layer_stats"].create({"session_id": str, "stats": str, "updated": str}, pk="session_id",
+                             not_null={"stats", "updated"}, foreign_keys=[("session_id", "sessions", "id")])
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
                                                             ("003_restore_streams", _m003_restore_streams),
-                                                            ("004_window_live_from", _m004_window_live_from)]
+                                                            ("004_window_live_from", _m004_window_live_from),
+                                                            ("005_merged_layers", _m005_merged_layers)]
 
 
 @dataclass
@@ -310,7 +324,7 @@ class Store:
         """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
         with self.transaction() as db:
             files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?", [sid])]
-            for table in ("kv_segments", "restores", "rounds"):
+            for table in ("kv_segments", "restores", "rounds", "layer_stats"):
                 db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
             db.execute("DELETE FROM sessions WHERE id = ?", [sid])
         return self.unreferenced(files)
@@ -371,6 +385,16 @@ class Store:
                 db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx = ? AND kind = ? AND "
                            "layer_start = ?", where)
         return self.unreferenced(sorted(set(files)))
+
+    def layer_stats(self, sid: str) -> dict | None:
+        """The chat's attention statistics (engine.layer_stats.LayerStats as a dict), or None."""
+        rows = self._fetch("SELECT stats FROM layer_stats WHERE session_id = ?", [sid])
+        return json.loads(rows[0][0]) if rows else None
+
+    def save_layer_stats(self, sid: str, stats: dict) -> None:
+        with self.transaction() as db:
+            db["layer_stats"].upsert({"session_id": sid, "stats": json.dumps(stats), "updated": now()},
+                                     pk="session_id")
 
     def drop_segments(self, sid: str, round_idx: int) -> None:
         with self.transaction() as db:

@@ -12,6 +12,8 @@ way of reading it wrong is reported as a StorageError subclass, and the caller r
 
 A segment of kind "key-bounds" holds a round's key bounds instead of its K/V, in the same format with blocks of tokens
 in place of tokens ([layers, 2 (min, max), Hkv, blocks, D]); the header does not record the kind, the database row does.
+A segment of kind "merged" holds two layers' K/V merged (engine.cross_layer: [2, 2, Hkv, tokens + retained, D]); its
+layer range runs from the lower layer to the higher one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
-from kvchat.storage.db import SEGMENT_KV, check_segment_kind
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, check_segment_kind
 
 if TYPE_CHECKING:
     from kvchat.storage.staging import HostToDevice
@@ -173,10 +175,11 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None
     for what, r in (("layers", layers), ("tokens", tokens)):
         if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
             raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
-    if len(layers) != kv.shape[0]:
+    if not layer_rows_fit(kind, kv.shape[0], len(layers)):
         raise ValueError(f"{name} for layers {layers} must hold {len(layers)} layers, not {kv.shape[0]}")
     if not token_rows_fit(kind, kv.shape[3], len(tokens)):
-        allowed = len(tokens) if kind == SEGMENT_KV else f"1 to {len(tokens)}"
+        allowed = {SEGMENT_KV: len(tokens), SEGMENT_MERGED: f"{len(tokens)} to {2 * len(tokens)}"}.get(
+            kind, f"1 to {len(tokens)}")
         raise ValueError(f"{name} for tokens {tokens} must hold {allowed} {rows}, not {kv.shape[3]}")
     if any(d > _U32_MAX for d in kv.shape):
         raise ValueError(f"K/V shape {list(kv.shape)} does not fit the segment format")
@@ -184,11 +187,20 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None
 
 def token_rows_fit(kind: str | None, rows: int, n_tokens: int) -> bool:
     """Whether a segment's dimension 3 fits its token range: one row per token for K/V, 1 to n_tokens blocks for
-    key bounds. kind None (a file read without its database row) accepts either."""
-    per_token, blocks = rows == n_tokens, 1 <= rows <= n_tokens
+    key bounds, n_tokens to 2 n_tokens (the retained tokens after them) merged. kind None (a file read without its
+    database row) accepts any."""
+    per_token, blocks, merged = rows == n_tokens, 1 <= rows <= n_tokens, 1 <= n_tokens <= rows <= 2 * n_tokens
     if kind is None:
-        return per_token or blocks
-    return per_token if kind == SEGMENT_KV else blocks
+        return per_token or blocks or merged
+    return {SEGMENT_KV: per_token, SEGMENT_MERGED: merged}.get(kind, blocks)
+
+
+def layer_rows_fit(kind: str | None, rows: int, n_layers: int) -> bool:
+    """Whether a segment's dimension 0 fits its layer range: one row per layer, or the two ends of a merged pair."""
+    merged = rows == 2 and n_layers >= 2
+    if kind is None:
+        return rows == n_layers or merged
+    return merged if kind == SEGMENT_MERGED else rows == n_layers
 
 
 def _host_bytes(kv: torch.Tensor, split_planes: bool) -> np.ndarray:
@@ -414,9 +426,10 @@ def _read_header(f, path: Path, file_size: int, max_raw_size: int) -> tuple[Segm
         raise corrupt(f"it declares {raw_size} raw bytes, more than the {max_raw_size} allowed")
     if math.prod(shape) * header.dtype.itemsize != raw_size:
         raise corrupt(f"shape {list(shape)} of {header.dtype} does not make {raw_size} bytes")
-    # The header does not record the kind, so dimension 3 may be one row per token (K/V) or fewer (key bounds).
-    if ndim != 5 or shape[1] != 2 or l0 > l1 or t0 > t1 or shape[0] != l1 - l0 or not token_rows_fit(
-            None, shape[3], t1 - t0):
+    # The header does not record the kind, so dimension 3 may be one row per token (K/V), fewer (key bounds) or
+    # more (merged), and dimension 0 one per layer or the two ends of a merged pair.
+    if ndim != 5 or shape[1] != 2 or l0 > l1 or t0 > t1 or not layer_rows_fit(None, shape[0], l1 - l0) or \
+            not token_rows_fit(None, shape[3], t1 - t0):
         raise corrupt(f"shape {list(shape)} does not match layers [{l0}, {l1}) and tokens [{t0}, {t1})")
     return header, prefix + rest
 

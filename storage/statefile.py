@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_KINDS, SEGMENT_KV, RoundRow, Store, now
-from kvchat.storage.segments import SUFFIX, parse_segment, store_segment_bytes, token_rows_fit
+from kvchat.storage.db import SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store, now
+from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
-VERSION = 1
+VERSION = 2  # 2: segments of kind "merged" and the `merged` column (cross-layer merging); written only when used
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 32 << 20
 MAX_BLOB_BYTES = 4 << 30
@@ -49,14 +50,16 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
     rounds = store.rounds(sid)
     segments = [] if text_only else store.segments(sid)
     manifest = {
-        "format": FORMAT, "version": VERSION, "exported": now(),
+        "format": FORMAT, "version": VERSION if any(s.get("merged") or s["kind"] == SEGMENT_MERGED
+                                                    for s in segments) else 1, "exported": now(),
         "model": {"fingerprint": info["model_fingerprint"], "name": model_name,
                   "file": Path(info["model_path"]).name},
         "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"]},
         "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
                     "token_end": r.token_end} for r in rounds],
         "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
-                                        "codec", "dtype", "byte_size", "raw_size", "checksum", "file", "live_from")}
+                                        "codec", "dtype", "byte_size", "raw_size", "checksum", "file", "live_from",
+                                        "merged")}
                      for s in segments],
         # What a compacted chat leaves out (recomputing it was faster than loading it where it was exported), so
         # an importer can say so; anything absent is recomputed on first open either way.
@@ -123,7 +126,8 @@ def import_state(store: Store, path: Path, *, current_fingerprint: str, model_pa
         held = (header.layer_start, header.layer_end, header.token_start, header.token_end, header.checksum)
         said = (seg["layer_start"], seg["layer_end"], seg["token_start"], seg["token_end"], seg["checksum"])
         # The blob's header does not record its kind: its shape must fit the kind the manifest gives.
-        if held != said or not token_rows_fit(seg["kind"], header.shape[3], len(header.tokens)):
+        if held != said or not token_rows_fit(seg["kind"], header.shape[3], len(header.tokens)) or \
+                not layer_rows_fit(seg["kind"], header.shape[0], seg["layer_end"] - seg["layer_start"]):
             raise StateFileError(f"{path.name}: blob {seg['file'][:12]}… does not hold what the manifest says")
     # Everything is valid: write the blobs first (content-addressed, so harmless if we stop here), then the rows.
     for name, data in blobs.items():
@@ -200,8 +204,9 @@ def _read_member(zf: zipfile.ZipFile, members: dict, name: str, cap: int, bad) -
 def _validate_manifest(m, bad) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise bad("the manifest is not a kvchat state manifest")
-    if m.get("version") != VERSION:
-        raise bad(f"format version {m.get('version')!r} is not supported (this kvchat reads version {VERSION})")
+    if m.get("version") not in READABLE_VERSIONS:
+        raise bad(f"format version {m.get('version')!r} is not supported (this kvchat reads versions "
+                  f"{', '.join(map(str, READABLE_VERSIONS))})")
     model, session, rounds, segments = (m.get(k) for k in ("model", "session", "rounds", "segments"))
     if not (isinstance(model, dict) and _is_hex64(model.get("fingerprint"))):
         raise bad("the model fingerprint is missing")
@@ -229,11 +234,13 @@ def _validate_manifest(m, bad) -> dict:
             if not (isinstance(kind, str) and kind in SEGMENT_KINDS):
                 raise bad(f"segment {j} is of an unknown kind {str(kind)[:40]!r}")
             s.setdefault("live_from", 0)  # and before sliding windows were trimmed, every token
+            s.setdefault("merged", "")  # and before cross-layer merging, no layer pairs
         ok = (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ints)
               and isinstance(s.get("file"), str) and _BLOB_NAME.fullmatch(s["file"])
               and _is_hex64(s.get("checksum")) and isinstance(s.get("codec"), str) and isinstance(s.get("dtype"), str)
               and 0 <= s["round_idx"] < len(rounds) and 0 < s["byte_size"] <= MAX_BLOB_BYTES
               and _is_int(s["live_from"]) and 0 <= s["live_from"] <= s["token_end"]
+              and isinstance(s["merged"], str) and _MERGED_PAIRS.fullmatch(s["merged"])
               and (s["token_start"], s["token_end"]) == (rounds[s["round_idx"]]["token_start"],
                                                          rounds[s["round_idx"]]["token_end"]))
         if not ok:
@@ -244,6 +251,9 @@ def _validate_manifest(m, bad) -> dict:
             and a["round_idx"] < len(rounds) and a["layer_start"] < a["layer_end"] for a in absent):
         raise bad("the list of absent K/V is malformed")
     return m
+
+
+_MERGED_PAIRS = re.compile(r"(\d{1,4}\+\d{1,4}(,\d{1,4}\+\d{1,4}){0,255})?")
 
 
 def _is_int(v) -> bool:

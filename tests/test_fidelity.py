@@ -50,6 +50,18 @@ def test_full_against_itself_is_exact_and_round_policies_are_reported(embedded, 
     assert 0 < round_topk.overall.agree <= n
 
 
+def test_merged_layers_are_measured_and_named(embedded):
+    from kvchat.engine.cross_layer import LayerPair
+
+    makers = {"krul": lambda: make_policy("krul", embedded, pairs=[LayerPair(5, 7), LayerPair(2, 3)], r_l=0.5,
+                                          gamma=0.0)}
+    result = text_fidelity(embedded, makers, lengths=(700,), chats=1, max_positions=16)
+    full, krul = result.lengths[700]
+    assert krul.merged == [["2+3", "5+7"]] or krul.merged == [["5+7", "2+3"]]
+    assert krul.overall.kl > 0 and krul.overall.positions == full.overall.positions
+    assert krul.as_dict()["merged_pairs"] == krul.merged
+
+
 def test_chats_are_cut_at_the_last_reply(embedded):
     from kvchat.engine.workloads import mt_bench_workload
 

@@ -61,3 +61,47 @@ def test_chunked_prefill_on_cuda_equals_one_pass(models, spec):
     assert relative_error(many.cpu().numpy(), one.cpu().numpy()) < 1e-4
     n = len(tokens)
     assert (chunked.kv[:, :, :, :n] - whole.kv[:, :, :, :n]).abs().max() < 1e-3 * whole.kv[:, :, :, :n].abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merged_layers_on_cuda_round_trip(dtype):
+    from kvchat.engine.cross_layer import approximate_pair, merge_pair, unmerge_pair
+
+    kv = torch.randn(2, 8, 300, 128, device="cuda").to(dtype)
+    same = approximate_pair(kv, kv.clone())
+    assert torch.equal(same[0], kv) and torch.equal(same[1], kv)  # equal layers: exact in the cache's dtype
+    other = torch.randn_like(kv)
+    merged = merge_pair(kv, other, retain=0.05)
+    assert merged.is_cuda and merged.dtype == dtype and merged.shape[3] == 300 + 15
+    cpu = unmerge_pair(merged.cpu(), 300)
+    torch.testing.assert_close(unmerge_pair(merged, 300).cpu(), cpu)
+
+
+def test_a_merged_chat_restores_on_cuda(models, kvchat_home):
+    """The staged (pinned, copied on the loader threads) path of a restore unmerges on the device."""
+    from kvchat.app.chat_session import ChatSession
+    from kvchat.app.layer_merges import ChatMerges
+    from kvchat.engine.cross_layer import LayerPair
+    from kvchat.storage.db import SEGMENT_MERGED, Store
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    engine = Engine(models.get(style="chatml", arch="qwen2", n_layers=4), device="cuda")
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(engine.path, store),
+                               model_path=engine.path, system_prompt=None)
+    chat = ChatSession(store, engine, sid, merges=ChatMerges(store, sid, engine, "", 0.5,
+                                                             allowed=[LayerPair(1, 2)], gamma=0.0))
+    for m in ("The quick brown fox jumps over the lazy dog.", "My name is Alice.", "What is my name?"):
+        chat.send(m, max_tokens=8)
+    chat.close()
+    assert any(s["kind"] == SEGMENT_MERGED for s in store.segments(sid))
+    reopened = ChatSession(store, engine, sid)
+    assert reopened.restore().tokens_recomputed == 0
+    n = chat.cache.length
+    assert torch.equal(reopened.cache.kv[[0, 3], :, :, :n], chat.cache.kv[[0, 3], :, :, :n])
+    from kvchat.engine.cross_layer import approximate_pair
+
+    for r in chat.rounds:  # layers 1 and 2: what merging the live cache's round gives, computed here
+        span = slice(r.token_start, r.token_end)
+        want = approximate_pair(chat.cache.kv[1, :, :, span], chat.cache.kv[2, :, :, span])
+        torch.testing.assert_close(reopened.cache.kv[1:3, :, :, span], want)

@@ -345,9 +345,10 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
         assert "kind" not in old.db["kv_segments"].columns_dict
         old.close()
     store = Store()
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 4
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 5
     assert kinds_and_files(store, sid) == [(0, "kv", "a")]
     assert store.segments(sid)[0]["live_from"] == 0  # stored before windows were trimmed: every token held
+    assert store.segments(sid)[0]["merged"] == "" and store.layer_stats(sid) is None  # and before merging
     table = store.db["kv_segments"]
     assert table.pks == ["session_id", "round_idx", "layer_start", "kind"]
     assert [ix.columns for ix in table.indexes if ix.origin == "c"] == [["file"]]
@@ -359,9 +360,9 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
 
 
 def test_segments_of_each_kind_are_kept_copied_and_dropped_alike(kvchat_home):
-    from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KINDS, SEGMENT_KV, RoundRow, now
+    from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, now
 
-    assert SEGMENT_KINDS == (SEGMENT_KV, SEGMENT_KEY_BOUNDS) == ("kv", "key-bounds")
+    assert SEGMENT_KINDS == (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED) == ("kv", "key-bounds", "merged")
     store = Store()
     sid = store.create_session(title="kinds", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
     for i in range(2):

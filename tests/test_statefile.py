@@ -130,6 +130,9 @@ HOSTILE = {
     "not a state file": lambda m, d: d.__setitem__("edit", lambda mf: mf.update(format="something else")),
     "round spans broken": lambda m, d: d.__setitem__("edit", lambda mf: mf["rounds"][1].update(token_start=3)),
     "missing blob": lambda m, d: d.__setitem__("edit", lambda mf: mf["segments"][0].update(file="0" * 64 + ".kvs")),
+    "bad merged pairs": lambda m, d: d.__setitem__("edit", lambda mf: mf["segments"][0].update(merged="1+x")),
+    "a kind posing as another": lambda m, d: d.__setitem__("edit", lambda mf: mf["segments"][0].update(
+        kind="merged")),
 }
 
 
@@ -153,7 +156,9 @@ def import_refused(store: Store, path: Path, needle: str) -> None:
                                          ("unknown version", "version 99 is not supported"),
                                          ("not a state file", "not a kvchat state manifest"),
                                          ("round spans broken", "round 1 is malformed"),
-                                         ("missing blob", "is missing")])
+                                         ("missing blob", "is missing"),
+                                         ("bad merged pairs", "segment 0 is malformed"),
+                                         ("a kind posing as another", "does not hold what the manifest says")])
 def test_hostile_manifests(exported, tmp_path, case, needle):
     store, good = exported
     spec = {}

@@ -19,6 +19,7 @@ from typing import Callable
 from kvchat.app.chat_session import ChatSession, KVWriter, RestoreStats
 from kvchat.app.hardware_profile import ensure_profile, profile_planner
 from kvchat.app.compaction import compact_session
+from kvchat.app.layer_merges import chat_merges
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
@@ -224,7 +225,8 @@ class ChatBackend:
                 compact_session(store, chat, profile)
 
         session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy,
-                              planner=profile_planner(profile), compactor=compactor)
+                              planner=profile_planner(profile), compactor=compactor,
+                              merges=chat_merges(self.store, info, engine, None, calibrating))  # `kvchat merge`'s
         stats = session.restore(progress=progress, cancel=cancel)
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)

@@ -14,6 +14,8 @@
 #   bash docs/gpu/real-model.sh stage              # carry .gem01, then .gem02, ... one call each
 #   bash docs/gpu/real-model.sh stage assemble fidelity bytes   # the last piece; verify; the figures
 #   bash docs/gpu/real-model.sh bench              # kvchat bench --models gemma-3-270m, 2k and 8k
+#   bash docs/gpu/real-model.sh fidelity-krul bench-merge   # issue 19: merged layers (r_l 0.25 and 0.5, checked
+#                                                  # and unchecked) against the full cache; kv-merge's bytes and time
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -53,6 +55,22 @@ for part in "${@:-stage}"; do
         --repeats 3 --work-dir /tmp/bench-gemma --llama-cpp-budget 0 --json "$OUT/bench-gemma-h100.json" \
         --markdown "$OUT/bench-gemma-h100.md" 2> "$OUT/bench-gemma-h100.log"
       echo "bench: exit status $?"; rm -rf /tmp/bench-gemma ;;
-    *) echo "usage: $0 [stage|assemble|tests|fidelity|bytes|bench]..." >&2; exit 2 ;;
+    fidelity-krul)
+      for r in 0.25 0.5; do
+        for check in checked unchecked; do
+          kvchat eval --text --model gemma-3-270m --device cuda --lengths 2000,8000,24000 --chats 2 --positions 256 \
+            --kv-policy krul --r-l $r $([ $check = unchecked ] && echo --unchecked) --json \
+            > "$OUT/fidelity-krul-$r-$check.json" 2> "$OUT/fidelity-krul-$r-$check.log"
+          echo "fidelity krul r_l $r $check: exit status $?"
+        done
+      done
+      cp "$KVCHAT_HOME"/calibrations/*.merges.json "$OUT/" 2>/dev/null ;;
+    bench-merge)
+      timeout 400 python3 -m kvchat.app.cli bench --models gemma-3-270m --workloads 2k,8k --device cuda \
+        --methods prefill,kv-load,kv-merge --repeats 3 --work-dir /tmp/bench-gemma --llama-cpp-budget 0 \
+        --json "$OUT/bench-merge-gemma-h100.json" --markdown "$OUT/bench-merge-gemma-h100.md" \
+        2> "$OUT/bench-merge-gemma-h100.log"
+      echo "bench-merge: exit status $?"; rm -rf /tmp/bench-gemma ;;
+    *) echo "usage: $0 [stage|assemble|tests|fidelity|bytes|bench|fidelity-krul|bench-merge]..." >&2; exit 2 ;;
   esac
 done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.full import FullKV
+from kvchat.engine.policies.krul import KrulMerge
 from kvchat.engine.policies.round_attention import (
     RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
 )
@@ -11,7 +12,7 @@ from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
-    for cls in (FullKV, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
+    for cls in (FullKV, KrulMerge, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
 }
 
 

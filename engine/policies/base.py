@@ -4,6 +4,7 @@ one abstract method, a table of all of them in engine.policies)."""
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 from abc import ABC, abstractmethod
 
 from kvchat.engine.model import Attend, KVCache, Transformer
@@ -36,3 +37,10 @@ class KVPolicy(ABC):
 
         `round_starts` holds the first slot of every round in the cache (the rounds end where the next begins and
         the last ends at cache.length); `new_tokens` are the next round's tokens, not yet in the cache."""
+
+    def prepare(self, model: Transformer, cache: KVCache, round_starts: list[int],
+                history: list[int]) -> Callable[[], None] | None:
+        """Make the closed rounds' K/V (slots [0, cache.length), of the tokens `history`) what this policy gives a
+        new message to read, when that is not simply the cache (Krul: the merged layers as a restore gives them
+        back); returns what undoes it, or None when nothing changed."""
+        return None

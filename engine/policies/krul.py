@@ -1,0 +1,64 @@
+"""Krul's cross-layer merge (krul-cross-layer-kv-restoration.txt §4-5) as a KV policy: the closed rounds' K/V of
+the chosen layer pairs is what a restore of them stored merged gives back (engine.cross_layer); every round is
+still visible at every layer.
+
+The pairs are chosen per chat, when its history is about to be read (`prepare`): probes at the ends of its last
+closed rounds give its `LayerStats`, and Algorithm 1 takes pairs in their order until `r_l` of the layers are merged
+(engine.merge_selection). `checked` (the default) limits them to the pairs the model's check accepted (computed on
+the model's first use, like the watershed calibration); unchecked is Krul as published.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvchat.engine.cross_layer import LayerPair, merge_in_cache, restore_in_cache
+from kvchat.engine.layer_stats import LayerStats
+from kvchat.engine.merge_selection import GAMMA, RETAIN, choose_pairs, probe_chat
+from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.engine.policies.base import KVPolicy
+from kvchat.errors import KvchatError
+
+PROBED_ROUNDS = 8  # the chat's last closed rounds probed for its statistics
+
+
+class KrulMerge(KVPolicy):
+    name = "krul"
+
+    def __init__(self, r_l: float = 0.5, checked: bool = True, retain: float = RETAIN, gamma: float = GAMMA,
+                 pairs: list[LayerPair] | None = None):
+        if not 0 <= r_l <= 1:
+            raise KvchatError(f"r_l is the share of layers merged, in [0, 1], not {r_l}")
+        if not 0 <= retain <= 1:
+            raise KvchatError(f"retain is the share of tokens kept unmerged, in [0, 1], not {retain}")
+        self.r_l, self.checked, self.retain, self.gamma = r_l, checked, retain, gamma
+        self.allowed: list[LayerPair] | None = pairs  # the model's checked pairs (None: any)
+        self.last_pairs: list[LayerPair] = []  # merged for the latest message (for stats and tests)
+
+    @classmethod
+    def create(cls, engine=None, progress=None, **options) -> "KrulMerge":
+        policy = cls.construct(**options)
+        if policy.checked and policy.allowed is None:
+            if engine is None:
+                raise KvchatError("the checked krul KV policy needs a model to check its layer pairs on")
+            from kvchat.engine.merge_selection import ensure_merge_calibration
+            from kvchat.storage.fingerprint import model_fingerprint
+
+            policy.allowed = ensure_merge_calibration(engine, model_fingerprint(engine.path), progress).pairs
+        return policy
+
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
+                      model: Transformer | None = None) -> Attend:
+        return None
+
+    def prepare(self, model: Transformer, cache: KVCache, round_starts: list[int],
+                history: list[int]) -> Callable[[], None] | None:
+        stats = LayerStats(model.cfg.n_layers)
+        ends = (round_starts[1:] + [cache.length])[-PROBED_ROUNDS:] if round_starts else []
+        probe_chat(model, cache, history, ends, stats)
+        self.last_pairs = choose_pairs(stats, model.cfg, self.r_l, self.gamma, self.allowed)
+        if not self.last_pairs:
+            return None
+        pairs, length = self.last_pairs, cache.length
+        saved = merge_in_cache(cache, pairs, 0, length, self.retain)
+        return lambda: restore_in_cache(cache, pairs, 0, saved)
