@@ -74,6 +74,9 @@ def chat_merges(store: Store, info: dict, engine, share: float | None, progress=
     if share is not None and share != info["settings"].get("merge", 0):
         store.update_session(info["id"], settings={**info["settings"], "merge": share})
     share = info["settings"].get("merge", 0) if share is None else share
+    if isinstance(share, bool) or not isinstance(share, (int, float)):
+        raise KvchatError(f"the chat's merge setting {str(share)[:40]!r} is not a share of layers; "
+                          f"`kvchat merge {info['id']} --share 0.5` sets it, `kvchat unmerge {info['id']}` clears it")
     if not share:
         return None
     return ChatMerges(store, info["id"], engine, model_fingerprint(Path(engine.path), store), share, progress)

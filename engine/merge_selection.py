@@ -147,7 +147,7 @@ def calibrate_merges(engine, fingerprint: str, chats: int, gamma: float = GAMMA,
     """Pool the statistics of the calibration chats, then check their ranked pairs one at a time, each with the
     pairs accepted before it, until the accepted pairs hold `max_share` of the layers or `max_checks` pairs have
     been tried (default: the layer count)."""
-    from kvchat.engine.calibration import calibration_chats, reference_reply
+    from kvchat.engine.calibration import AGREEMENT, calibration_chats, reference_reply
 
     _, chat_pairs = calibration_chats(engine, chats)
     cfg = engine.config
@@ -166,8 +166,6 @@ def calibrate_merges(engine, fingerprint: str, chats: int, gamma: float = GAMMA,
             break
         if {pair.low, pair.high} & {x for p in accepted for x in (p.low, p.high)}:
             continue
-        from kvchat.engine.calibration import AGREEMENT
-
         agreed[str(pair)] = round(merged_agreement(engine, references, accepted + [pair], retain), 4)
         (accepted if agreed[str(pair)] >= AGREEMENT else rejected).append(pair)
         if progress is not None:

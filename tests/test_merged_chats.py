@@ -270,3 +270,15 @@ def test_the_benchmarks_merged_copy_of_a_random_weight_chat(engine):
     plain = sum(s["byte_size"] for s in store.segments(chat.sid))
     assert figures["merge_disk_bytes"] == sum(s["byte_size"] for s in store.segments(fork)) < 0.9 * plain
     assert ChatSession(store, engine, fork).restore().tokens_recomputed == 0
+
+
+def test_a_merge_setting_that_is_not_a_share_is_a_one_line_error(engine):
+    from kvchat.app.layer_merges import chat_merges
+    from kvchat.errors import KvchatError
+
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(engine.path, store),
+                               model_path=engine.path, system_prompt=None, settings={"merge": "lots"})
+    with pytest.raises(KvchatError, match="merge setting 'lots' is not a share"):
+        chat_merges(store, store.session(sid), engine, None)
+    assert chat_merges(store, {**store.session(sid), "settings": {}}, engine, None) is None
