@@ -647,20 +647,20 @@ class ChatSession:
 
     def _submit_kv(self, i: int, layers: range) -> None:
         """Store round i's K/V of `layers` (full cache), zeros before `live_from` in its sliding-window layers;
-        layers the round is merged in as zeros, each pair whose lower layer is here as a merged segment first (a
-        crash between the two leaves the old K/V row, which names no such pair)."""
+        layers the round is merged in as zeros, each pair with a layer here as a merged segment first (a crash
+        between the two leaves the old K/V row, which names no such pair). A pair across two groups is written with
+        each (the same bytes name the same file): a group stored again alone (a sliding window's new `live_from`)
+        must not leave its pair as it was."""
         row = self.rounds[i]
         tokens = range(row.token_start, row.token_end)
         live = self._group_live(i, layers)
         kv = self._trimmed(i, layers, live)
         pairs = [p for p in self._pairs_for(i) if p.low in layers or p.high in layers]
         for p in pairs:
-            if p.low in layers:
-                both = torch.cat([self._trimmed(i, range(p.low, p.low + 1)),
-                                  self._trimmed(i, range(p.high, p.high + 1))])
-                merged = merge_pair(both[0], both[1], self.merges.retain)
-                self.writer.submit(self.sid, i, merged, range(p.low, p.high + 1), tokens, kind=SEGMENT_MERGED,
-                                   live_from=self._group_live(i, range(p.low, p.low + 1)))
+            both = torch.cat([self._trimmed(i, range(p.low, p.low + 1)), self._trimmed(i, range(p.high, p.high + 1))])
+            merged = merge_pair(both[0], both[1], self.merges.retain)
+            self.writer.submit(self.sid, i, merged, range(p.low, p.high + 1), tokens, kind=SEGMENT_MERGED,
+                               live_from=self._group_live(i, range(p.low, p.low + 1)))
             for layer in (p.low, p.high):
                 if layer in layers:
                     kv[layer - layers.start] = 0
