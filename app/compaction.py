@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvchat.app.chat_session import round_layouts
+from kvchat.app.layer_merges import parse_pairs
+from kvchat.engine.cross_layer import LayerPair
 from kvchat.engine.restore_plan import HardwareProfile, compactable, plan_groups, plan_restore
 from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, Store
 from kvchat.storage.failpoints import crash_point
@@ -69,7 +71,7 @@ def compact_session(store: Store, sid: str, profile: HardwareProfile) -> Compact
                 gone.append(s)
             # A merged pair is read only for the K/V rows that name it: useless once none of those is kept.
             if s["kind"] == SEGMENT_MERGED and gone and not any(
-                    f"{s['layer_start']}+{s['layer_end'] - 1}" in (k.get("merged") or "").split(",") for k in kept):
+                    LayerPair(s["layer_start"], s["layer_end"] - 1) in parse_pairs(k["merged"]) for k in kept):
                 gone.append(s)
         if gone:
             report.rounds.append(i)

@@ -9,7 +9,7 @@ rows and its segments of kind "merged" say which), so a chat whose choice change
 from __future__ import annotations
 
 from kvchat.engine.cross_layer import LayerPair
-from kvchat.engine.layer_stats import PROBE_ROWS, LayerStats, probe_layers
+from kvchat.engine.layer_stats import LayerStats
 from kvchat.engine.merge_selection import GAMMA, RETAIN, choose_pairs, ensure_merge_calibration, greedy_pairs
 from kvchat.errors import KvchatError
 from kvchat.storage.db import Store
@@ -37,10 +37,7 @@ class ChatMerges:
 
     def observe(self, cache, ends_and_tails: list[tuple[int, list[int]]]) -> None:
         """Probe the full cache at each (end slot, the tokens just before it) and keep the sums in the store."""
-        for end, tail in ends_and_tails:
-            probed = probe_layers(self.engine.model, cache, end, tail[-PROBE_ROWS:])
-            if probed is not None:
-                self.stats.add(*probed)
+        self.stats.add_probes(self.engine.model, cache, ends_and_tails)
         self.store.save_layer_stats(self.sid, self.stats.as_dict())
 
     def pairs(self, within: range | None = None) -> list[LayerPair]:

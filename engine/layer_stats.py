@@ -54,6 +54,13 @@ class LayerStats:
         self.edge_mass = [a + float(b) for a, b in zip(self.edge_mass, edge.double())]
         self.distance = [[a + float(b) for a, b in zip(row, new)] for row, new in zip(self.distance, dist)]
 
+    def add_probes(self, model, cache, probes: list[tuple[int, list[int]]]) -> None:
+        """A probe at each (end slot of a full cache, the tokens just before it: its last PROBE_ROWS are probed)."""
+        for end, tail in probes:
+            probed = probe_layers(model, cache, end, tail[-PROBE_ROWS:])
+            if probed is not None:
+                self.add(*probed)
+
     def merge(self, other: "LayerStats") -> "LayerStats":
         """The statistics of both (pooling chats)."""
         if other.n_layers != self.n_layers:

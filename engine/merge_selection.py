@@ -26,7 +26,7 @@ import torch
 
 from kvchat.engine.cross_layer import LayerPair, merge_in_cache
 from kvchat.engine.generate import prefill
-from kvchat.engine.layer_stats import PROBE_ROWS, LayerStats, probe_layers
+from kvchat.engine.layer_stats import PROBE_ROWS, LayerStats
 from kvchat.errors import KvchatError
 from kvchat.paths import data_dir, write_json_atomically
 
@@ -70,14 +70,6 @@ def choose_pairs(stats: LayerStats, cfg, r_l: float, gamma: float = GAMMA,
         ok = set(allowed)
         ranked = [p for p in ranked if p in ok]
     return greedy_pairs(ranked, cfg.n_layers, r_l)
-
-
-def probe_chat(model, cache, tokens: list[int], ends: list[int], stats: LayerStats, rows: int = PROBE_ROWS) -> None:
-    """Add a probe at each of `ends` (slots of a full cache holding `tokens`)."""
-    for end in ends:
-        probed = probe_layers(model, cache, end, tokens[max(0, end - rows):end])
-        if probed is not None:
-            stats.add(*probed)
 
 
 @dataclass
@@ -187,7 +179,8 @@ def _reference_stats(engine, ref) -> LayerStats:
         end += len(span)
         ends.append(end)
     stats = LayerStats(engine.config.n_layers)
-    probe_chat(model, cache, tokens, ends[-8:] + [len(tokens)], stats)
+    probed = ends[-8:] + [len(tokens)]
+    stats.add_probes(model, cache, [(end, tokens[max(0, end - PROBE_ROWS):end]) for end in probed])
     return stats
 
 

@@ -14,7 +14,8 @@ from typing import Callable
 
 from kvchat.engine.cross_layer import LayerPair, merge_in_cache, restore_in_cache
 from kvchat.engine.layer_stats import LayerStats
-from kvchat.engine.merge_selection import GAMMA, RETAIN, choose_pairs, probe_chat
+from kvchat.engine.layer_stats import PROBE_ROWS
+from kvchat.engine.merge_selection import GAMMA, RETAIN, choose_pairs
 from kvchat.engine.model import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.errors import KvchatError
@@ -55,7 +56,7 @@ class KrulMerge(KVPolicy):
                 history: list[int]) -> Callable[[], None] | None:
         stats = LayerStats(model.cfg.n_layers)
         ends = (round_starts[1:] + [cache.length])[-PROBED_ROUNDS:] if round_starts else []
-        probe_chat(model, cache, history, ends, stats)
+        stats.add_probes(model, cache, [(end, history[max(0, end - PROBE_ROWS):end]) for end in ends])
         self.last_pairs = choose_pairs(stats, model.cfg, self.r_l, self.gamma, self.allowed)
         if not self.last_pairs:
             return None
