@@ -504,12 +504,19 @@ def _run_engine(spec: dict) -> dict:
 
     def answer(cache, closed, starts, text, max_tokens):
         prompt = chat.open_round_tokens(closed, text)
-        attend = None
+        attend, undo = None, None
         if policy is not None and not tiered:
+            # the history's tokens are not at hand here, which only krul needs (not a bench method)
+            undo = policy.prepare(model, cache, starts, [])  # LoopServe: sparse prefill for this message
             attend = policy.visible_slots(cache, starts, prompt, model=model)
-        with sessions[-1].answering() if sessions else contextlib.nullcontext():  # as ChatSession.send answers
-            return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
-                            stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend)
+        try:
+            with sessions[-1].answering() if sessions else contextlib.nullcontext():  # as ChatSession.send answers
+                return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
+                                max_tokens=max_tokens, stop_tokens=engine.tokenizer.eog_ids,
+                                stop_strings=chat.stop_strings, attend=attend, policy=policy)
+        finally:
+            if undo is not None:
+                undo()
 
     sessions: list[ChatSession] = []
     restores = []  # each ChatSession restore's stats, in order

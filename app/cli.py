@@ -142,7 +142,7 @@ def info(model_path, as_json) -> None:
 
 def _policy_options(name: str, watershed, r_l, unchecked) -> dict:
     """The options `kvchat eval` passes to policy `name`."""
-    if name.startswith("round"):
+    if name.startswith("round") or name == "loopserve+round":
         return {} if watershed is None else {"watershed": watershed}
     if name == "krul":
         return {"r_l": r_l, "checked": not unchecked}
@@ -193,7 +193,8 @@ def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, 
 
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
 # command then paid for at start, `kvchat --help` and `kvchat sessions` too.
-EVAL_POLICIES = ["full", "krul", "round", "round-adaptive", "round-threshold", "round-topk"]
+EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round-adaptive", "round-threshold",
+                 "round-topk"]
 
 
 @main.command("eval")
@@ -512,6 +513,66 @@ def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path) ->
                for s in shapes]
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2))
+
+
+@bench.command("loopserve")
+@_model_option
+@click.option("--shape", default=None, help="A random-weight model shaped like a public one instead of --model "
+                                            "(speed only: random attention is nearly uniform).")
+@click.option("--context", "contexts", default="8192,32768,65536", show_default=True, callback=_int_list,
+              help="Context lengths (tokens).")
+@click.option("--alpha", default=0.955, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+              help="The attention mass the prefill's chosen lines keep.")
+@click.option("--budget", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Input slots each KV head decodes over.")
+@click.option("--densities", default="0.02,0.05,0.1", show_default=True,
+              help="Kernel figures: densities of synthetic lines (comma-separated shares of the keys).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def bench_loopserve(model_path, shape, contexts, alpha, budget, densities, repeats, device, cache_dir,
+                    json_path) -> None:
+    """LoopServe: sparse against dense prefill (the kernel at set densities, and the model's whole prefill under
+    its online selection), progressive against full-cache decode; each pair in the same run."""
+    from pathlib import Path
+
+    from kvchat.engine.bench import model_file
+    from kvchat.engine.bench_loopserve import as_dict, attention_figures, bench_model
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.synthetic import SHAPES
+    from kvchat.errors import KvchatError
+    from kvchat.paths import data_dir
+
+    try:
+        shares = [float(x) for x in densities.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--densities takes comma-separated shares, not {densities!r}") from None
+    if not shares or not all(0 < x <= 1 for x in shares):
+        raise KvchatError(f"--densities takes shares in (0, 1], not {densities!r}")
+    if shape is not None and shape not in SHAPES:
+        raise KvchatError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
+    path = model_file(Path(cache_dir) if cache_dir else data_dir() / "bench-models", shape) if shape else model_path
+    engine = Engine(path, device=_device(device))
+    cfg = engine.config
+    click.echo(f"{shape or path}: {cfg.n_heads} heads, {cfg.n_kv_heads} KV heads, head size {cfg.head_dim}, "
+               f"{engine.device}")
+    kernel = []
+    if engine.device.type == "cuda":
+        for context in contexts:
+            f = attention_figures(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, context, shares, engine.device,
+                                  dtype=engine.dtype)
+            kernel.append(f)
+            parts = ", ".join(f"{s['density']:.3f}: {s['median_s'] * 1e3:.1f} ms ({s['speedup']:.2f}x)"
+                              for s in f["sparse"])
+            click.echo(f"  attention of one layer, {context} tokens: dense {f['dense']['median_s'] * 1e3:.1f} ms; "
+                       f"sparse at density {parts}")
+    figures = as_dict(bench_model(engine, contexts, repeats, log=click.echo, alpha=alpha, budget=budget))
+    figures["attention"] = kernel
+    figures["shape"] = shape
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2))
 
 
 @bench.command("parity")

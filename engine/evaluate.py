@@ -173,7 +173,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             visible = None if tiered else policy.visible_slots(cache, round_starts, prompt, model=engine.model)
             out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
                            max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
-                           stop_strings=chat.stop_strings, attend=visible, **engine.guarding(guard))
+                           stop_strings=chat.stop_strings, attend=visible, policy=policy, **engine.guarding(guard))
             ok = reply_matches(out.text, rnd.assistant)
             result.stop_reasons[out.stop_reason] += 1
             result.longest_reply = max(result.longest_reply, len(out.tokens))

@@ -121,7 +121,7 @@ def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Ten
     model, n = engine.model, len(chat.reply)
     capacity = chat.tokens + 8
     round_starts: list[int] = []
-    visible = None
+    visible, undo = None, None
     if policy.tiered:
         cache = TieredKV(model, policy, capacity)
         for span in chat.history:
@@ -133,13 +133,18 @@ def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Ten
         for span in chat.history:
             round_starts.append(cache.length)
             prefill(model, cache, span)
-        policy.prepare(model, cache, round_starts, [t for span in chat.history for t in span])
-        visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
-        rows = [prefill(model, cache, chat.prompt, attend=visible)]
-    # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
-    step = decode_steps(model, cache, n, capacity, visible, first=sum(map(len, chat.history)))
-    for token in chat.reply[:-1]:
-        rows.append(step(token).clone())
+        undo = policy.prepare(model, cache, round_starts, [t for span in chat.history for t in span])
+    try:
+        if not policy.tiered:
+            visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
+            rows = [prefill(model, cache, chat.prompt, attend=visible)]
+        # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
+        step = decode_steps(model, cache, n, capacity, visible, first=sum(map(len, chat.history)), policy=policy)
+        for token in chat.reply[:-1]:
+            rows.append(step(token).clone())
+    finally:
+        if undo is not None:  # a model-wide setting (LoopServe's sparse prefill) ends with the chat
+            undo()
     return torch.stack(rows).float()
 
 

@@ -17,6 +17,11 @@ from kvchat.engine.config import ModelConfig
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """The fastest of `repeats` runs: the floor is what the machine can do, not what it did on an unlucky run."""
+    return min(timed_runs(fn, device, repeats))
+
+
+def timed_runs(fn, device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` runs of fn, the device synchronized around each."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -26,7 +31,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
 
 
 def host_to_device_gb_s(device: torch.device, size: int = 256 << 20, repeats: int = 5) -> float | None:

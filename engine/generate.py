@@ -67,12 +67,12 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
              cuda_graph: bool | None = None, attend: Attend = None, guard: ReplyGuard | None = None,
-             reply_cap: int | None = None) -> GenerationResult:
+             reply_cap: int | None = None, policy=None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
     StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
     generated token but the last (nothing has attended to it yet). A TieredKV cache picks the rounds the prompt's
     upper layers see itself (`attend` does not apply). `guard` stops a looping reply; `reply_cap` (the model's,
-    from ReplyGuard.cap_for) stops one that runs on."""
+    from ReplyGuard.cap_for) stops one that runs on. `policy` (a KVPolicy) may bring its own decode step."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     limit = context_length or model.cfg.context_length
@@ -87,7 +87,7 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     logits = cache.prefill(prompt) if tiered else prefill(model, cache, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
-    step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph)
+    step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
     decode_started = time.perf_counter()
     pieces: list[str] = []
     while True:
@@ -127,13 +127,18 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
 
 
 def decode_steps(model: Transformer, cache: KVCache | TieredKV, max_tokens: int, limit: int, attend: Attend = None,
-                 first: int = 0, cuda_graph: bool | None = None):
+                 first: int = 0, cuda_graph: bool | None = None, policy=None):
     """The decode step (token -> logits [V]) for up to `max_tokens` tokens after a prefill: a tiered cache's own
-    step, the full cache's (graphed on CUDA), or, with `attend` (the view the prefill had of the cache as it was
-    at slot `first`), eager steps that see the chosen slots and everything generated since."""
+    step, a policy's own (`policy.decode_step`), the full cache's (graphed on CUDA), or, with `attend` (the view
+    the prefill had of the cache as it was at slot `first`), eager steps that see the chosen slots and everything
+    generated since."""
     if isinstance(cache, TieredKV):
         cache.reserve_decode(min(max_tokens, limit - cache.length))
         return cache.step
+    if policy is not None:
+        own = policy.decode_step(model, cache, first, attend, min(cache.length + max_tokens + 1, limit), cuda_graph)
+        if own is not None:
+            return own
     if attend is None:
         return decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
 

@@ -245,6 +245,7 @@ class DecoderLayer(nn.Module):
         self.post_ffn_norm = _optional_norm(w.post_ffn_norm, cfg.rms_eps)
         self.gelu = w.gelu
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
+        self.sparse_prefill = None  # engine.sparse_prefill.SparsePrefill: set for all layers by the Transformer
         self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
         self.wo = nn.Parameter(w.wo, requires_grad=False)
@@ -276,9 +277,18 @@ class DecoderLayer(nn.Module):
             kv = cache.layer(layer)
             kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
             kv[1].index_copy_(1, step.slot, v.transpose(0, 1))
-            visible = _step_visible(cache, step, self.window)
-            return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], visible[None, :], False)), self.wo)
+            if step.chosen is not None and not self.window:
+                mask = _chosen_visible(cache, step, layer)[None, :, None, :]  # [1, Hkv, 1, C]
+            else:
+                mask = _step_visible(cache, step, self.window)[None, :]
+            return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], mask, False)), self.wo)
         cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
+        sparse = self.sparse_prefill
+        if (sparse is not None and attend is None and not self.window and cache.slot_positions is None
+                and sparse.applies(x.shape[0], start + x.shape[0])):
+            out = sparse.attend(q, cache.layer(layer), start, self.cfg.softmax_scale)
+            if out is not None:  # None: every head fell back to dense
+                return F.linear(self.round_wo(out), self.wo)
         keys, values, mask, causal = _attended_kv(cache, layer, start, x.shape[0], attend, self.window)
         return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
 
@@ -322,7 +332,10 @@ class DecoderLayer(nn.Module):
                     cfg.rope_dim, cfg.rope_neox)  # [H, D]; K and V went into the cache
         if queries is not None:
             queries.append(q[None])
-        if self.window and cache.slot_positions is not None:  # a window over positions in a packed cache
+        if step.chosen is not None and not self.window:  # LoopServe: each KV head its own chosen slots
+            attended = decode_attention(q, kv[0], kv[1], step.n_chosen[layer : layer + 1], slots=step.chosen[layer],
+                                        scale=cfg.softmax_scale).view(1, -1)
+        elif self.window and cache.slot_positions is not None:  # a window over positions in a packed cache
             attended = self._masked_decode(q, kv[0], kv[1], _step_visible(cache, step, self.window))
         else:
             attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale,
@@ -358,7 +371,7 @@ class DecoderLayer(nn.Module):
             # One query token: the n_rep query heads sharing a KV head become n_rep query rows of that head, so K/V
             # are never repeated and every SDPA backend applies (decode's hot path).
             grouped = q.view(cfg.n_kv_heads, cfg.n_rep, cfg.head_dim)[None]
-            m = None if mask is None else mask.view(1, 1, 1, -1)
+            m = None if mask is None else mask.reshape(1, -1, 1, mask.shape[-1])  # one mask, or one per KV head
             out = F.scaled_dot_product_attention(grouped, keys[None], values[None], attn_mask=m, scale=scale)
             return out.reshape(1, cfg.n_heads * cfg.head_dim)
         out = F.scaled_dot_product_attention(
@@ -419,6 +432,17 @@ def _step_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
     return visible
 
 
+def _chosen_visible(cache: KVCache, step: "DecodeStep", layer: int) -> Tensor:
+    """The slots [Hkv, C] each KV head sees under a step's per-head choice (the first n_chosen[layer] slots of
+    chosen[layer]), built on the device (graph-safe)."""
+    chosen = step.chosen[layer]  # [Hkv, S]
+    listed = torch.arange(chosen.shape[1], device=chosen.device) < step.n_chosen[layer]
+    index = torch.where(listed, chosen.long(), cache.capacity)
+    visible = torch.zeros(chosen.shape[0], cache.capacity + 1, dtype=torch.bool, device=chosen.device)
+    visible.scatter_(1, index, torch.ones_like(index, dtype=torch.bool))
+    return visible[:, : cache.capacity]
+
+
 def _window_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int):
     """_attended_kv for a sliding-window layer: position t is visible from position p iff p - window < t <= p
     (llama.cpp's LLAMA_SWA_TYPE_STANDARD). Slots are positions except in a cache with `slot_positions` (closed
@@ -473,6 +497,10 @@ class DecodeStep:
     position: Tensor  # [1] long: its position (RoPE)
     length: Tensor  # [1] long: it attends to slots [0, length) (itself included: length = slot + 1)
     rot: Rotations  # C, S [1, 1, D] for its position, per rotary table
+    # LoopServe's decode (engine.progressive_decode): per layer and KV head the slots a global layer attends to,
+    # [L, Hkv, S] int32, of which the first n_chosen[layer] ([L] long) count; None: slots [0, length).
+    chosen: Tensor | None = None
+    n_chosen: Tensor | None = None
 
 
 _KERNEL_CHECKED: dict[tuple, bool] = {}
@@ -512,6 +540,16 @@ class Transformer(nn.Module):
     def _layer(self, cfg: ModelConfig, i: int, w: LayerWeights) -> DecoderLayer:
         local = bool(cfg.window(i)) and self.rope_local is not None
         return DecoderLayer(cfg, w, self.rope_local if local else self.rope, int(local), cfg.window(i))
+
+    @property
+    def sparse_prefill(self):
+        """LoopServe's online sparse prefill (engine.sparse_prefill.SparsePrefill), or None: dense attention."""
+        return self.layers[0].sparse_prefill
+
+    @sparse_prefill.setter
+    def sparse_prefill(self, value) -> None:
+        for layer in self.layers:
+            layer.sparse_prefill = value
 
     def rotations(self, positions: Tensor) -> Rotations:
         """positions [T] (best on the CPU: see RotaryTable.forward) -> each table's C, S [T, 1, D]."""

@@ -11,7 +11,8 @@ splits), each computing a partial softmax over its split; a second kernel merges
   at run time: one captured CUDA graph serves every length up to the buffer's capacity, and the work stays spread
   over all splits at every length.
 * `slots` (optional) lists the cache slots to attend to, in any order, and `length` then counts the listed ones:
-  a policy's visible subset (Round Attention's kept rounds, a restricted view) in the same kernel.
+  a policy's visible subset (Round Attention's kept rounds, a restricted view) in the same kernel. Slots [Hkv, C']
+  give each KV head its own list (LoopServe's per-head selection), of the same length.
 * `window` (optional): a sliding-window layer (Gemma 3) attends only to the last `window` of those keys, and the
   splits share out just them.
 
@@ -47,9 +48,13 @@ def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor | int, 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     n = int(length)
     first = max(0, n - window) if window else 0
-    index = torch.arange(first, n, device=k.device) if slots is None else slots[first:n].to(k.device, torch.long)
-    keys = k.index_select(1, index).float().repeat_interleave(n_heads // n_kv_heads, dim=0)  # [H, n, D]
-    values = v.index_select(1, index).float().repeat_interleave(n_heads // n_kv_heads, dim=0)
+    if slots is None:
+        index = torch.arange(first, n, device=k.device).expand(n_kv_heads, -1)
+    else:
+        index = slots.to(k.device, torch.long).expand(n_kv_heads, -1)[:, first:n]
+    gather = index[:, :, None].expand(-1, -1, head_dim)
+    keys = k.gather(1, gather).float().repeat_interleave(n_heads // n_kv_heads, dim=0)  # [H, n, D]
+    values = v.gather(1, gather).float().repeat_interleave(n_heads // n_kv_heads, dim=0)
     probs = torch.softmax(torch.einsum("hd,hnd->hn", q.float(), keys) * scale, dim=-1)  # [H, n]
     return torch.einsum("hn,hnd->hd", probs, values).to(q.dtype)
 
@@ -58,7 +63,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, slots_ptr, out_ptr, lse_ptr,
-                      stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
+                      stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_sh,
                       n_rep, qk_scale_log2, window,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       N_SPLITS: tl.constexpr, SUBSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -93,7 +98,7 @@ if triton is not None:
             idx = start + tl.arange(0, BLOCK_N)
             key_ok = idx < hi
             if SUBSET:
-                slot = tl.load(slots_ptr + idx, mask=key_ok, other=0).to(tl.int64)
+                slot = tl.load(slots_ptr + kv_head * stride_sh + idx, mask=key_ok, other=0).to(tl.int64)
             else:
                 slot = idx.to(tl.int64)
             kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -138,9 +143,9 @@ if triton is not None:
         tl.store(out_ptr + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def unsupported_reason(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device | str) -> str | None:
-    """Why `decode_attention` cannot run its kernel for this shape on this device, or None if it can."""
+def kernel_shape_reason(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device | str) -> str | None:
+    """Why an attention kernel here (decode, sparse prefill) cannot run for this shape on this device, or None."""
     if not triton_kernel_runs_on(device):
         return "triton is not installed" if triton is None else f"no Triton kernels on {torch.device(device).type}"
     if dtype not in SUPPORTED_DTYPES:
@@ -149,6 +154,15 @@ def unsupported_reason(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torc
         return f"head size {head_dim} (the kernel takes up to {MAX_HEAD_DIM})"
     if n_kv_heads < 1 or n_heads % n_kv_heads:
         return f"{n_heads} query heads over {n_kv_heads} KV heads"
+    return None
+
+
+def unsupported_reason(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device | str) -> str | None:
+    """Why `decode_attention` cannot run its kernel for this shape on this device, or None if it can."""
+    reason = kernel_shape_reason(n_heads, n_kv_heads, head_dim, dtype, device)
+    if reason:
+        return reason
     if n_heads // n_kv_heads > MAX_GROUP:
         return f"{n_heads // n_kv_heads} query heads per KV head (the kernel takes up to {MAX_GROUP})"
     return None
@@ -185,9 +199,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None
         raise ValueError(f"length must be one int32/int64 on the device, got {length.dtype} {tuple(length.shape)}")
     if q.stride(1) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("the head dimension of q, k and v must be contiguous")
-    if slots is not None and (slots.dim() != 1 or slots.device != q.device or slots.dtype not in
-                              (torch.int32, torch.int64)):
-        raise ValueError("slots must be a 1-D int32/int64 tensor on q's device")
+    if slots is not None and (slots.dim() not in (1, 2) or slots.device != q.device or slots.dtype not in
+                              (torch.int32, torch.int64) or slots.stride(-1) != 1
+                              or (slots.dim() == 2 and slots.shape[0] != k.shape[0])):
+        raise ValueError("slots must be an int32/int64 tensor [C'] or [Hkv, C'] on q's device")
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None = None,
@@ -196,8 +211,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Ten
     are fine: only the head dimension must be contiguous) -> [H, D] in q's dtype.
 
     `length` (a one-element integer tensor on the device, read by the kernel, never by the host) is the number of
-    keys: slots [0, length), or with `slots` [C'] the first `length` slots it lists; with `window` > 0 only the
-    last `window` of those (a sliding-window layer). Nothing here syncs with the
+    keys: slots [0, length), or with `slots` [C'] (or [Hkv, C'], a list per KV head) the first `length` slots it
+    lists; with `window` > 0 only the last `window` of those (a sliding-window layer). Nothing here syncs with the
     device, so the call can be captured in a CUDA graph and replayed for any length up to C (or C'). Raises
     ValueError where `unsupported_reason` gives one (callers fall back to `decode_attention_ref`)."""
     _check(q, k, v, length, slots)
@@ -208,7 +223,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Ten
         raise ValueError(f"decode attention kernel: unsupported {reason}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     n_rep = n_heads // n_kv_heads
-    n_splits = n_splits or default_splits(n_kv_heads, capacity if slots is None else slots.numel(), q.device)
+    n_splits = n_splits or default_splits(n_kv_heads, capacity if slots is None else slots.shape[-1], q.device)
     block_n, warps, stages = _tiles(head_dim, q.dtype)
     if window:  # no more splits than the window has key blocks
         n_splits = min(n_splits, triton.cdiv(window, block_n))
@@ -218,7 +233,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Ten
     _split_kernel[(n_kv_heads, n_splits)](
         q, k, v, length, length if slots is None else slots, part, lse,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        n_rep, scale * math.log2(math.e), int(window) or _NO_WINDOW,
+        slots.stride(0) if slots is not None and slots.dim() == 2 else 0, n_rep, scale * math.log2(math.e), int(window) or _NO_WINDOW,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
         N_SPLITS=n_splits, SUBSET=slots is not None,
         # fp32: full-precision products, not TF32. The interpreter multiplies bfloat16 tiles wrongly in tl.dot

@@ -27,7 +27,8 @@ def chat() -> ChatFormat:
     (["--models", "embedded,gpt-5"], "unknown model 'gpt-5' (accepted: embedded, qwen2.5-0.5b"),
     (["--workloads", "2k,3k"], "unknown workload '3k' (accepted: 2k, 8k, 32k)"),
     (["--methods", "prefill,policy:nope"], "unknown method 'policy:nope' (accepted: prefill, kv-load, kv-split, "
-                                           "kv-merge, llama.cpp, policy:full, policy:round"),
+                                           "kv-merge, llama.cpp, policy:full, policy:loopserve, "
+                                           "policy:loopserve+round, policy:round"),
 ])
 def test_unknown_names_are_one_line_errors(args, needle):
     proc = kvchat("bench", *args, check=False)

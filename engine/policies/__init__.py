@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.full import FullKV
 from kvchat.engine.policies.krul import KrulMerge
+from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
 from kvchat.engine.policies.round_attention import (
     RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
 )
@@ -12,7 +13,7 @@ from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
-    for cls in (FullKV, KrulMerge, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
+    for cls in (FullKV, KrulMerge, LoopServe, LoopServeRound, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
 }
 
 

@@ -44,3 +44,10 @@ class KVPolicy(ABC):
         new message to read, when that is not simply the cache (Krul: the merged layers as a restore gives them
         back); returns what undoes it, or None when nothing changed."""
         return None
+
+    def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
+                    cuda_graph: bool | None) -> Callable[[int], object] | None:
+        """The decode step (token -> logits [V]) this policy runs after the prompt (slots [prompt_start,
+        cache.length)) was prefilled under `attend`, for a reply up to slot `capacity`; None: the engine's own
+        (LoopServe: attention over the input slots its recent tokens choose)."""
+        return None

@@ -1,0 +1,130 @@
+"""LoopServe's progressive decode-time selection (engine.progressive_decode) and the `loopserve` policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.cuda_graph import GraphedDecode
+from kvchat.engine.engine import Engine
+from kvchat.engine.model import SplitAttend
+from kvchat.engine.policies import make_policy
+from kvchat.engine.progressive_decode import ProgressiveDecode
+from kvchat.errors import KvchatError
+
+QUESTION = ("My dog is called Rex. Our canoe is called Blue Heron. My sister lives in Lisbon. The cat is called "
+            "Miso. What is my dog called?")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def prefilled(engine, capacity=256):
+    m = engine.model
+    prompt = engine.encode_prompt(QUESTION)
+    cache = m.new_cache(capacity)
+    logits = m(torch.tensor(prompt), cache)[-1]
+    return cache, logits, len(prompt)
+
+
+def decode(step, first_logits, n):
+    tokens, rows = [int(first_logits.argmax())], [first_logits]
+    for _ in range(n):
+        rows.append(step(tokens[-1]).clone())
+        tokens.append(int(rows[-1].argmax()))
+    return tokens, torch.stack(rows)
+
+
+def test_a_budget_holding_the_whole_input_decodes_as_the_full_cache(model):
+    m = model.model
+    cache, logits, n = prefilled(model)
+    full_tokens, full = decode(GraphedDecode(m, cache, 200, capture=False), logits, 12)
+    cache, logits, n = prefilled(model)
+    step = ProgressiveDecode(m, cache, 0, 200, budget=n, interval=4, warmup=4, capture=False)
+    tokens, got = decode(step, logits, 12)
+    assert step.selections == 3  # after tokens 4, 8 and 12
+    assert tokens == full_tokens
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_small_budget_attends_to_the_inputs_most_attended_slots(model):
+    m, cfg = model.model, model.config
+    cache, logits, n = prefilled(model)
+    step = ProgressiveDecode(m, cache, 0, 200, budget=8, interval=4, warmup=4, capture=False)
+    tokens, got = decode(step, logits, 4)  # the choice is made after the 4th token
+    assert step.selections == 1
+    assert (step.base == 8).all()
+    # The choice, recomputed by hand for one layer: the 4 latest tokens' softmax over every slot, summed.
+    layer, end = 3, cache.length
+    q = step.queries[:, layer].float()  # [4, H, D], tokens in order (the ring has just wrapped)
+    keys = cache.layer(layer)[0, :, :end].float().repeat_interleave(cfg.n_rep, 0)
+    scores = torch.einsum("thd,hnd->htn", q, keys) * cfg.softmax_scale
+    causal = torch.arange(end)[None, :] <= torch.arange(end - 4, end)[:, None]
+    mass = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).sum(1)[:, :n]
+    mass = mass.view(cfg.n_kv_heads, cfg.n_rep, n).sum(1)
+    for head in range(cfg.n_kv_heads):
+        want = set(mass[head].topk(8).indices.tolist())
+        assert set(step.chosen[layer, head, :8].tolist()) == want
+        assert step.chosen[layer, head, 8:12].tolist() == list(range(n, n + 4))  # then the reply
+    # The same tokens through the full cache: the same logits up to the choice, other logits after it.
+    full_cache, _, _ = prefilled(model)
+    full = GraphedDecode(m, full_cache, 200, capture=False)
+    for i, token in enumerate(tokens[:4]):
+        torch.testing.assert_close(full(token), got[i + 1], rtol=1e-5, atol=1e-5)
+    assert (full(tokens[4]) - step(tokens[4])).abs().max() > 1e-3
+
+
+def test_under_a_round_policy_each_layer_chooses_among_what_it_may_see(model):
+    m = model.model
+    cache, logits, n = prefilled(model)
+    # pretend slots [0, n - 10) are history whose upper layers (from 4) see only slots 5..20
+    attend = SplitAttend(4, torch.arange(5, 20))
+    step = ProgressiveDecode(m, cache, n - 10, 200, budget=6, interval=2, warmup=2, attend=attend, capture=False)
+    assert int(step.base[0]) == n and int(step.base[5]) == 15 + 10  # before the first choice: everything seen
+    decode(step, logits, 2)
+    allowed = set(range(5, 20)) | set(range(n - 10, n))
+    for layer in range(4, model.config.n_layers):
+        for head in range(model.config.n_kv_heads):
+            assert set(step.chosen[layer, head, :6].tolist()) <= allowed
+
+
+def test_the_policies_take_their_options_and_refuse_bad_ones(model):
+    policy = make_policy("loopserve", model, budget=64, interval=8)
+    assert policy.budget == 64 and policy.interval == 8
+    with pytest.raises(KvchatError, match="takes no option"):
+        make_policy("loopserve", model, watershed=2)
+    with pytest.raises(KvchatError, match="at least 1"):
+        make_policy("loopserve", model, budget=0)
+    with pytest.raises(KvchatError, match="takes no option"):
+        make_policy("loopserve+round", model, nope=1)
+    both = make_policy("loopserve+round", model, watershed=2, budget=32)
+    assert both.watershed == 2 and both.budget == 32
+
+
+def test_the_policy_turns_sparse_prefill_on_for_its_message_only(model):
+    m = model.model
+    policy = make_policy("loopserve", model)
+    cache = m.new_cache(64)
+    undo = policy.prepare(m, cache, [], [])
+    assert m.sparse_prefill is policy.sparse_prefill and m.sparse_prefill.min_keys == 0
+    undo()
+    assert m.sparse_prefill is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_captured_step_is_the_eager_step():
+    """On CUDA the step is captured once and replayed through the choices (the per-head lists rewritten between
+    replays): the same logits as the same step run uncaptured, through the decode kernel's per-head slot lists."""
+    engine = Engine(DEFAULT_MODEL, device="cuda")
+    runs = []
+    for capture in (True, False):
+        cache, logits, n = prefilled(engine)
+        step = ProgressiveDecode(engine.model, cache, 0, 200, budget=12, interval=4, warmup=4, capture=capture)
+        runs.append(decode(step, logits, 14))
+        assert step.selections == 3
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
