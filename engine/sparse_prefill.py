@@ -90,7 +90,7 @@ class SparsePrefill:
         block = block_size(q.shape[2])
         verticals, diagonals, dense = select_lines(q, keys, start, self.alpha, self.samples, scale, block)
         index = build_index(verticals, diagonals, start, q.shape[0], block, dense)
-        dense = dense | (head_density(index) > self.max_density)
+        dense = dense | (index.head_density() > self.max_density)
         n_dense = int(dense.sum())
         self.stats.calls += 1
         self.stats.heads += q.shape[1]
@@ -102,13 +102,6 @@ class SparsePrefill:
             index = build_index(verticals, diagonals, start, q.shape[0], block, dense)
         self.stats.density_sum += index.density()
         return index
-
-
-def head_density(index: SparseIndex) -> Tensor:
-    """[H] float: each head's computed key entries over its dense causal entries."""
-    t, b = index.n_queries, index.block
-    computed = index.block_count.double().sum(1) * b * b + index.col_count.double().sum(1) * b
-    return computed / max(t * index.start + t * (t + 1) / 2, 1.0)
 
 
 def sample_rows(n_new: int, samples: int, device: torch.device) -> Tensor:

@@ -61,12 +61,16 @@ class SparseIndex:
     def n_keys(self) -> int:
         return self.start + self.n_queries
 
-    def density(self) -> float:
-        """Computed key entries over the causal entries a dense prefill computes (blocks whole, columns each)."""
+    def head_density(self) -> Tensor:
+        """[H] float: each head's computed key entries (blocks whole, columns each) over the causal entries a dense
+        prefill computes (whole blocks can make it a little over 1)."""
         t, b = self.n_queries, self.block
-        computed = self.block_count.double().sum().item() * b * b + self.col_count.double().sum().item() * b
-        causal = self.block_count.shape[0] * (t * self.start + t * (t + 1) / 2)
-        return min(1.0, computed / max(causal, 1.0))
+        computed = self.block_count.double().sum(1) * b * b + self.col_count.double().sum(1) * b
+        return computed / max(t * self.start + t * (t + 1) / 2, 1.0)
+
+    def density(self) -> float:
+        """The heads' mean share of the dense work, at most 1."""
+        return min(1.0, self.head_density().mean().item())
 
 
 def n_diagonals(n_queries: int, n_keys: int, block: int) -> int:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from triton_interpreter import passed_in_interpreter
 
-from kvchat.engine.sparse_prefill import SparsePrefill, head_density, select_lines
+from kvchat.engine.sparse_prefill import SparsePrefill, select_lines
 from kvchat.kernels.round_scores import INTERPRET
 from kvchat.kernels.sparse_prefill import (
     block_size, build_index, dense_index, slash_diagonals, sparse_prefill_attention, sparse_prefill_ref,
@@ -171,7 +171,7 @@ def test_dense_heads_see_every_earlier_key():
     mask = visible_mask(index)
     causal = torch.arange(60)[None, :] <= 20 + torch.arange(40)[:, None]
     assert torch.equal(mask[1], causal) and torch.equal(mask[3], causal) and not torch.equal(mask[0], causal)
-    assert head_density(index)[1] >= 1.0  # whole blocks: a little over the causal triangle
+    assert index.head_density()[1] >= 1.0  # whole blocks: a little over the causal triangle
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.9, 0.99])
@@ -192,7 +192,7 @@ def test_selected_lines_hold_alpha_of_the_sampled_attention(alpha):
     held = (probs * on_lines).sum((1, 2)) / probs.sum((1, 2))
     assert (held >= alpha - 1e-5).all(), held
     if alpha < 0.99:  # structured attention is sparse: the lines are a small part of the work
-        assert (head_density(index) < 0.8).all(), head_density(index)
+        assert (index.head_density() < 0.8).all(), index.head_density()
 
 
 def test_sparse_attention_nears_dense_as_alpha_grows():

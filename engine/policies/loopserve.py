@@ -62,8 +62,10 @@ class LoopServe(KVPolicy):
 class LoopServeRound(LoopServe):
     name = "loopserve+round"
 
-    def __init__(self, watershed: int | None = None, k: float = 0.1, **options):
-        super().__init__(**options)
+    def __init__(self, watershed: int | None = None, k: float = 0.1, alpha: float = 0.955, budget: int = 1024,
+                 interval: int = 16, warmup: int = 16, min_keys: int = 0, sparse: bool = True,
+                 progressive: bool = True):
+        super().__init__(alpha, budget, interval, warmup, min_keys, sparse, progressive)
         self.rounds = RoundAttention(watershed=watershed, k=k)
 
     @classmethod
@@ -72,14 +74,6 @@ class LoopServeRound(LoopServe):
         policy.rounds = RoundAttention.create(engine, progress, watershed=policy.rounds.watershed,
                                               k=policy.rounds.k)
         return policy
-
-    @classmethod
-    def construct(cls, **options) -> "LoopServeRound":
-        accepted = {"watershed", "k", "alpha", "budget", "interval", "warmup", "min_keys", "sparse", "progressive"}
-        unknown = sorted(set(options) - accepted)
-        if unknown:
-            raise KvchatError(f"the {cls.name} KV policy takes no option {', '.join(unknown)}")
-        return cls(**options)
 
     @property
     def watershed(self) -> int | None:
