@@ -73,3 +73,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Which files' interpreter tests this run will run: one child process runs them all (triton_interpreter)."""
+    import triton_interpreter
+
+    triton_interpreter.collected_files.update(Path(item.path).resolve() for item in session.items
+                                              if item.name.endswith("_in_triton_s_interpreter"))

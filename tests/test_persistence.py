@@ -44,7 +44,7 @@ def saved_chat(engine, rounds: int = 3) -> tuple[Store, ChatSession]:
 def test_resumed_in_new_processes_equals_never_stopped(engine, kvchat_home):
     # One process per message: each restores the chat from disk, answers, saves.
     sid = kvchat("new", "--system", SYSTEM).stdout.strip()
-    resumed = [kvchat("send", sid, m, "--device", "cpu").stdout.rstrip("\n") for m in MESSAGES]
+    resumed = [kvchat("send", sid, m, "--device", "cpu", process=True).stdout.rstrip("\n") for m in MESSAGES]
     # The same chat in one process that never stopped.
     store = Store(kvchat_home / "other")
     chat = ChatSession(store, engine, new_session(store))

@@ -8,14 +8,10 @@ before triton is imported. The tests named `test_interpreted_*` therefore skip t
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+from triton_interpreter import passed_in_interpreter
 
 from kvchat.kernels import round_scores
 from kvchat.kernels.round_scores import round_mass, round_mass_ref, triton_kernel_runs_on
@@ -141,16 +137,7 @@ def test_interpreted_views_of_a_kv_cache_and_a_custom_scale():
 def test_the_kernel_in_triton_s_interpreter():
     if round_scores.INTERPRET:
         pytest.skip("already in the interpreter")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "interpreted", str(Path(__file__))],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # Every interpreted test ran (none skipped, say for a TRITON_INTERPRET that did not reach triton).
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == len(INTERPRETER_CASES) + 2, summary
-    assert "skipped" not in summary, summary
+    assert passed_in_interpreter(__file__) == len(INTERPRETER_CASES) + 2
 
 
 # --- in this process: dispatch and input checks ---

@@ -1,5 +1,8 @@
-"""Running a test file's `interpreted` tests in a child pytest with TRITON_INTERPRET=1: triton decides between
-compiling and interpreting when it is imported, so the variable must be set before the process starts."""
+"""Running the test files' `interpreted` tests in a child pytest with TRITON_INTERPRET=1: triton decides between
+compiling and interpreting when it is imported, so the variable must be set before the process starts.
+
+One child serves every such file this run collected (conftest records them): starting torch and triton once
+instead of once per kernel file is half the time these tests take."""
 
 from __future__ import annotations
 
@@ -9,17 +12,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The files whose `test_the_kernel_in_triton_s_interpreter` this run collected (set by conftest).
+collected_files: set[Path] = set()
+_ROOT = Path(__file__).resolve().parents[1]  # pytest's rootdir: the names in its report are relative to it
+_outcomes: dict[Path, dict[str, list[str]]] | None = None
+_report = ""
 
-def passed_in_interpreter(test_file: str, timeout: int = 400) -> int:
-    """Run `test_file`'s tests named *interpreted* under the interpreter; fail on any failure or skip, else return
-    how many passed."""
+
+def passed_in_interpreter(test_file: str, timeout: int = 600) -> int:
+    """Run the `interpreted` tests under the interpreter (with the other collected files' in the same child, once);
+    fail on any of `test_file`'s failing, erroring or being skipped, else return how many of them passed."""
+    path = Path(test_file).resolve()
+    outcomes = _run_children(sorted(collected_files | {path}), timeout).get(path, {})
+    # A skip would mean a TRITON_INTERPRET that did not reach triton: nothing was tested.
+    bad = {k: v for k, v in outcomes.items() if k != "PASSED" and v}
+    assert not bad, f"{bad}\n{_report}"
+    return len(outcomes.get("PASSED", []))
+
+
+def _run_children(files: list[Path], timeout: int) -> dict[Path, dict[str, list[str]]]:
+    global _outcomes, _report
+    if _outcomes is not None and all(f in _outcomes for f in files):
+        return _outcomes
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "interpreted", str(Path(test_file))],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(test_file).parent, capture_output=True, text=True,
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-k", "interpreted", *map(str, files)],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=_ROOT, capture_output=True, text=True,
         timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "skipped" not in summary, summary  # a TRITON_INTERPRET that did not reach triton skips them all
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed, summary
-    return int(passed.group(1))
+    # `-rA` ends with one line per test: "PASSED test_x.py::test_interpreted_y[...]".
+    found: dict[Path, dict[str, list[str]]] = {f: {} for f in files}
+    for outcome, name, test in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?:\[\d+\] )?"
+                                          r"([^\s:]+\.py)(?:::(\S+))?", proc.stdout, flags=re.M):
+        found.setdefault((_ROOT / name).resolve(), {}).setdefault(outcome, []).append(test)
+    if proc.returncode not in (0, 1):  # 1: some test failed, reported per file above; else the run itself broke
+        raise AssertionError(proc.stdout[-4000:] + proc.stderr[-2000:])
+    _outcomes, _report = found, proc.stdout[-6000:] + proc.stderr[-2000:]
+    return found
