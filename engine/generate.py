@@ -31,7 +31,9 @@ class GenerationResult:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     first_token_seconds: float = 0.0  # from the call to the first sampled token
-    decode_seconds: float = 0.0
+    # After the first token is shown: building the decode step (capturing its CUDA graphs), once per reply
+    decode_setup_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the decode steps from the second token on, the setup not included
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -87,7 +89,7 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     logits = cache.prefill(prompt) if tiered else prefill(model, cache, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
-    step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
+    step = None  # built once the first token is out: capturing decode graphs would delay it
     decode_started = time.perf_counter()
     pieces: list[str] = []
     while True:
@@ -117,12 +119,16 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
         if cache.length + 1 > limit:
             result.stop_reason = "context"
             break
+        if step is None:
+            setup_started = time.perf_counter()
+            step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
+            result.decode_setup_seconds = time.perf_counter() - setup_started
         token = sampler(step(token))
     tail = decoder.flush()
     if tail and on_token is not None:
         on_token(-1, tail)
     result.text = _strip_stop("".join(pieces) + tail, stop_strings)
-    result.decode_seconds = time.perf_counter() - decode_started
+    result.decode_seconds = time.perf_counter() - decode_started - result.decode_setup_seconds
     return result
 
 

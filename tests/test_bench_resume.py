@@ -105,6 +105,7 @@ def test_every_method_reports_every_figure(small_run):
     for name, m in methods.items():
         assert m["status"] == "ok", (name, m["status"])
         assert m["ttft_cold_s"] > 0 and m["ttft_warm_s"] > 0 and m["decode_tok_s"] > 0
+        assert ("decode_setup_warm_s" in m) == (name != "llama.cpp")
         assert m["floor_ratio_warm"] == pytest.approx(m["ttft_warm_s"] / two_k["floor"]["seconds"])
         assert m["recall"]["questions"] >= 2 and m["recall"]["correct"] >= 1
         assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m

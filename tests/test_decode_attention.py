@@ -291,3 +291,31 @@ def test_gpu_tiered_graph_decode_is_eager_decode():
     decode."""
     eager, graph = tiered_replies("cuda", ("eager", "graph"))
     assert eager == graph
+
+
+@pytest.mark.gpu
+def test_gpu_tiered_graphs_are_captured_before_the_first_step():
+    """reserve_decode captures both replays (the reply's first step only replays them, as the full cache's does)."""
+    from test_tiered_kv import QUESTION, ROUNDS, SYSTEM
+
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.chat_format import Conversation
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.policies import make_policy
+    from kvchat.engine.tiered_kv import TieredKV
+
+    engine = Engine(DEFAULT_MODEL, device="cuda", dtype=torch.float32)
+    policy = make_policy("round-topk", engine, watershed=2, k=1)
+    policy.progressive, policy.recheck_below = False, 0.0  # no round brought in: nothing is captured again
+    tiered = TieredKV(engine.model, policy, 512, decode="graph")
+    for span in engine.chat.round_spans(Conversation(ROUNDS, SYSTEM)):
+        tiered.prefill(span)
+        tiered.close_round()
+    logits = tiered.prefill(engine.chat.open_round_tokens(Conversation(ROUNDS, SYSTEM), QUESTION))
+    tiered.reserve_decode(8)
+    decoder = tiered._replayed
+    lower, upper = decoder._lower, decoder._upper
+    assert lower is not None and lower.graph is not None and upper is not None and upper.graph is not None
+    for _ in range(4):
+        logits = tiered.step(int(logits.argmax()))
+    assert decoder._lower is lower and decoder._upper is upper

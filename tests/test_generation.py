@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from cli_run import kvchat
@@ -70,6 +71,27 @@ def test_streaming_callback_sees_every_piece(engine):
     pieces = []
     result = run(engine, on_token=lambda tok, piece: pieces.append(piece))
     assert "".join(pieces) == result.text
+
+
+def test_the_first_token_is_shown_before_the_decode_step_is_built(engine, monkeypatch):
+    # Building the step captures CUDA graphs on a GPU (tens of ms at long contexts): the user sees the first token
+    # first, and neither the first-token time nor the decode rate counts the setup (it is reported apart).
+    from kvchat.engine import generate as generate_module
+
+    events, build = [], generate_module.decode_steps
+
+    def slow_build(*args, **kwargs):
+        events.append("built")
+        time.sleep(0.3)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "decode_steps", slow_build)
+    result = run(engine, max_tokens=6, on_token=lambda tok, piece: events.append("token"))
+    assert events[:3] == ["token", "built", "token"] and events.count("built") == 1
+    assert result.decode_setup_seconds >= 0.3 > result.first_token_seconds
+    assert result.decode_seconds < 0.3 or result.decode_seconds < result.decode_setup_seconds
+    one = run(engine, max_tokens=1, on_token=lambda tok, piece: events.append("token"))
+    assert len(one.tokens) == 1 and events.count("built") == 1  # a one-token reply needs no decode step
 
 
 def test_cancel_from_another_thread(engine):
