@@ -109,7 +109,7 @@ def test_interpreted_kernels_match_references(dtype):
 def test_the_kernels_in_triton_s_interpreter():
     if INTERPRET:
         pytest.skip("already in the interpreter")
-    assert passed_in_interpreter(__file__, timeout=300) == len(DTYPES)
+    assert passed_in_interpreter(__file__) == len(DTYPES)
 
 
 @pytest.mark.gpu

@@ -15,29 +15,30 @@ from pathlib import Path
 # The files whose `test_the_kernel_in_triton_s_interpreter` this run collected (set by conftest).
 collected_files: set[Path] = set()
 _ROOT = Path(__file__).resolve().parents[1]  # pytest's rootdir: the names in its report are relative to it
+TIMEOUT_S = 600  # all four kernel files take ~40 s on two cores
 _outcomes: dict[Path, dict[str, list[str]]] | None = None
 _report = ""
 
 
-def passed_in_interpreter(test_file: str, timeout: int = 600) -> int:
+def passed_in_interpreter(test_file: str) -> int:
     """Run the `interpreted` tests under the interpreter (with the other collected files' in the same child, once);
     fail on any of `test_file`'s failing, erroring or being skipped, else return how many of them passed."""
     path = Path(test_file).resolve()
-    outcomes = _run_children(sorted(collected_files | {path}), timeout).get(path, {})
+    outcomes = _run_children(sorted(collected_files | {path})).get(path, {})
     # A skip would mean a TRITON_INTERPRET that did not reach triton: nothing was tested.
     bad = {k: v for k, v in outcomes.items() if k != "PASSED" and v}
     assert not bad, f"{bad}\n{_report}"
     return len(outcomes.get("PASSED", []))
 
 
-def _run_children(files: list[Path], timeout: int) -> dict[Path, dict[str, list[str]]]:
+def _run_children(files: list[Path]) -> dict[Path, dict[str, list[str]]]:
     global _outcomes, _report
     if _outcomes is not None and all(f in _outcomes for f in files):
         return _outcomes
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-k", "interpreted", *map(str, files)],
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=_ROOT, capture_output=True, text=True,
-        timeout=timeout)
+        timeout=TIMEOUT_S)
     # `-rA` ends with one line per test: "PASSED test_x.py::test_interpreted_y[...]".
     found: dict[Path, dict[str, list[str]]] = {f: {} for f in files}
     for outcome, name, test in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?:\[\d+\] )?"
