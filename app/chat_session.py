@@ -216,7 +216,8 @@ class ChatSession:
                  policy: KVPolicy | None = None, planner: Planner | None = None,
                  compactor: Callable[[Store, str], object] | None = None, trim_windows: bool = True,
                  merges: "ChatMerges | None" = None, ignore_merges: bool = False):
-        """`policy`: a tiered KV policy (engine.policies, e.g. "round") or None for the full cache.
+        """`policy`: a tiered KV policy (engine.policies, e.g. "round"), one over the full cache ("loopserve"), or
+        None for the full cache.
         `planner`: chooses what a restore recomputes and what it loads (app.hardware_profile.profile_planner);
         None loads everything stored. `compactor`: run on the writer's thread after each round is saved
         (app.compaction), or None. `trim_windows`: store sliding-window layers only where a later round can
@@ -228,6 +229,8 @@ class ChatSession:
         self.writer = writer or KVWriter(store, self.fingerprint)
         self.rounds: list[RoundRow] = store.rounds(sid)
         self.policy = policy if policy is not None and policy.tiered else None
+        # A policy over the full cache (LoopServe): it shapes each message's prefill and its reply's decode.
+        self.message_policy = policy if policy is not None and not policy.tiered else None
         self.cache: KVCache | TieredKV = self._new_cache(256)
         self.restored: RestoreStats | None = None
         self._waited = 0.0
@@ -981,11 +984,21 @@ class ChatSession:
             self.restore()
         idx, start = len(self.rounds), self.cache.length
         prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
-        with self.answering():
-            result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
-                              max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
-                              **self.engine.guarding(guard))
+        attend, undo = None, None
+        if self.message_policy is not None:
+            starts, model = [r.token_start for r in self.rounds], self.engine.model
+            undo = self.message_policy.prepare(model, self.cache, starts, [])
+            attend = self.message_policy.visible_slots(self.cache, starts, prompt, model=model)
+        try:
+            with self.answering():
+                result = generate(self.engine.model, self.cache, prompt,
+                                  decoder=self.engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                                  sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                                  stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
+                                  attend=attend, policy=self.message_policy, **self.engine.guarding(guard))
+        finally:
+            if undo is not None:
+                undo()
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
         row = RoundRow(idx, text, result.text, start, start + len(closed), now())
         crash_point("round-text")

@@ -109,7 +109,9 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=1))
     @click.option("--kv-policy", "policy_name", default="full", show_default=True,
                   help="full: every round's K/V on the device; round (Round Attention): the lower layers of every "
-                       "round, the upper layers of the rounds the message picks (calibrates the model on first use).")
+                       "round, the upper layers of the rounds the message picks (calibrates the model on first use); "
+                       "loopserve: the full cache, a long message's prefill sparse, the reply reading a budget of "
+                       "input tokens chosen again as it goes.")
     @click.option("--compact/--no-compact", default=True, show_default=True,
                   help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
                        "recompute anyway (kvchat compact).")

@@ -20,9 +20,10 @@ from kvchat.app.errors import FriendlyGroup
                    "(default: the settings' choice, else the embedded model).")
 @click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
 # The choices are engine.policies.CHAT_POLICIES, written out: importing it would load torch for every command.
-@click.option("--kv-policy", "kv_policy", default=None, type=click.Choice(["full", "round"]),
-              help="The app only: the KV policy chats run under, full or round (Round Attention on a tiered KV "
-                   "cache; calibrates the model on first use). Default: the settings' choice, else full.")
+@click.option("--kv-policy", "kv_policy", default=None, type=click.Choice(["full", "round", "loopserve"]),
+              help="The app only: the KV policy chats run under, full, round (Round Attention on a tiered KV "
+                   "cache; calibrates the model on first use) or loopserve (sparse prefill of long messages, "
+                   "progressive selection of what the reply reads). Default: the settings' choice, else full.")
 @click.pass_context
 def main(ctx: click.Context, model_path, device, kv_policy) -> None:
     """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read.

@@ -114,6 +114,41 @@ def test_the_policy_turns_sparse_prefill_on_for_its_message_only(model):
     assert m.sparse_prefill is None
 
 
+def test_a_chat_runs_under_loopserve(model, kvchat_home):
+    """ChatSession under loopserve answers as the policy does on a fresh cache: the message's prefill sparse, the
+    reply read through a budget chosen again as it goes (here 8 slots, chosen every token), the model dense again
+    after the message."""
+    from kvchat.app.chat_session import ChatSession
+    from kvchat.engine.generate import generate
+    from kvchat.engine.policies import chat_policy
+    from kvchat.engine.reply_guard import ReplyGuard
+    from kvchat.engine.sparse_prefill import DEFAULT_MIN_KEYS
+    from kvchat.storage.db import Store
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    m, options = model.model, dict(budget=8, warmup=1, interval=1, min_keys=0)
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
+                               model_path=str(DEFAULT_MODEL), system_prompt="")
+    policy = make_policy("loopserve", model, **options)
+    chat = ChatSession(store, model, sid, policy=policy)
+    prompt = model.chat.open_round_tokens(chat.conversation(), QUESTION)
+    got = chat.send(QUESTION, max_tokens=12)
+    chat.close()
+    assert m.sparse_prefill is None and policy.sparse_prefill.stats.calls > 0 and policy.last_decode is not None
+
+    again = make_policy("loopserve", model, **options)
+    undo = again.prepare(m, m.new_cache(256), [], [])
+    try:
+        want = generate(m, m.new_cache(256), prompt, decoder=model.tokenizer.stream_decoder(), max_tokens=12,
+                        stop_tokens=model.tokenizer.eog_ids, stop_strings=model.chat.stop_strings, policy=again,
+                        **model.guarding(ReplyGuard()))
+    finally:
+        undo()
+    assert got.tokens == want.tokens
+    assert chat_policy("loopserve", model).min_keys == DEFAULT_MIN_KEYS  # chats: sparse only where measured faster
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_the_captured_step_is_the_eager_step():

@@ -156,8 +156,12 @@ def test_send_takes_the_kv_policy(kvchat_home):
             (store.kv_dir / seg["file"]).unlink()
     shown = json.loads(kvchat("show", sid, "--json").stdout)["rounds"]
     assert [r["kv"] for r in shown[:2]] == ["text only", "on disk"]
+    # LoopServe runs on the full cache: the chat, stored in tiers, is read whole
+    out = kvchat("send", sid, MESSAGES[3], "--device", "cpu", "--kv-policy", "loopserve").stdout.strip()
+    assert out == "Your sister's name is Mira."
     bad = kvchat("send", sid, "hi", "--device", "cpu", "--kv-policy", "nearest", check=False)
     assert bad.returncode != 0 and "unknown KV policy 'nearest' for chats" in bad.stderr
+    assert "full, loopserve, round" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 

@@ -439,6 +439,23 @@ def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
     assert again.result.text
 
 
+def test_the_app_runs_a_chat_under_loopserve(kvchat_home):
+    from kvchat.app.tui.backend import ChatBackend
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.sampling import SamplingParams
+
+    backend = ChatBackend(device="cpu")
+    try:
+        sid = backend.create_chat(DEFAULT_MODEL)
+        for message in ("My name is Ada.", "What is my name?"):
+            reply = backend.send(sid, message, max_tokens=16, sampling=SamplingParams(), kv_policy="loopserve")
+        session = backend._open[sid].session
+        assert reply.result.text == "Your name is Ada." and session.message_policy.name == "loopserve"
+        assert session.message_policy.last_decode is not None  # the reply decoded through the policy's step
+    finally:
+        backend.close()
+
+
 def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
     from kvchat.app.tui.backend import CHATS_IN_MEMORY, ChatBackend
     from kvchat.engine.calibration import Calibration, save_calibration

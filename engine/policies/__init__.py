@@ -9,6 +9,7 @@ from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
 from kvchat.engine.policies.round_attention import (
     RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
 )
+from kvchat.engine.sparse_prefill import DEFAULT_MIN_KEYS
 from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {
@@ -17,16 +18,23 @@ POLICIES: dict[str, type[KVPolicy]] = {
 }
 
 
-CHAT_POLICIES = ("full", "round")  # what chats accept: the full cache, or Round Attention on its tiered KV
+# What chats accept: the full cache, Round Attention on its tiered KV, or LoopServe on the full cache (sparse prefill
+# of long messages, progressive selection of what the reply reads).
+CHAT_POLICIES = ("full", "round", "loopserve")
 
 
 def chat_policy(name: str, engine=None, progress=None) -> KVPolicy | None:
-    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy)."""
+    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy) or
+    `loopserve`."""
     if name == "full":
         return None
+    if name == "loopserve":
+        # A chat's prefill goes sparse only from where the kernel measured faster (a whole prefill never has yet:
+        # docs/benchmarks.md, "LoopServe"); its reply always reads a progressively chosen budget.
+        return make_policy(name, engine, progress, min_keys=DEFAULT_MIN_KEYS)
     if name not in POLICIES or not POLICIES[name].tiered:
         raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
-                          f"{', '.join(n for n in POLICIES if n == 'full' or POLICIES[n].tiered)})")
+                          f"{', '.join(n for n in POLICIES if n in CHAT_POLICIES or POLICIES[n].tiered)})")
     return make_policy(name, engine, progress)
 
 

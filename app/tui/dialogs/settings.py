@@ -18,6 +18,7 @@ from kvchat.errors import KvchatError
 POLICY_CHOICES = {
     "full": "full: every round's K/V on the GPU",
     "round": "round: Round Attention on a tiered KV cache (calibrates the model once)",
+    "loopserve": "loopserve: sparse prefill of long messages, progressive decode",
 }
 # Round Attention is offered, not recommended: on the embedded model its recall is still below the full cache's.
 ROUND_HINT = ("round: lower layers of every round on the GPU, upper layers only of the rounds each message picks "
