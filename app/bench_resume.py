@@ -509,19 +509,14 @@ def _run_engine(spec: dict) -> dict:
 
     def answer(cache, closed, starts, text, max_tokens):
         prompt = chat.open_round_tokens(closed, text)
-        attend, undo = None, None
-        if policy is not None and not tiered:
-            # the history's tokens are not at hand here, which only krul needs (not a bench method)
-            undo = policy.prepare(model, cache, starts, [])  # LoopServe: sparse prefill for this message
-            attend = policy.visible_slots(cache, starts, prompt, model=model)
-        try:
-            with sessions[-1].answering() if sessions else contextlib.nullcontext():  # as ChatSession.send answers
-                return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
-                                max_tokens=max_tokens, stop_tokens=engine.tokenizer.eog_ids,
-                                stop_strings=chat.stop_strings, attend=attend, policy=policy)
-        finally:
-            if undo is not None:
-                undo()
+        # the history's tokens are not at hand here, which only krul needs (not a bench method)
+        view = (policy.for_message(model, cache, starts, [], prompt) if policy is not None and not tiered
+                else contextlib.nullcontext())
+        answering = sessions[-1].answering() if sessions else contextlib.nullcontext()  # as ChatSession.send answers
+        with view as attend, answering:
+            return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                            stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend,
+                            policy=policy)
 
     sessions: list[ChatSession] = []
     restores = []  # each ChatSession restore's stats, in order

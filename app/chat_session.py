@@ -984,21 +984,15 @@ class ChatSession:
             self.restore()
         idx, start = len(self.rounds), self.cache.length
         prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
-        attend, undo = None, None
-        if self.message_policy is not None:
-            starts, model = [r.token_start for r in self.rounds], self.engine.model
-            undo = self.message_policy.prepare(model, self.cache, starts, [])
-            attend = self.message_policy.visible_slots(self.cache, starts, prompt, model=model)
-        try:
-            with self.answering():
-                result = generate(self.engine.model, self.cache, prompt,
-                                  decoder=self.engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
-                                  sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                                  stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
-                                  attend=attend, policy=self.message_policy, **self.engine.guarding(guard))
-        finally:
-            if undo is not None:
-                undo()
+        mp = self.message_policy
+        starts = [r.token_start for r in self.rounds]
+        view = mp.for_message(self.engine.model, self.cache, starts, [], prompt) if mp is not None else \
+            contextlib.nullcontext()
+        with view as attend, self.answering():
+            result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
+                              max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
+                              attend=attend, policy=mp, **self.engine.guarding(guard))
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
         row = RoundRow(idx, text, result.text, start, start + len(closed), now())
         crash_point("round-text")

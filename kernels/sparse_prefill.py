@@ -177,8 +177,16 @@ def sparse_prefill_ref(q: Tensor, k: Tensor, v: Tensor, index: SparseIndex, scal
 if triton is not None:
 
     @triton.jit
-    def _online_update(q, k, v, ok, row_max, row_sum, acc, qk_scale_log2,
-                       DOT_PRECISION: tl.constexpr):
+    def _attend_slots(q, k_head, v_head, slots, slot_ok, row_slot, dims, dim_ok, stride_kn, stride_vn,
+                      row_max, row_sum, acc, qk_scale_log2, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+        # One online-softmax step of the query tile over the keys at `slots` (those with `slot_ok`), causally.
+        kv_mask = slot_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_head + slots[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + slots[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        ok = slot_ok[None, :] & (slots[None, :] <= row_slot[:, None])
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         scores = tl.where(ok, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -221,16 +229,9 @@ if triton is not None:
         for j in range(0, n_blocks):
             kb = tl.load(block_idx_ptr + at.to(tl.int64) * max_blocks + j)
             keys = kb * BLOCK + tl.arange(0, BLOCK)
-            key_ok = keys < n_keys
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_head + keys[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_head + keys[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
-            if DOT_IN_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            ok = key_ok[None, :] & (keys[None, :] <= row_slot[:, None])
-            row_max, row_sum, acc = _online_update(q, k, v, ok, row_max, row_sum, acc, qk_scale_log2,
-                                                   DOT_PRECISION)
+            row_max, row_sum, acc = _attend_slots(q, k_head, v_head, keys, keys < n_keys, row_slot, dims, dim_ok,
+                                                  stride_kn, stride_vn, row_max, row_sum, acc, qk_scale_log2,
+                                                  DOT_PRECISION, DOT_IN_FP32)
 
         n_cols = tl.load(col_count_ptr + at)
         for c0 in range(0, n_cols, BLOCK):
@@ -238,16 +239,9 @@ if triton is not None:
             col_ok = idx < n_cols
             slot = tl.load(cols_ptr + head.to(tl.int64) * max_cols + idx, mask=col_ok, other=0)
             covered = tl.load(block_mask_ptr + at.to(tl.int64) * n_kblocks + slot // BLOCK, mask=col_ok, other=1)
-            col_ok = col_ok & (covered == 0)
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_head + slot[:, None].to(tl.int64) * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_head + slot[:, None].to(tl.int64) * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
-            if DOT_IN_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            ok = col_ok[None, :] & (slot[None, :] <= row_slot[:, None])
-            row_max, row_sum, acc = _online_update(q, k, v, ok, row_max, row_sum, acc, qk_scale_log2,
-                                                   DOT_PRECISION)
+            row_max, row_sum, acc = _attend_slots(q, k_head, v_head, slot, col_ok & (covered == 0), row_slot, dims,
+                                                  dim_ok, stride_kn, stride_vn, row_max, row_sum, acc,
+                                                  qk_scale_log2, DOT_PRECISION, DOT_IN_FP32)
 
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],

@@ -3,9 +3,10 @@ one abstract method, a table of all of them in engine.policies)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Callable
 from abc import ABC, abstractmethod
+from typing import Callable, Iterator
 
 from kvchat.engine.model import Attend, KVCache, Transformer
 from kvchat.errors import KvchatError
@@ -44,6 +45,18 @@ class KVPolicy(ABC):
         new message to read, when that is not simply the cache (Krul: the merged layers as a restore gives them
         back); returns what undoes it, or None when nothing changed."""
         return None
+
+    @contextlib.contextmanager
+    def for_message(self, model: Transformer, cache: KVCache, round_starts: list[int], history: list[int],
+                    new_tokens: list[int]) -> Iterator[Attend]:
+        """The policy prepared for one message over a full cache (`prepare`), undone after it even on an error;
+        yields what the message attends to (`visible_slots`)."""
+        undo = self.prepare(model, cache, round_starts, history)
+        try:
+            yield self.visible_slots(cache, round_starts, new_tokens, model=model)
+        finally:
+            if undo is not None:
+                undo()
 
     def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
                     cuda_graph: bool | None) -> Callable[[int], object] | None:
