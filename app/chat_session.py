@@ -452,7 +452,7 @@ class ChatSession:
             stats.tokens_recomputed += kept
             stats.notes.append(f"{_rounds_words(stats.kept_rounds)}: no K/V stored; recomputed, and stored since "
                                f"loading is faster here")
-        spans = self._recompute_fallback(fallback, stats)
+        spans = self._recompute_fallback(fallback, stats, self._window_prefix(plan))
         if spans is False:
             return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
         if self.policy is None:
@@ -523,9 +523,23 @@ class ChatSession:
             steps.append(PyramidStep(grp, ends[k - 1], cache))
         return steps
 
-    def _recompute_fallback(self, rounds: list[int], stats: RestoreStats) -> list[list[int]] | None | bool:
+    def _window_prefix(self, plan: RestorePlan) -> int:
+        """The rounds [0, k) whose sliding-window K/V the plan recomputes in every window layer of the device tier
+        (the shortest prefix among their layer groups); len(rounds) without sliding windows."""
+        cfg = self.engine.config
+        windowed = [k for grp, k in zip(plan.groups, plan.prefix)
+                    if grp.start < self.split and any(cfg.window(i) for i in grp)]
+        return min(windowed) if windowed else len(self.rounds)
+
+    def _recompute_fallback(self, rounds: list[int], stats: RestoreStats,
+                            window_prefix: int) -> list[list[int]] | None | bool:
         """Recompute the rounds that could not be loaded, in order, each attending to everything before it.
-        Returns the chat's spans (None when no round needed them), or False when they no longer match."""
+        Returns the chat's spans (None when no round needed them), or False when they no longer match.
+
+        A sliding-window layer's K/V is stored only for the chat's last window (and the plan's recomputed prefix
+        has it in the cache): a missing round whose window reaches further back is recomputed together with every
+        round from the end of what the cache holds, since the hidden states entering each layer depend on the
+        window below it."""
         if not rounds:
             return None
         t0 = time.perf_counter()
@@ -533,16 +547,43 @@ class ChatSession:
         stats.spans_ms += 1000 * (time.perf_counter() - t0)
         if list(itertools.accumulate(len(s) for s in spans)) != [r.token_end for r in self.rounds]:
             return False
-        pending, previous = [], None
+        runs: list[list[int]] = []
         for i in rounds:
-            if previous is not None and i != previous + 1:
-                self._recompute(pending, stats)
-                pending = []
-            pending.append((self.rounds[i].token_start, spans[i]))
-            previous = i
-        self._recompute(pending, stats)
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        valid_rounds = window_prefix  # rounds [0, valid_rounds) have every window K/V in the cache
+        recomputed: list[int] = []
+        for run in runs:
+            if run[0] > valid_rounds and not self._window_held(run[0], valid_rounds, set(recomputed)):
+                stats.notes.append(f"{_rounds_words(list(range(valid_rounds, run[0])))}: recomputed again, since "
+                                   f"round {run[0]}'s sliding windows read them and they are stored trimmed")
+                run = list(range(valid_rounds, run[-1] + 1))
+            if run[0] <= valid_rounds:
+                valid_rounds = max(valid_rounds, run[-1] + 1)
+            self._recompute([(self.rounds[i].token_start, spans[i]) for i in run], stats)
+            recomputed += run
         stats.recomputed_rounds = list(rounds)
         return spans
+
+    def _window_held(self, i: int, valid_rounds: int, recomputed: set[int]) -> bool:
+        """Whether the cache holds every sliding-window K/V that round i's first token reads: recomputed (rounds
+        below `valid_rounds`, or in `recomputed`) or loaded from segments stored with it."""
+        window = self.engine.config.sliding_window
+        if not window:
+            return True
+        need = self.rounds[i].token_start - window + 1
+        for j in range(i - 1, -1, -1):
+            row = self.rounds[j]
+            if row.token_end <= need:
+                return True
+            if j < valid_rounds or j in recomputed:
+                continue
+            held = [live for (r, _), live in self._stored_live.items() if r == j]
+            if not held or max(held) > max(row.token_start, need):
+                return False
+        return True
 
     def _register_tiered_rounds(self, plan: RestorePlan, prefix_tokens: list[int], spans, kept: list[int]) -> None:
         """Tiered: hand every round to the cache in order, with its upper K/V when the restore has it (recomputed

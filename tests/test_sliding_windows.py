@@ -101,6 +101,24 @@ def test_a_fork_and_a_state_file_reopen_with_what_they_can_read(gemma, kvchat_ho
     assert again.send(MESSAGES[4], max_tokens=REPLY).tokens == never_stopped[4]
 
 
+def test_a_missing_round_is_recomputed_with_the_rounds_its_windows_read(gemma, kvchat_home):
+    """Round 2's files are lost: its recompute reads round 1's tail in the sliding-window layers, which is stored
+    trimmed (zeros), so rounds 0-1 are recomputed with it; every layer's K/V of round 2 then equals the chat that
+    never stopped (recomputed alone, the global layer was off by ~10%)."""
+    store = Store()
+    chat, _ = chat_of(store, gemma, MESSAGES[:4])
+    store.drop_segment_rows(chat.sid, [(s["round_idx"], s["kind"], s["layer_start"])
+                                       for s in store.segments(chat.sid) if s["round_idx"] == 2])
+    reopened = ChatSession(store, gemma, chat.sid)
+    stats = reopened.restore()
+    assert stats.recomputed_rounds == [2]
+    assert any("rounds 0-1: recomputed again, since round 2's sliding windows read them" in n for n in stats.notes)
+    row = chat.rounds[2]
+    got = reopened.cache.kv[:, :, :, row.token_start : row.token_end]
+    want = chat.cache.kv[:, :, :, row.token_start : row.token_end]
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
 def test_a_chat_given_as_text_is_stored_trimmed_by_store_all(gemma, kvchat_home):
     store = Store()
     chat, _ = chat_of(store, gemma, MESSAGES[:3])
