@@ -1110,10 +1110,19 @@ class ChatSession:
         self.rounds = self.rounds[:-1]
         for layers in self.storage_groups:
             self._stored_live.pop((len(self.rounds), layers.start), None)
-        if self.restored is not None or self.cache.length:
+        if self._window_gone(row.token_start):
+            # The window before the new end was restored from segments stored trimmed (zeros in the cache): the
+            # next message restores the chat again, which recomputes what the windows read.
+            self.cache, self.restored = self._new_cache(256), None
+        elif self.restored is not None or self.cache.length:
             self.cache.truncate(row.token_start)
             self._retrim()
         return row
+
+    def _window_gone(self, end: int) -> bool:
+        """Whether a chat cut back to `end` would read sliding-window K/V the cache holds as zeros."""
+        window = self.engine.config.sliding_window
+        return bool(window) and self.cache.length > 0 and end - window + 1 < self._window_valid_from
 
     def close(self) -> None:
         self.writer.drain()

@@ -119,6 +119,25 @@ def test_a_missing_round_is_recomputed_with_the_rounds_its_windows_read(gemma, k
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
+def test_a_retraction_after_reopening_recomputes_the_trimmed_window(gemma, kvchat_home):
+    """Reopened, the cache holds zeros where the store trimmed the windows; retracting the last round brings them
+    back into reach, so the chat is restored again (recomputing them) before the message is answered again: its
+    K/V are the never-stopped chat's (kept as they were, they were off by ~12%)."""
+    store = Store()
+    chat, _ = chat_of(store, gemma, MESSAGES[:4])
+    reopened = ChatSession(store, gemma, chat.sid)
+    reopened.restore()
+    reopened.retract_last_round()
+    assert reopened.restored is None
+    stats = reopened.restore()
+    assert stats.tokens_recomputed > 0 and any("sliding-window" in note for note in stats.notes)
+    reopened.send(MESSAGES[3], max_tokens=REPLY)
+    row = chat.rounds[3]
+    got = reopened.cache.kv[:, :, :, row.token_start : row.token_end]
+    want = chat.cache.kv[:, :, :, row.token_start : row.token_end]
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
 def test_a_chat_given_as_text_is_stored_trimmed_by_store_all(gemma, kvchat_home):
     store = Store()
     chat, _ = chat_of(store, gemma, MESSAGES[:3])
