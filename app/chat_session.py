@@ -246,10 +246,11 @@ class ChatSession:
         self.merges = merges
         self.ignore_merges = ignore_merges
         self._round_pairs: dict[int, list[LayerPair]] = {}  # the pairs a round is stored merged in
+        self._ring_fork: KVCache | None = None  # a restore's recompute tier for a cache with rings
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
-        if self.policy is None:
-            return self.engine.new_cache(capacity)
+        if self.policy is None:  # sliding-window layers (Gemma 3) keep only their window, in a ring
+            return self.engine.new_cache(capacity, ring=True)
         return TieredKV(self.engine.model, self.policy, capacity)
 
     @property
@@ -329,7 +330,7 @@ class ChatSession:
         stats.plan = plan.summary(ends)
         if plan.predicted is not None:
             stats.predicted_ms = 1000 * plan.predicted.total_s
-        self.cache = self._new_cache(total + 512)
+        self.cache, self._ring_fork = self._new_cache(total + 512), None
         # What the plan loads: per round, the segments holding any layer it does not recompute (the upper tier of
         # a tiered chat comes later, in the background, unless it came in one segment with the lower layers).
         loads = {i: self._to_load(by_round.get(i, []), plan.recomputed_layers(i).stop) for i in range(len(ends))}
@@ -455,6 +456,7 @@ class ChatSession:
         spans = self._recompute_fallback(fallback, stats, self._window_prefix(plan))
         if spans is False:
             return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
+        self._join_recomputed()
         if self.policy is None:
             self.cache.length = total
         else:
@@ -509,7 +511,7 @@ class ChatSession:
     def _pyramid_steps(self, plan: RestorePlan, ends: list[int]) -> list[PyramidStep]:
         """One recompute step per layer group the plan recomputes anything at; a tiered chat's upper layers go to a
         scratch cache, from which each round's upper K/V moves to host memory once the restore is done."""
-        steps, device_tier = [], self.cache if self.policy is None else self.cache.lower
+        steps, device_tier = [], self._recompute_tier()
         self._recomputed_upper = None
         for grp, k in zip(plan.groups, plan.prefix):
             if k == 0:
@@ -530,6 +532,23 @@ class ChatSession:
         windowed = [k for grp, k in zip(plan.groups, plan.prefix)
                     if grp.start < self.split and any(cfg.window(i) for i in grp)]
         return min(windowed) if windowed else len(self.rounds)
+
+    def _recompute_tier(self) -> KVCache:
+        """Where a restore's recomputes write the device tier's K/V. A cache with sliding-window rings gets a
+        fork of them: the recompute's windows run over its own ring while the loads fill the cache's, and the
+        restore joins the two once both are done (`_join_recomputed`)."""
+        if self.policy is not None:
+            return self.cache.lower
+        if self.cache.ring_size:
+            if self._ring_fork is None:
+                self._ring_fork = self.cache.fork_ring()
+            return self._ring_fork
+        return self.cache
+
+    def _join_recomputed(self) -> None:
+        if self._ring_fork is not None:
+            self.cache.join_ring(self._ring_fork)
+            self._ring_fork = None
 
     def _recompute_fallback(self, rounds: list[int], stats: RestoreStats,
                             window_prefix: int) -> list[list[int]] | None | bool:
@@ -556,7 +575,9 @@ class ChatSession:
         valid_rounds = window_prefix  # rounds [0, valid_rounds) have every window K/V in the cache
         recomputed: list[int] = []
         for run in runs:
-            if run[0] > valid_rounds and not self._window_held(run[0], valid_rounds, set(recomputed)):
+            # In a ring cache the recompute's windows are in its own ring, which holds only what it computed.
+            ringed = self._ring_fork is not None
+            if run[0] > valid_rounds and (ringed or not self._window_held(run[0], valid_rounds, set(recomputed))):
                 stats.notes.append(f"{_rounds_words(list(range(valid_rounds, run[0])))}: recomputed again, since "
                                    f"round {run[0]}'s sliding windows read them and they are stored trimmed")
                 run = list(range(valid_rounds, run[-1] + 1))
@@ -899,8 +920,9 @@ class ChatSession:
                        "recomputed from text"]
         ends = list(itertools.accumulate(len(s) for s in spans))
         total = ends[-1]
-        self.cache = self._new_cache(total + 512)
+        self.cache, self._ring_fork = self._new_cache(total + 512), None
         self._recompute([(0, [t for s in spans for t in s])], stats)
+        self._join_recomputed()
         if self.policy is None:
             self.cache.length = total
         else:
@@ -1006,7 +1028,7 @@ class ChatSession:
         first = pending[0][0]
         tokens = [t for _, span in pending for t in span]
         end = first + len(tokens)
-        device_tier = self.cache if self.policy is None else self.cache.lower
+        device_tier = self._recompute_tier()
         device_tier.reserve(end)
         h = m.embed(torch.tensor(tokens))
         m.run_layers(h, torch.arange(first, end), device_tier, first, layers=range(self.split))
@@ -1040,7 +1062,8 @@ class ChatSession:
         self.store.add_round(self.sid, row)  # the text is safe from here on
         crash_point("round-committed")
         self.rounds.append(row)
-        self._settle_cache(start, prompt + result.tokens[:-1], closed)
+        if not self._settle_cache(start, prompt + result.tokens[:-1], closed):
+            return result  # its K/V are computed again (and stored) when the chat is next restored
         if self.merges is not None and self.policy is None:  # the chat's statistics: late rows of message, reply
             with torch.inference_mode():
                 self.merges.observe(self.cache, [(start + len(prompt), closed[:len(prompt)]), (row.token_end, closed)])
@@ -1085,20 +1108,27 @@ class ChatSession:
             self.writer.submit(self.sid, idx, bounds, upper, tokens, kind=SEGMENT_KEY_BOUNDS)
 
     @torch.inference_mode()
-    def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> None:
+    def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> bool:
         """Make slots [start, ...) hold exactly the closed round's tokens: keep what generation already computed
-        where it agrees with the template's tokens, compute the rest (usually just the end-of-turn tail)."""
+        where it agrees with the template's tokens, compute the rest (usually just the end-of-turn tail). False:
+        the cache was let go instead (the next message restores the chat)."""
         common = 0
         for a, b in zip(have, closed):
             if a != b:
                 break
             common += 1
+        if self._window_gone(start + common):
+            # A reply that re-reads differently from far back in a long round: the rings no longer hold what the
+            # windows read there. The next message restores the chat (recomputing this round's K/V).
+            self.cache, self.restored = self._new_cache(256), None
+            return False
         self.cache.truncate(start + common)
         if common < len(closed):
             if self.policy is None:
                 prefill(self.engine.model, self.cache, closed[common:])
             else:
                 self.cache.prefill(closed[common:])
+        return True
 
     def retract_last_round(self) -> RoundRow | None:
         """Remove the last round (text and K/V) from the store and the cache, to answer its message again."""
@@ -1120,9 +1150,12 @@ class ChatSession:
         return row
 
     def _window_gone(self, end: int) -> bool:
-        """Whether a chat cut back to `end` would read sliding-window K/V the cache holds as zeros."""
+        """Whether a chat cut back to `end` would read sliding-window K/V the cache holds as zeros, or that its
+        rings no longer hold."""
         window = self.engine.config.sliding_window
-        return bool(window) and self.cache.length > 0 and end - window + 1 < self._window_valid_from
+        if not window or not self.cache.length:
+            return False
+        return end - window + 1 < self._window_valid_from or not getattr(self.cache, "holds_window", bool)(end)
 
     def close(self) -> None:
         self.writer.drain()

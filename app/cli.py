@@ -497,15 +497,27 @@ def _int_list(ctx, param, value: str) -> list[int]:
               help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
 @click.option("--cold", is_flag=True, help="Drop the OS page cache before each load (Linux, root).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
-def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path) -> None:
-    """Load time, prefill and decode tokens/s of the bare engine on random models of real shapes."""
+@click.option("--model", "model_path", default=None, type=click.Path(dir_okay=False),
+              callback=lambda ctx, param, value: None if value is None else _resolve_model(ctx, param, value),
+              help="A GGUF file or known short name to measure instead of the random shapes (a model with "
+                   "sliding-window layers is measured with them in rings as well).")
+def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path, model_path) -> None:
+    """Load time, prefill and decode tokens/s and KV cache memory of the bare engine, on random models of real
+    shapes or on --model."""
     from pathlib import Path
 
-    from kvchat.engine.bench import as_dict, bench_shape
+    from kvchat.engine.bench import as_dict, bench_file, bench_shape
     from kvchat.engine.synthetic import SHAPES
     from kvchat.errors import KvchatError
     from kvchat.paths import data_dir
 
+    if model_path is not None:
+        path = Path(model_path)
+        results = [as_dict(bench_file(path, path.name, "file", contexts, _device(device), log=click.echo,
+                                      cold=cold))]
+        if json_path:
+            Path(json_path).write_text(json.dumps(results, indent=2))
+        return
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise KvchatError(f"unknown shape {unknown[0]!r} (accepted: {', '.join(SHAPES)})")

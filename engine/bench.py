@@ -29,6 +29,9 @@ class ContextFigures:
     decode_tokens_per_s: float
     decode_ms_per_token: float
     eager_decode_tokens_per_s: float | None = None
+    cache_mib: float = 0.0  # the KV cache's device memory (capacity: the context and the decoded tokens)
+    # A model with sliding-window layers (Gemma 3), measured again with those layers in rings (KVCache(ring=True))
+    ring: "ContextFigures | None" = None
 
 
 @dataclass
@@ -80,32 +83,35 @@ def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) 
 
 @torch.inference_mode()
 def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeats: int = 3,
-                    cuda_graph: bool | None = None) -> ContextFigures:
+                    cuda_graph: bool | None = None, ring: bool = False) -> ContextFigures:
+    """Prefill of `context` random tokens (one pass, as generate's first chunk of up to 4k and a bench's long
+    context do not differ in kind) and `decode_steps` decoded after it; `ring`: sliding-window layers in rings."""
     model, device = engine.model, engine.device
     gen = torch.Generator().manual_seed(context)
     tokens = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
 
     def prefill_once():
-        cache = model.new_cache(context + decode_steps + 1)
+        cache = model.new_cache(context + decode_steps + 1, ring=ring)
         h = model.run_layers(model.embed(tokens), torch.arange(context), cache, 0)
         model.head(h[-1:])
 
     prefill_once()  # warm-up (kernels, allocator)
     prefill_s = _median_seconds(prefill_once, device, repeats)
 
-    cache = model.new_cache(context + decode_steps + 1)
+    cache = model.new_cache(context + decode_steps + 1, ring=ring)
     model(tokens, cache)
     step = decoder_step(model, cache, context + decode_steps + 1, cuda_graph)
 
     def decode_run():
-        cache.length = context
+        cache.truncate(context)
         token = 1
         for _ in range(decode_steps):
             token = int(torch.argmax(step(token)))  # the same host sync a real decode loop has
 
     decode_run()
     decode_s = _median_seconds(decode_run, device, repeats)
-    return ContextFigures(context, context / prefill_s, prefill_s, decode_steps / decode_s, 1000 * decode_s / decode_steps)
+    return ContextFigures(context, context / prefill_s, prefill_s, decode_steps / decode_s, 1000 * decode_s / decode_steps,
+                          cache_mib=cache.device_bytes() / 2**20)
 
 
 def drop_page_cache() -> bool:
@@ -123,7 +129,13 @@ def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "
                 device: str | None = None, log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
-    path = model_file(cache_dir, shape, qtype)
+    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold)
+
+
+def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: str | None = None,
+               log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
+    """Load, prefill and decode figures of one model file (`name`, `qtype`: how to report it)."""
+    shape = name
     dropped = drop_page_cache() if cold else False
     engine = Engine(path, device=device)
     dev = engine.device
@@ -142,6 +154,12 @@ def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "
             eager = measure_context(engine, ctx, cuda_graph=False)
             c.eager_decode_tokens_per_s = eager.decode_tokens_per_s
             line += f" (eager, no CUDA graph: {eager.decode_tokens_per_s:,.1f})"
+        line += f", KV cache {c.cache_mib:,.1f} MiB"
+        if engine.config.sliding_window:
+            c.ring = r = measure_context(engine, ctx, ring=True)
+            line += (f"; window layers in rings: prefill {r.prefill_tokens_per_s:,.0f} tok/s, decode "
+                     f"{r.decode_tokens_per_s:,.1f} tok/s, KV cache {r.cache_mib:,.1f} MiB "
+                     f"({r.cache_mib / c.cache_mib:.3f}x)")
         log(line)
     if dev.type == "cuda":
         figures.peak_gpu_gib = torch.cuda.max_memory_allocated(dev) / 2**30

@@ -91,7 +91,7 @@ def layer_round_distributions(engine, conversation: Conversation, message: str) 
     rows = []
     for i, layer in enumerate(model.layers):
         # h is the hidden state entering layer i: its queries against the keys the earlier rounds left in layer i.
-        rows.append(_mass(layer.queries(h, rot), cache.kv[i, 0, :, :start], starts))
+        rows.append(_mass(layer.queries(h, rot), cache.layer(i)[0, :, :start], starts))
         h = model.run_layers(h, positions, cache, start, layers=range(i, i + 1))
     dist = torch.stack(rows)
     return dist / dist.sum(dim=1, keepdim=True)  # exact normalisation against kernel rounding

@@ -94,15 +94,16 @@ class GraphedDecode:
         self.model, self.cache = model, cache
         cache.reserve(capacity)  # the graph is bound to this storage: it must not grow while in use
         model.reserve_rotations(cache.capacity)
-        self._bound = Bound(cache.kv, model.rope.c_table)
+        self._bound = Bound(cache.kv, cache.ring, model.rope.c_table)
         self.inputs = StepInputs(model.device)
         # Warm-up runs really execute: point them at the last slot, which no token holds yet.
         self.inputs.set(0, cache.capacity - 1, cache.capacity - 1)
-        self._replay = Replay(self._step, model.device, capture)
+        with cache.keeping_slot(cache.capacity - 1):
+            self._replay = Replay(self._step, model.device, capture)
 
     def fits(self, cache: KVCache, capacity: int) -> bool:
         """Whether this graph can serve `cache` up to `capacity` slots (same storage, same rotary table)."""
-        return (cache is self.cache and self._bound.holds(cache.kv, self.model.rope.c_table)
+        return (cache is self.cache and self._bound.holds(cache.kv, cache.ring, self.model.rope.c_table)
                 and capacity <= cache.capacity)
 
     @torch.inference_mode()

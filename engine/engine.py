@@ -60,8 +60,9 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
-        return self.model.new_cache(capacity)
+    def new_cache(self, capacity: int = 256, ring: bool = False) -> KVCache:
+        """`ring`: sliding-window layers keep only their window in a ring (a chat's cache; see KVCache)."""
+        return self.model.new_cache(capacity, ring=ring)
 
     def encode_prompt(self, text: str) -> list[int]:
         tokens = self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos, special=True)
@@ -73,7 +74,7 @@ class Engine:
                  on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
                  cache: KVCache | None = None, stop_strings: tuple[str, ...] = (),
                  guard: ReplyGuard = ReplyGuard()) -> GenerationResult:
-        cache = cache if cache is not None else self.new_cache(len(prompt) + max_tokens)
+        cache = cache if cache is not None else self.new_cache(len(prompt) + max_tokens, ring=True)
         return generate(self.model, cache, prompt, decoder=self.tokenizer.stream_decoder(), max_tokens=max_tokens,
                         sampling=sampling, stop_tokens=self.tokenizer.eog_ids, stop_strings=stop_strings,
                         on_token=on_token, cancel=cancel, **self.guarding(guard))

@@ -120,18 +120,21 @@ def probe_layers(model, cache, end: int, tail: list[int]) -> tuple[Tensor, Tenso
 
 def _late_attention(cache, layer: int, q: Tensor, start: int, end: int, cfg) -> Tensor:
     """Head-mean attention probabilities [rows, end] of queries q [rows, H, D] at positions [start, end)."""
-    keys = cache.layer(layer)[0, :, :end].float()  # [Hkv, end, D]
+    # A sliding-window layer's keys from the first its rows can see (a ring cache holds no earlier ones).
+    first = max(0, start - cfg.window(layer) + 1) if cfg.window(layer) else 0
+    keys = cache.span(layer, first, end)[0].float()  # [Hkv, end - first, D]
     n_rep = cfg.n_heads // cfg.n_kv_heads
     qh = q.float().transpose(0, 1).reshape(cfg.n_kv_heads, n_rep * q.shape[0], -1)  # [Hkv, rep*rows, D]
-    scores = torch.bmm(qh, keys.transpose(1, 2)) * cfg.softmax_scale  # [Hkv, rep*rows, end]
-    scores = scores.view(cfg.n_kv_heads, n_rep, q.shape[0], end)
+    scores = torch.bmm(qh, keys.transpose(1, 2)) * cfg.softmax_scale  # [Hkv, rep*rows, end - first]
+    scores = scores.view(cfg.n_kv_heads, n_rep, q.shape[0], end - first)
     pos = torch.arange(start, end, device=keys.device)[:, None]
-    key_pos = torch.arange(end, device=keys.device)[None, :]
+    key_pos = torch.arange(first, end, device=keys.device)[None, :]
     visible = key_pos <= pos
     if cfg.window(layer):
         visible &= key_pos > pos - cfg.window(layer)
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1).mean(dim=(0, 1))
+    probs = torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # [rows, end - first]
+    return torch.nn.functional.pad(probs, (first, 0))  # [rows, end]: nothing before the window
 
 
 def _pool(probs: Tensor, end: int) -> Tensor:

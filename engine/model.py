@@ -10,6 +10,8 @@ Shapes (batch is always 1: one chat at a time):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -26,49 +28,85 @@ from kvchat.kernels.rope_kv import rope_kv
 from kvchat.kernels.silu_mul import silu_mul
 
 
+# Positions a sliding-window layer's ring keeps beyond its window: a retracted round or a regenerated reply of up to
+# this many tokens leaves every K/V the window then reads in the ring (further back, a chat is restored again).
+RING_SLACK = 2048
+
+
 class KVCache(nn.Module):
-    """K and V of a range of layers (default: all) in one tensor [len(layers), 2, Hkv, capacity, D]; K is stored
-    after RoPE, as llama.cpp does.
+    """K and V of a range of layers (default: all); K is stored after RoPE, as llama.cpp does.
 
     Slots are storage places, not positions: the positions used for RoPE are whatever the caller passed when the
     token was computed, so a restored or reordered chat keeps its original positions. Layer numbers are the model's
     (a cache of layers [3, 8) is written and read as layers 3..7), so tiered KV can keep each layer group apart.
+
+    Every layer's K/V is one tensor `kv` [layers, 2, Hkv, capacity, D], except with `ring=True` on a model with
+    sliding-window layers (Gemma 3): those never read K/V older than their window again, so they keep only the last
+    `ring_size` slots in a ring of their own (`ring` [window layers, 2, Hkv, ring_size, D], slot s at s % ring_size)
+    and `kv` holds the global layers alone. A ring cache's slots are its positions. `layer`, `read`, `write`,
+    `update` and `span` work for either kind; reading a ring slot it no longer holds gives zeros (`read`) or an
+    error (`span`).
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, capacity: int = 256,
-                 layers: range | None = None):
+                 layers: range | None = None, ring: bool = False):
         super().__init__()
         self.cfg = cfg
         self.layers = range(cfg.n_layers) if layers is None else layers
         if self.layers.step != 1 or not 0 <= self.layers.start < self.layers.stop <= cfg.n_layers:
             raise ValueError(f"layers {self.layers} outside [0, {cfg.n_layers})")
         self.length = 0  # slots [0, length) hold valid K/V
+        windowed = [i for i in self.layers if ring and cfg.window(i)]
+        full = [i for i in self.layers if i not in windowed]
+        # model layer -> (in the ring?, index in its tensor)
+        self._where = {i: (False, n) for n, i in enumerate(full)} | {i: (True, n) for n, i in enumerate(windowed)}
         self.register_buffer(
-            "kv", torch.zeros(len(self.layers), 2, cfg.n_kv_heads, capacity, cfg.head_dim, device=device,
-                              dtype=dtype),
+            "kv", torch.zeros(len(full), 2, cfg.n_kv_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
             persistent=False,
         )
+        # A ring grows with the cache up to its full size (while it is shorter, no slot has wrapped: slot s is at s)
+        self.ring_limit = cfg.sliding_window + RING_SLACK if windowed else 0
+        self.ring = torch.zeros(len(windowed), 2, cfg.n_kv_heads, min(self.ring_limit, capacity), cfg.head_dim,
+                                device=device, dtype=dtype)
+        # Per ring layer, the slots it holds: [lo, hi), hi read as at least `length` (decode steps write slot
+        # `length` from inside a graph, then the caller moves `length`).
+        self._ring_lo = [0] * len(windowed)
+        self._ring_hi = [0] * len(windowed)
         # Each slot's position, where slots are not positions (Round Attention's packed upper tier) and the model
         # has sliding-window layers, whose windows are over positions; None: slot s holds position s.
         self.slot_positions: Tensor | None = None
+        self.forked = False
 
     def track_positions(self) -> None:
         """Keep `slot_positions` (its owner fills it as it places tokens); it grows with the cache."""
+        if self.ring_size:
+            raise ValueError("a ring cache's slots are its positions")
         self.slot_positions = torch.zeros(self.capacity, dtype=torch.long, device=self.kv.device)
 
     def layer(self, layer: int) -> Tensor:
-        """K and V of one model layer: [2, Hkv, capacity, D] (a view)."""
-        return self.kv[layer - self.layers.start]
+        """K and V of one model layer: [2, Hkv, capacity, D] (a view); a ring layer's ring [2, Hkv, ring_size, D]."""
+        in_ring, n = self._where[layer]
+        return self.ring[n] if in_ring else self.kv[n]
+
+    def in_ring(self, layer: int) -> bool:
+        return self._where[layer][0]
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[3]
 
+    @property
+    def ring_size(self) -> int:
+        """Places in each ring (slot s at s % ring_size); 0 without rings."""
+        return self.ring.shape[3]
+
     def reserve(self, n_slots: int) -> None:
         """Grow (by doubling) so that slots [0, n_slots) exist; every existing slot is kept, valid or not yet
-        (a restore writes spans before it sets `length`)."""
+        (a restore writes spans before it sets `length`). A ring never grows."""
         if n_slots <= self.capacity:
             return
+        if self.forked:
+            raise RuntimeError(f"a forked cache cannot grow past its {self.capacity} slots (asked for {n_slots})")
         new_cap = max(n_slots, 2 * self.capacity)
         grown = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         grown[:, :, :, : self.capacity] = self.kv
@@ -77,19 +115,34 @@ class KVCache(nn.Module):
             grown_positions[: self.capacity] = self.slot_positions
             self.slot_positions = grown_positions
         self.kv = grown
+        if self.ring.shape[0] and self.ring_size < self.ring_limit:
+            ring = self.ring.new_zeros(*self.ring.shape[:3], min(self.ring_limit, new_cap), self.ring.shape[4])
+            ring[:, :, :, : self.ring_size] = self.ring
+            self.ring = ring
 
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """k, v: [Hkv, T, D] written to slots [start, start + T) of one layer."""
+        in_ring, n = self._where[layer]
+        if in_ring:
+            self._ring_write(n, start, torch.stack([k, v]))
+            return
         end = start + k.shape[1]
-        kv = self.layer(layer)
+        kv = self.kv[n]
         kv[0, :, start:end] = k
         kv[1, :, start:end] = v
 
     def read(self, layers: range, start: int, end: int) -> Tensor:
-        """A copy of the K/V of slots [start, end) for `layers`: [len(layers), 2, Hkv, end - start, D]."""
+        """A copy of the K/V of slots [start, end) for `layers`: [len(layers), 2, Hkv, end - start, D] (zeros
+        where a ring no longer holds the slot)."""
         self._check_span(layers, start, end)
-        first = layers.start - self.layers.start
-        return self.kv[first : first + len(layers), :, :, start:end].clone()
+        if not self.ring_size:
+            first = layers.start - self.layers.start
+            return self.kv[first : first + len(layers), :, :, start:end].clone()
+        out = self.kv.new_empty(len(layers), 2, self.kv.shape[2], end - start, self.kv.shape[4])
+        for j, layer in enumerate(layers):
+            in_ring, n = self._where[layer]
+            out[j] = self._ring_read(n, start, end) if in_ring else self.kv[n, :, :, start:end]
+        return out
 
     def write(self, layers: range, start: int, kv: Tensor) -> None:
         """Write back K/V as returned by `read` (any device/dtype) into slots starting at `start`."""
@@ -98,18 +151,146 @@ class KVCache(nn.Module):
             raise ValueError(f"K/V for {kv.shape[0]} layers cannot fill {layers}")
         self._check_span(layers, start, start)
         self.reserve(end)
-        first = layers.start - self.layers.start
-        self.kv[first : first + len(layers), :, :, start:end] = kv.to(self.kv.device, self.kv.dtype)
+        kv = kv.to(self.kv.device, self.kv.dtype)
+        if not self.ring_size:
+            first = layers.start - self.layers.start
+            self.kv[first : first + len(layers), :, :, start:end] = kv
+            return
+        for j, layer in enumerate(layers):
+            in_ring, n = self._where[layer]
+            if in_ring:
+                self._ring_write(n, start, kv[j])
+            else:
+                self.kv[n, :, :, start:end] = kv[j]
+
+    def span(self, layer: int, start: int, end: int) -> Tensor:
+        """K/V [2, Hkv, end - start, D] of slots [start, end) of one layer, to attend to: a view (or, where a ring
+        wraps, a copy); a ring must still hold every one of them."""
+        in_ring, n = self._where[layer]
+        if not in_ring:
+            return self.kv[n, :, :, start:end]
+        self._check_reach(layer, start, end)
+        parts = [self.ring[n, :, :, places] for places, _ in self._ring_places(start, end)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def gather(self, layer: int, slots: Tensor, lowest: int, end: int) -> Tensor:
+        """K/V [2, Hkv, len(slots), D] of the listed slots (on the cache's device, all in [lowest, end): the
+        caller knows the bounds, so no device sync is needed to check them) of one layer."""
+        in_ring, n = self._where[layer]
+        if not in_ring:
+            return self.kv[n].index_select(2, slots)
+        self._check_reach(layer, lowest, end)
+        return self.ring[n].index_select(2, torch.remainder(slots, self.ring_size))
+
+    def _check_reach(self, layer: int, start: int, end: int) -> None:
+        lo, hi = self._ring_reach(self._where[layer][1])
+        if start < end and (start < lo or end > hi):
+            raise RuntimeError(f"layer {layer}'s ring holds slots [{lo}, {hi}), not all of [{start}, {end})")
+
+    def _ring_places(self, start: int, end: int) -> list[tuple[slice, slice]]:
+        """(ring places, offsets into [start, end)) of slots [start, end), at most ring_size of them: one run, or
+        two where the ring wraps."""
+        first, n = start % self.ring_size, end - start
+        if first + n <= self.ring_size:
+            return [(slice(first, first + n), slice(0, n))]
+        k = self.ring_size - first
+        return [(slice(first, self.ring_size), slice(0, k)), (slice(0, n - k), slice(k, n))]
 
     def truncate(self, length: int) -> None:
+        for n in range(len(self._ring_lo)):
+            self._ring_lo[n], self._ring_hi[n] = self._ring_reach(n)
+            self._ring_hi[n] = min(self._ring_hi[n], length)
         self.length = min(self.length, length)
 
+    def holds_window(self, end: int) -> bool:
+        """Whether a chat cut back to `end` tokens still has in its rings every K/V its next token's windows read
+        (always, without rings)."""
+        first = max(0, end - self.cfg.sliding_window + 1)
+        return all(self._ring_reach(n)[0] <= first for n in range(len(self._ring_lo)))
+
+    def fork_ring(self) -> "KVCache":
+        """A cache that shares this one's global layers (the same tensor, not a copy) and has an empty ring of its
+        own: the restore's recompute stream writes its windows there while the loads fill this one's ring, and
+        `join_ring` brings in what this ring should hold."""
+        fork = KVCache.__new__(KVCache)
+        nn.Module.__init__(fork)
+        fork.cfg, fork.layers, fork.length, fork._where = self.cfg, self.layers, self.length, self._where
+        fork.register_buffer("kv", self.kv, persistent=False)
+        fork.ring_limit, fork.ring = self.ring_limit, torch.zeros_like(self.ring)
+        fork._ring_lo, fork._ring_hi = [0] * len(self._ring_lo), [0] * len(self._ring_hi)
+        fork.slot_positions = None
+        fork.forked = True  # growing would part the two caches' global layers
+        return fork
+
+    def join_ring(self, fork: "KVCache") -> None:
+        """Take from a fork's ring every slot it holds that this ring should hold (the later slots win)."""
+        for n in range(len(self._ring_lo)):
+            f_lo, f_hi = fork._ring_reach(n)
+            lo, hi = self._ring_reach(n)
+            hi = max(hi, f_hi)
+            lo = max(lo, hi - self.ring_size)
+            if max(f_lo, lo) < f_hi:
+                for places, _ in self._ring_places(max(f_lo, lo), f_hi):
+                    self.ring[n, :, :, places] = fork.ring[n, :, :, places]
+            self._ring_lo[n], self._ring_hi[n] = lo, hi
+
+    @contextlib.contextmanager
+    def keeping_slot(self, slot: int):
+        """Around a graph capture's warm-up runs, which really write K/V at `slot` (one no token holds yet): in a
+        ring that place may hold a live slot's K/V, put back afterwards."""
+        if not self.ring_size:
+            yield
+            return
+        place = slot % self.ring_size
+        saved = self.ring[:, :, :, place].clone()
+        try:
+            yield
+        finally:
+            self.ring[:, :, :, place] = saved
+
     def nbytes(self) -> int:
-        """Bytes of the valid slots' K/V."""
-        return self.length * self.slot_bytes()
+        """Bytes of the valid slots' K/V (in a ring, of the slots it holds)."""
+        ring_slots = sum(hi - lo for lo, hi in map(self._ring_reach, range(len(self._ring_lo))))
+        per_layer_slot = self.kv[0, :, :, 0].numel() * self.kv.element_size() if self.kv.shape[0] else 0
+        ring_slot = self.ring[0, :, :, 0].numel() * self.ring.element_size() if self.ring.shape[0] else 0
+        return self.length * self.kv.shape[0] * per_layer_slot + ring_slots * ring_slot
 
     def slot_bytes(self) -> int:
-        return self.kv[:, :, :, 0].numel() * self.kv.element_size()
+        """Bytes of one slot of every layer."""
+        return (self.kv.shape[0] + self.ring.shape[0]) * self.kv.shape[2] * 2 * self.kv.shape[4] * \
+            self.kv.element_size()
+
+    def device_bytes(self) -> int:
+        """Bytes the cache takes on its device."""
+        return self.kv.numel() * self.kv.element_size() + self.ring.numel() * self.ring.element_size()
+
+    def _ring_reach(self, n: int) -> tuple[int, int]:
+        hi = max(self._ring_hi[n], self.length)
+        return max(self._ring_lo[n], hi - self.ring_size), hi
+
+    def _ring_write(self, n: int, start: int, kv: Tensor) -> None:
+        """kv [2, Hkv, T, D] of slots [start, start + T) into ring layer n: the slots older than the ring then
+        holds are dropped."""
+        end = start + kv.shape[2]
+        lo, hi = self._ring_reach(n)
+        hi = max(hi, end)
+        lo = max(lo, hi - self.ring_size)
+        first = max(start, lo)
+        if first < end:
+            kv = kv[:, :, first - start :]
+            for places, offsets in self._ring_places(first, end):
+                self.ring[n, :, :, places] = kv[:, :, offsets]
+        self._ring_lo[n], self._ring_hi[n] = lo, hi
+
+    def _ring_read(self, n: int, start: int, end: int) -> Tensor:
+        """K/V [2, Hkv, end - start, D] of slots [start, end) of ring layer n, zeros where it holds none."""
+        out = self.ring.new_zeros(2, self.ring.shape[2], end - start, self.ring.shape[4])
+        lo, hi = self._ring_reach(n)
+        first, last = max(start, lo), min(end, hi)
+        if first < last:
+            for places, offsets in self._ring_places(first, last):
+                out[:, :, first - start + offsets.start : first - start + offsets.stop] = self.ring[n, :, :, places]
+        return out
 
     def _check_span(self, layers: range, start: int, end: int) -> None:
         if layers.step != 1 or not self.layers.start <= layers.start < layers.stop <= self.layers.stop:
@@ -273,15 +454,23 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(x, rot)
         if queries is not None:
             queries.append(q)
+        in_ring = bool(self.window) and cache.in_ring(layer)
         if step is not None:  # a decode step the kernels do not take: slot and length still live on the device
             kv = cache.layer(layer)
-            kv[0].index_copy_(1, step.slot, k.transpose(0, 1))
-            kv[1].index_copy_(1, step.slot, v.transpose(0, 1))
+            slot = step.ring_slot if in_ring else step.slot
+            kv[0].index_copy_(1, slot, k.transpose(0, 1))
+            kv[1].index_copy_(1, slot, v.transpose(0, 1))
             if step.chosen is not None and not self.window:
                 mask = _chosen_visible(cache, step, layer)[None, :, None, :]  # [1, Hkv, 1, C]
+            elif in_ring:
+                mask = _ring_visible(cache, step, self.window)[None, :]
             else:
                 mask = _step_visible(cache, step, self.window)[None, :]
             return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], mask, False)), self.wo)
+        if in_ring:
+            keys, values, mask = _ring_window_kv(cache, layer, start, k.transpose(0, 1), v.transpose(0, 1), attend,
+                                                 self.window)
+            return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, False)), self.wo)
         cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
         sparse = self.sparse_prefill
         if (sparse is not None and attend is None and not self.window and cache.slot_positions is None
@@ -328,8 +517,10 @@ class DecoderLayer(nn.Module):
             qk = self._head_norms(qkv[:, :n_qk].view(-1, cfg.head_dim)[None]).view(1, n_qk)
             qkv = torch.cat([qk, qkv[:, n_qk:]], dim=1)
         kv = cache.layer(layer)
-        q = rope_kv(qkv, self.rope.c_table, self.rope.s_table, step.position, kv, step.slot, cfg.n_heads,
-                    cfg.rope_dim, cfg.rope_neox)  # [H, D]; K and V went into the cache
+        in_ring = bool(self.window) and cache.in_ring(layer)
+        q = rope_kv(qkv, self.rope.c_table, self.rope.s_table, step.position, kv,
+                    step.ring_slot if in_ring else step.slot, cfg.n_heads, cfg.rope_dim,
+                    cfg.rope_neox)  # [H, D]; K and V went into the cache
         if queries is not None:
             queries.append(q[None])
         if step.chosen is not None and not self.window:  # LoopServe: each KV head its own chosen slots
@@ -337,6 +528,9 @@ class DecoderLayer(nn.Module):
                                         scale=cfg.softmax_scale).view(1, -1)
         elif self.window and cache.slot_positions is not None:  # a window over positions in a packed cache
             attended = self._masked_decode(q, kv[0], kv[1], _step_visible(cache, step, self.window))
+        elif in_ring:  # the last `window` slots, each at slot % ring_size
+            attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale, window=self.window,
+                                        ring=cache.ring_size).view(1, -1)
         else:
             attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale,
                                         window=self.window).view(1, -1)
@@ -432,6 +626,36 @@ def _step_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
     return visible
 
 
+def _ring_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
+    """The ring places [ring_size] a decode step sees in a sliding-window layer: those holding the last `window`
+    slots up to its own (slot s at s % ring_size; graph-safe)."""
+    back = torch.remainder(step.length - 1 - torch.arange(cache.ring_size, device=cache.ring.device),
+                           cache.ring_size)  # how many slots before the token's own each place holds
+    return (back < window) & (back < step.length)
+
+
+def _ring_window_kv(cache: KVCache, layer: int, start: int, k: Tensor, v: Tensor, attend: Tensor | None,
+                    window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """_window_kv for a layer kept in a ring: the earlier slots the new tokens' windows reach are gathered from the
+    ring *before* k, v [Hkv, T, D] of slots [start, start + T) are written into it (a long chunk may wrap over
+    them); keys/values are those slots then the new ones, with their mask [T, S]."""
+    device, end = cache.ring.device, start + k.shape[1]
+    first = max(0, start - window + 1)
+    if attend is None:
+        cols = torch.arange(first, start, device=device)
+        before = cache.span(layer, first, start)  # [2, Hkv, S', D], a view of the ring where it does not wrap
+        if before.shape[2] + k.shape[1] > cache.ring_size:  # the new tokens will wrap over it
+            before = before.clone()
+    else:
+        cols = attend[(attend >= first) & (attend < start)].to(device)
+        before = cache.gather(layer, cols, first, start)
+    cache.update(layer, start, k, v)
+    cols = torch.cat([cols, torch.arange(start, end, device=device)])
+    rows = torch.arange(start, end, device=device)
+    mask = (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - window)
+    return torch.cat([before[0], k], dim=1), torch.cat([before[1], v], dim=1), mask
+
+
 def _chosen_visible(cache: KVCache, step: "DecodeStep", layer: int) -> Tensor:
     """The slots [Hkv, C] each KV head sees under a step's per-head choice (the first n_chosen[layer] slots of
     chosen[layer]), built on the device (graph-safe)."""
@@ -501,6 +725,8 @@ class DecodeStep:
     # [L, Hkv, S] int32, of which the first n_chosen[layer] ([L] long) count; None: slots [0, length).
     chosen: Tensor | None = None
     n_chosen: Tensor | None = None
+    # Where the token's K/V go in a cache's sliding-window rings: slot % ring_size (set by run_layers).
+    ring_slot: Tensor | None = None
 
 
 _KERNEL_CHECKED: dict[tuple, bool] = {}
@@ -571,8 +797,9 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.dtype
 
-    def new_cache(self, capacity: int = 256, layers: range | None = None) -> KVCache:
-        return KVCache(self.cfg, self.device, self.dtype, capacity, layers)
+    def new_cache(self, capacity: int = 256, layers: range | None = None, ring: bool = False) -> KVCache:
+        """`ring`: sliding-window layers keep only their window (and RING_SLACK) in a ring (KVCache)."""
+        return KVCache(self.cfg, self.device, self.dtype, capacity, layers, ring)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [T] -> hidden states [T, d]."""
@@ -595,6 +822,8 @@ class Transformer(nn.Module):
         layers = range(self.cfg.n_layers) if layers is None else layers
         if step is not None:
             rot = step.rot
+            if cache.ring_size and step.ring_slot is None:
+                step = dataclasses.replace(step, ring_slot=torch.remainder(step.slot, cache.ring_size))
         elif rot is None:
             cache.reserve(start + h.shape[0])
             rot = self.rotations(positions)

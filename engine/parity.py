@@ -64,7 +64,7 @@ def ours_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
 
 
 def ours_greedy(engine: Engine, prompt: list[int], steps: int) -> list[int]:
-    return generate(engine.model, engine.new_cache(), prompt, decoder=engine.tokenizer.stream_decoder(),
+    return generate(engine.model, engine.new_cache(ring=True), prompt, decoder=engine.tokenizer.stream_decoder(),
                     max_tokens=steps).tokens
 
 

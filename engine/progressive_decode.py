@@ -58,7 +58,8 @@ class ProgressiveDecode:
         self.inputs = StepInputs(device)
         # Warm-up runs really execute: point them at the reply's last slot, which no token holds yet.
         self.inputs.set(0, self.end - 1, self.end - 1)
-        self._replay = Replay(self._step, device, device.type == "cuda" if capture is None else capture)
+        with cache.keeping_slot(self.end - 1):
+            self._replay = Replay(self._step, device, device.type == "cuda" if capture is None else capture)
 
     def _candidates(self, attend: Attend, prompt_start: int) -> Tensor:
         """[L, first] bool: the input slots each layer's decode may attend to (the prompt's view of the history,

@@ -40,9 +40,10 @@ _NO_WINDOW = 2**31 - 1
 
 
 def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor | int, slots: Tensor | None = None,
-                         scale: float | None = None, window: int = 0) -> Tensor:
+                         scale: float | None = None, window: int = 0, ring: int = 0) -> Tensor:
     """q [H, D], k / v [Hkv, C, D], length: the keys attended to (slots [0, length), or the first `length` entries
-    of `slots`; with `window`, only the last `window` of them) -> [H, D] in q's dtype, computed in float32."""
+    of `slots`; with `window`, only the last `window` of them; with `ring`, slot s is at s % ring) -> [H, D] in
+    q's dtype, computed in float32."""
     n_heads, head_dim = q.shape
     n_kv_heads = k.shape[0]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -50,6 +51,8 @@ def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor | int, 
     first = max(0, n - window) if window else 0
     if slots is None:
         index = torch.arange(first, n, device=k.device).expand(n_kv_heads, -1)
+        if ring:
+            index = index % ring
     else:
         index = slots.to(k.device, torch.long).expand(n_kv_heads, -1)[:, first:n]
     gather = index[:, :, None].expand(-1, -1, head_dim)
@@ -64,9 +67,9 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, length_ptr, slots_ptr, out_ptr, lse_ptr,
                       stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_sh,
-                      n_rep, qk_scale_log2, window,
+                      n_rep, qk_scale_log2, window, ring,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      N_SPLITS: tl.constexpr, SUBSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      N_SPLITS: tl.constexpr, SUBSET: tl.constexpr, RING: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr):
         """Per (KV head, split): the n_rep rows' softmax-weighted sum of V over the split's keys, normalized within
         the split, and the split's log2-sum-exp2 of the scores; out [H, P, D], lse [H, P] (float32)."""
@@ -99,6 +102,8 @@ if triton is not None:
             key_ok = idx < hi
             if SUBSET:
                 slot = tl.load(slots_ptr + kv_head * stride_sh + idx, mask=key_ok, other=0).to(tl.int64)
+            elif RING:
+                slot = (idx % ring).to(tl.int64)
             else:
                 slot = idx.to(tl.int64)
             kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -206,16 +211,21 @@ def _check(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Tensor | None = None,
-                     scale: float | None = None, n_splits: int | None = None, window: int = 0) -> Tensor:
+                     scale: float | None = None, n_splits: int | None = None, window: int = 0,
+                     ring: int = 0) -> Tensor:
     """Attention of one token's queries q [H, D] over a cache's k, v [Hkv, C, D] (views of the engine's cache
     are fine: only the head dimension must be contiguous) -> [H, D] in q's dtype.
 
     `length` (a one-element integer tensor on the device, read by the kernel, never by the host) is the number of
     keys: slots [0, length), or with `slots` [C'] (or [Hkv, C'], a list per KV head) the first `length` slots it
-    lists; with `window` > 0 only the last `window` of those (a sliding-window layer). Nothing here syncs with the
+    lists; with `window` > 0 only the last `window` of those (a sliding-window layer), and with `ring` (at least
+    `window`, no `slots`) slot s is at s % ring in k, v (a window layer's ring, engine.model.KVCache), so `length`
+    may exceed C. Nothing here syncs with the
     device, so the call can be captured in a CUDA graph and replayed for any length up to C (or C'). Raises
     ValueError where `unsupported_reason` gives one (callers fall back to `decode_attention_ref`)."""
     _check(q, k, v, length, slots)
+    if ring and (slots is not None or not 0 < window <= ring or ring != k.shape[1]):
+        raise ValueError(f"a ring of {ring} slots takes a window of at most that, no slots, and k, v of {ring} slots")
     n_heads, head_dim = q.shape
     n_kv_heads, capacity, _ = k.shape
     reason = unsupported_reason(n_heads, n_kv_heads, head_dim, q.dtype, q.device)
@@ -233,9 +243,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, slots: Ten
     _split_kernel[(n_kv_heads, n_splits)](
         q, k, v, length, length if slots is None else slots, part, lse,
         q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        slots.stride(0) if slots is not None and slots.dim() == 2 else 0, n_rep, scale * math.log2(math.e), int(window) or _NO_WINDOW,
+        slots.stride(0) if slots is not None and slots.dim() == 2 else 0, n_rep, scale * math.log2(math.e),
+        int(window) or _NO_WINDOW, max(1, int(ring)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
-        N_SPLITS=n_splits, SUBSET=slots is not None,
+        N_SPLITS=n_splits, SUBSET=slots is not None, RING=bool(ring),
         # fp32: full-precision products, not TF32. The interpreter multiplies bfloat16 tiles wrongly in tl.dot
         # (kernels.round_scores), so there they are widened first.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

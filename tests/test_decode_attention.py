@@ -122,6 +122,36 @@ def test_interpreted_sliding_window(n, window):
     check_against_reference((4, 1, 64, n, 320, torch.float32), "cpu", window=window)
 
 
+def check_ring(case, device, window: int, ring: int):
+    """A sliding-window layer kept in a ring (slot s at s % ring): the kernel over the ring equals the reference
+    over the same keys laid out by slot; every ring place outside the window holds NaN."""
+    n_heads, n_kv_heads, head_dim, n, dtype = case
+    q, linear = random_cache(n_heads, n_kv_heads, head_dim, n, dtype, device)
+    kv = torch.full((2, n_kv_heads, ring, head_dim), float("nan"), dtype=dtype, device=device)
+    first = max(0, n - window)
+    kv[:, :, torch.arange(first, n, device=device) % ring] = linear[:, :, first:n]
+    length = torch.tensor([n], device=device)
+    got = decode_attention(q, kv[0], kv[1], length, window=window, ring=ring)
+    torch.testing.assert_close(got, decode_attention_ref(q, linear[0], linear[1], length, window=window),
+                               **tolerances(dtype))
+    torch.testing.assert_close(decode_attention_ref(q, kv[0], kv[1], length, window=window, ring=ring), got,
+                               **tolerances(dtype))
+
+
+@interpreted
+@pytest.mark.parametrize("n, window, ring", [(300, 8, 40), (40, 64, 96), (1000, 100, 130), (97, 97, 97)])
+def test_interpreted_window_in_a_ring(n, window, ring):
+    # The window wrapping round the ring, a chat shorter than the window, many laps, and a ring of the window alone.
+    check_ring((4, 1, 64, n, torch.float32), "cpu", window, ring)
+    check_ring((8, 2, 64, n, torch.bfloat16), "cpu", window, ring)
+
+
+def test_a_ring_shorter_than_the_window_is_refused():
+    q, kv = random_cache(4, 1, 64, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="a ring of 32 slots takes a window of at most that"):
+        decode_attention(q, kv[0], kv[1], torch.tensor([40]), window=64, ring=32)
+
+
 @interpreted
 def test_interpreted_length_is_read_from_the_device_tensor():
     # One call site, the length changed in place between calls (what a replayed graph sees).
@@ -194,11 +224,38 @@ def test_interpreted_tiered_replayed_steps_are_eager_steps():
     assert eager == static
 
 
+@interpreted
+def test_interpreted_decode_over_window_rings(models, monkeypatch):
+    """Gemma 3's window layers kept in rings of 12 (window 8): the kernel step (the one a CUDA graph captures)
+    decodes what eager steps over a cache of every slot do."""
+    from kvchat.engine import model as model_module
+    from kvchat.engine.cuda_graph import GraphedDecode
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.model import decode_kernel_runs
+    from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
+
+    monkeypatch.setattr(model_module, "RING_SLACK", 4)
+    engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
+    m = engine.model
+    assert decode_kernel_runs(engine.config, m.dtype, m.device)
+    prompt = torch.tensor(engine.encode_prompt(REFERENCE_PROMPT))
+    runs = []
+    for ring in (False, True):
+        cache = m.new_cache(128, ring=ring)
+        logits = [m(prompt, cache)[-1]]
+        step = GraphedDecode(m, cache, 128, capture=False) if ring else (lambda t: m(torch.tensor([t]), cache)[-1])
+        for _ in range(2):
+            logits.append(step(int(logits[-1].argmax())).clone())
+        runs.append(torch.stack(logits))
+    assert cache.ring_size == 12 and cache.length > 2 * 12
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5 * float(runs[0].abs().max()))
+
+
 def test_the_kernel_in_triton_s_interpreter():
     if INTERPRET:
         pytest.skip("already in the interpreter")
-    # + split counts, per-head lists, windows, length, 2 engine tests
-    assert passed_in_interpreter(__file__) == len(INTERPRETER_CASES) + 3 + 2 + 4 + 3
+    # + split counts, per-head lists, windows, rings, length, 3 engine tests
+    assert passed_in_interpreter(__file__) == len(INTERPRETER_CASES) + 3 + 2 + 4 + 4 + 4
 
 
 # --- in this process: what the kernel refuses, and the engine's fallback ---
@@ -269,6 +326,13 @@ def test_gpu_subset_of_slots(dtype, n_kv_heads):
 def test_gpu_sliding_window(dtype, n, window):
     # Gemma 3 270M's layout: 4 query heads over one KV head of 256.
     check_against_reference((4, 1, 256, n, 40000, dtype), "cuda", window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 300, 5000, 32768])
+def test_gpu_window_in_a_ring(dtype, n):
+    check_ring((4, 1, 256, n, dtype), "cuda", 512, 2560)  # gemma-3-270m's window in the engine's ring
 
 
 @pytest.mark.gpu

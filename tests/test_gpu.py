@@ -40,6 +40,22 @@ def test_cuda_graph_decode_equals_eager_decode(models, spec):
     assert runs[0].tokens == runs[1].tokens
 
 
+def test_cuda_graph_decode_over_window_rings_equals_eager_decode(models, monkeypatch):
+    """Gemma 3's window layers in rings of 12 (window 8; the prompt and 48 tokens wrap them many times): the
+    captured step decodes what eager steps over a cache of every slot do. Its warm-up runs write a ring place that
+    holds a live slot (255 % 12 = 3: slot 27 of the prompt) and put it back."""
+    from kvchat.engine import model as model_module
+
+    monkeypatch.setattr(model_module, "RING_SLACK", 4)
+    engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cuda", dtype=torch.float32)
+    prompt = engine.encode_prompt(REFERENCE_PROMPT)
+    caches = (engine.new_cache(), engine.new_cache(ring=True))
+    runs = [generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=48,
+                     cuda_graph=graph) for cache, graph in zip(caches, (False, True))]
+    assert caches[1].ring_size == 12 and caches[1].capacity == 256
+    assert runs[0].tokens == runs[1].tokens
+
+
 def test_generation_on_cuda(models):
     engine = Engine(models.get(), device="cuda")
     out = engine.complete(engine.encode_prompt(REFERENCE_PROMPT), max_tokens=16)

@@ -14,6 +14,7 @@
 #   bash docs/gpu/real-model.sh stage              # carry .gem01, then .gem02, ... one call each
 #   bash docs/gpu/real-model.sh stage assemble fidelity bytes   # the last piece; verify; the figures
 #   bash docs/gpu/real-model.sh bench              # kvchat bench --models gemma-3-270m, 2k and 8k
+#   bash docs/gpu/real-model.sh rings              # kvchat bench engine --model gemma-3-270m: rings or not
 #   bash docs/gpu/real-model.sh fidelity-krul bench-merge   # issue 19: merged layers (r_l 0.25 and 0.5, checked
 #                                                  # and unchecked) against the full cache; kv-merge's bytes and time
 set -uo pipefail
@@ -43,6 +44,11 @@ for part in "${@:-stage}"; do
         > "$OUT/machine.txt"
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py tests/test_gpu.py tests/test_sliding_windows.py \
         tests/test_tiered_kv.py 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt" ;;
+    rings)  # sliding-window layers in rings against a cache of every slot: memory, prefill, decode; three runs
+      for run in 1 2 3; do
+        kvchat bench engine --model gemma-3-270m --context 2048,8192,30000 --device cuda \
+          --json "$OUT/engine-gemma-rings-h100-run$run.json" 2>&1 | tee "$OUT/engine-gemma-rings-h100-run$run.log"
+      done ;;
     fidelity)
       kvchat eval --text --model gemma-3-270m --device cuda --lengths 2000,8000,24000 --chats 2 --positions 256 \
         --json > "$OUT/fidelity-gemma-h100.json" 2> "$OUT/fidelity-gemma-h100.log"

@@ -138,7 +138,7 @@ class RoundAttention(KVPolicy):
         h = model.run_layers(model.embed(torch.tensor(new_tokens)), positions, cache, start, layers=range(lw))
         queries = model.layers[lw].queries(h, model.rotations(positions))
         starts = torch.tensor(round_starts, dtype=torch.long)
-        mass = round_mass(queries, cache.kv[lw, 0, :, :start], starts).cpu()
+        mass = round_mass(queries, cache.layer(lw)[0, :, :start], starts).cpu()
         self.last_selection = self.choose(mass)
         bounds = round_starts + [start]
         upper = torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in self.last_selection])
