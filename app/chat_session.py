@@ -231,13 +231,13 @@ class ChatSession:
         self.policy = policy if policy is not None and policy.tiered else None
         # A policy over the full cache (LoopServe): it shapes each message's prefill and its reply's decode.
         self.message_policy = policy if policy is not None and not policy.tiered else None
+        self.trim_windows = trim_windows
         self.cache: KVCache | TieredKV = self._new_cache(256)
         self.restored: RestoreStats | None = None
         self._waited = 0.0
         self._upper_fetcher: SegmentPrefetcher | None = None
         self._bounds_fetcher: SegmentPrefetcher | None = None  # during a tiered restore
         self._upper_segments: dict[int, list[dict]] = {}  # tiered: each round's upper-layer segment rows
-        self.trim_windows = trim_windows
         # (round, first layer of the group) -> live_from of what is stored (or on its way to disk) there
         self._stored_live: dict[tuple[int, int], int] = {}
         # Sliding-window K/V of positions below this may be zeros in the cache (restored from trimmed segments):
@@ -249,8 +249,10 @@ class ChatSession:
         self._ring_fork: KVCache | None = None  # a restore's recompute tier for a cache with rings
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
-        if self.policy is None:  # sliding-window layers (Gemma 3) keep only their window, in a ring
-            return self.engine.new_cache(capacity, ring=True)
+        if self.policy is None:
+            # Sliding-window layers (Gemma 3) keep only their window, in a ring: unless every layer of every
+            # token is to be stored (trim_windows off).
+            return self.engine.new_cache(capacity, ring=self.trim_windows)
         return TieredKV(self.engine.model, self.policy, capacity)
 
     @property
@@ -1030,8 +1032,11 @@ class ChatSession:
         end = first + len(tokens)
         device_tier = self._recompute_tier()
         device_tier.reserve(end)
-        h = m.embed(torch.tensor(tokens))
-        m.run_layers(h, torch.arange(first, end), device_tier, first, layers=range(self.split))
+        # In prefill's chunks: a whole 30k-token chat in one pass would build [T, T]-sized attention masks.
+        for at in range(first, end, PrefixRecompute.CHUNK):
+            piece = tokens[at - first : at - first + PrefixRecompute.CHUNK]
+            m.run_layers(m.embed(torch.tensor(piece)), torch.arange(at, at + len(piece)), device_tier, at,
+                         layers=range(self.split))
         stats.tokens_recomputed += len(tokens)
 
     # ---- a new round ----

@@ -102,7 +102,7 @@ class KVCache(nn.Module):
 
     def reserve(self, n_slots: int) -> None:
         """Grow (by doubling) so that slots [0, n_slots) exist; every existing slot is kept, valid or not yet
-        (a restore writes spans before it sets `length`). A ring never grows."""
+        (a restore writes spans before it sets `length`). Rings grow with the cache until they reach their full size."""
         if n_slots <= self.capacity:
             return
         if self.forked:

@@ -125,10 +125,10 @@ def chat_ring(monkeypatch):
     monkeypatch.setattr(model_module, "RING_SLACK", 16)
 
 
-def chat_of(store: Store, engine: Engine, messages: list[str]) -> ChatSession:
+def chat_of(store: Store, engine: Engine, messages: list[str], **options) -> ChatSession:
     sid = store.create_session(title="t", model_fingerprint=model_fingerprint(engine.path, store),
                                model_path=engine.path, system_prompt="Be brief.")
-    chat = ChatSession(store, engine, sid)
+    chat = ChatSession(store, engine, sid, **options)
     for text in messages:
         chat.send(text, max_tokens=REPLY)
     chat.close()
@@ -188,6 +188,15 @@ def test_a_ring_chat_answers_as_a_chat_of_every_slot(gemma, kvchat_home, monkeyp
     whole = chat_of(Store(kvchat_home / "b"), gemma, MESSAGES)
     assert [r.assistant_text for r in ringed.rounds] == [r.assistant_text for r in whole.rounds]
     assert ringed.cache.device_bytes() < 0.3 * whole.cache.device_bytes()
+
+
+def test_a_chat_storing_every_layer_keeps_every_slot(gemma, kvchat_home, chat_ring):
+    """trim_windows off (the bench's comparison): every layer of every token is stored, so the cache keeps them."""
+    trimmed = chat_of(Store(kvchat_home / "a"), gemma, MESSAGES)
+    whole = chat_of(Store(kvchat_home / "b"), gemma, MESSAGES, trim_windows=False)
+    assert whole.cache.ring_size == 0 and trimmed.cache.ring_size == 24
+    size = lambda chat: sum(s["byte_size"] for s in chat.store.segments(chat.sid))  # noqa: E731
+    assert size(trimmed) < 0.45 * size(whole)
 
 
 def test_bench_engine_measures_a_windowed_model_in_rings(gemma, tmp_path, monkeypatch):
