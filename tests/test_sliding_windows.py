@@ -103,6 +103,14 @@ def test_a_fork_and_a_state_file_reopen_with_what_they_can_read(gemma, kvchat_ho
     assert again.send(MESSAGES[4], max_tokens=REPLY).tokens == never_stopped[4]
 
 
+def assert_same_round_kv(engine: Engine, got: ChatSession, want: ChatSession, i: int) -> None:
+    """Every layer's K/V of round i in `got`'s cache equals `want`'s (to float rounding)."""
+    row, every = want.rounds[i], range(engine.config.n_layers)
+    a = got.cache.read(every, row.token_start, row.token_end)
+    b = want.cache.read(every, row.token_start, row.token_end)
+    assert (a - b).abs().max() / b.abs().max() < 1e-5
+
+
 def test_a_missing_round_is_recomputed_with_the_rounds_its_windows_read(gemma, kvchat_home):
     """Round 2's files are lost: its recompute reads round 1's tail in the sliding-window layers, which is stored
     trimmed (zeros), so rounds 0-1 are recomputed with it; every layer's K/V of round 2 then equals the chat that
@@ -115,11 +123,7 @@ def test_a_missing_round_is_recomputed_with_the_rounds_its_windows_read(gemma, k
     stats = reopened.restore()
     assert stats.recomputed_rounds == [2]
     assert any("rounds 0-1: recomputed again, since round 2's sliding windows read them" in n for n in stats.notes)
-    row = chat.rounds[2]
-    every = range(gemma.config.n_layers)
-    got = reopened.cache.read(every, row.token_start, row.token_end)
-    want = chat.cache.read(every, row.token_start, row.token_end)
-    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    assert_same_round_kv(gemma, reopened, chat, 2)
 
 
 def test_a_retraction_after_reopening_recomputes_the_trimmed_window(gemma, kvchat_home):
@@ -135,11 +139,7 @@ def test_a_retraction_after_reopening_recomputes_the_trimmed_window(gemma, kvcha
     stats = reopened.restore()
     assert stats.tokens_recomputed > 0 and any("sliding-window" in note for note in stats.notes)
     reopened.send(MESSAGES[3], max_tokens=REPLY)
-    row = chat.rounds[3]
-    every = range(gemma.config.n_layers)
-    got = reopened.cache.read(every, row.token_start, row.token_end)
-    want = chat.cache.read(every, row.token_start, row.token_end)
-    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    assert_same_round_kv(gemma, reopened, chat, 3)
 
 
 def test_a_chat_given_as_text_is_stored_trimmed_by_store_all(gemma, kvchat_home):
