@@ -576,9 +576,9 @@ class ChatSession:
                 runs.append([i])
         valid_rounds = window_prefix  # rounds [0, valid_rounds) have every window K/V in the cache
         recomputed: list[int] = []
+        # In a ring cache the recompute's windows are in a ring of its own, which holds only what it computed.
+        ringed = self._ring_fork is not None
         for run in runs:
-            # In a ring cache the recompute's windows are in its own ring, which holds only what it computed.
-            ringed = self._ring_fork is not None
             if run[0] > valid_rounds and (ringed or not self._window_held(run[0], valid_rounds, set(recomputed))):
                 stats.notes.append(f"{_rounds_words(list(range(valid_rounds, run[0])))}: recomputed again, since "
                                    f"round {run[0]}'s sliding windows read them and they are stored trimmed")
@@ -1160,7 +1160,9 @@ class ChatSession:
         window = self.engine.config.sliding_window
         if not window or not self.cache.length:
             return False
-        return end - window + 1 < self._window_valid_from or not getattr(self.cache, "holds_window", bool)(end)
+        if end - window + 1 < self._window_valid_from:
+            return True
+        return isinstance(self.cache, KVCache) and not self.cache.holds_window(end)  # a tiered cache has no rings
 
     def close(self) -> None:
         self.writer.drain()
