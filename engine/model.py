@@ -242,11 +242,14 @@ class KVCache(nn.Module):
             yield
             return
         place = slot % self.ring_size
-        saved = self.ring[:, :, :, place].clone()
+        # In inference mode: a restore makes its cache there, while generate may build its step outside it.
+        with torch.inference_mode():
+            saved = self.ring[:, :, :, place].clone()
         try:
             yield
         finally:
-            self.ring[:, :, :, place] = saved
+            with torch.inference_mode():
+                self.ring[:, :, :, place] = saved
 
     def nbytes(self) -> int:
         """Bytes of the valid slots' K/V (in a ring, of the slots it holds)."""

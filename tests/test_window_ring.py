@@ -222,3 +222,14 @@ def test_bench_engine_refuses_a_missing_model(tmp_path):
 
     proc = kvchat("bench", "engine", "--model", str(tmp_path / "none.gguf"), check=False)
     assert proc.returncode != 0 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_decode_step_over_rings_made_in_inference_mode(gemma):
+    """A restore makes the cache in inference mode, generate builds its decode step outside: putting back the ring
+    place the capture's warm-up writes must work there too (it raised on the H100, failing every reopened chat)."""
+    m = gemma.model
+    with torch.inference_mode():
+        cache = m.new_cache(64, ring=True)
+        m(torch.tensor(gemma.encode_prompt(REFERENCE_PROMPT)), cache)
+    step = GraphedDecode(m, cache, 64, capture=False)
+    assert step(1).shape[-1] == gemma.config.vocab_size
