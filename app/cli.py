@@ -216,9 +216,10 @@ EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round
               help="krul: the share of layers merged (at most; the check may accept fewer).")
 @click.option("--unchecked", is_flag=True,
               help="krul: merge the pairs the chat's attention statistics pick, without the model's check.")
-@click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train"]),
-              help="heldout: sentences written from templates training never saw; train: the training templates "
-                   "(the values are held-out either way).")
+@click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train", "dev"]),
+              help="heldout: sentences written from templates training never saw; train: the training templates; "
+                   "dev: a third disjoint set, for choosing between training runs (the values are held-out either "
+                   "way).")
 @click.option("--samples", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also sample this many replies at --temperature with the guard off, and count those that loop "
                    "or run past the model's reply cap.")

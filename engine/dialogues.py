@@ -128,10 +128,13 @@ orchestra school class course boardgame drone camera guitar piano violin apartme
 _NOUNS_HELDOUT = """sailboat lizard snake bicycle scooter motorbike kayak spaceship newsletter bookshop bistro
 museum theater studio farm vineyard greenhouse spreadsheet chatbot telescope trumpet cello cottage castle
 bridge tortoiseshell dinghy helicopter""".split()
+_NOUNS_DEV = """submarine glider wagon trailer moped workshop library lighthouse windmill barge raft hammock
+caravan scarecrow""".split()
+_TOPICS_DEV = ["tidal waves", "jellyfish", "the printing press", "solar panels", "knitting", "the silk road"]
 _TOPICS_HELDOUT = ["black holes", "the roman empire", "photosynthesis", "earthquakes", "the stock market",
                    "vaccines", "electric cars", "the pyramids", "quantum computers", "coral reefs"]
 
-PHRASINGS = ("train", "heldout")
+PHRASINGS = ("train", "heldout", "dev")
 _SPARE_WORDS = "really just please actually so um like quite maybe still ok oh hmm".split()
 QUESTION_KINDS = ("single", "corrected", "multi")
 POSITIONS = ("alone", "begin", "middle", "end")
@@ -151,17 +154,20 @@ POLITE_REPLIES = frozenset({GREETING_REPLY, THANKS_REPLY, DEMO_REPLY, UNKNOWN_RE
 
 @dataclass(frozen=True)
 class Templates:
-    """One thing said several ways: the training chats use `train`, held-out-phrasing chats `heldout` (disjoint)."""
+    """One thing said several ways, in three disjoint sets: the training chats use `train`; `dev` chats choose
+    between training runs (recipes, sizes); `heldout` chats measure the model that ships, and nothing is tuned on
+    them."""
 
     train: tuple[str, ...]
     heldout: tuple[str, ...]
+    dev: tuple[str, ...]
 
     def pick(self, phrasing: str, rng: random.Random) -> str:
-        return rng.choice(self.train if phrasing == "train" else self.heldout)
+        return rng.choice(getattr(self, phrasing))
 
 
-def _t(train: list[str], heldout: list[str]) -> Templates:
-    return Templates(tuple(train), tuple(heldout))
+def _t(train: list[str], heldout: list[str], dev: list[str]) -> Templates:
+    return Templates(tuple(train), tuple(heldout), tuple(dev))
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,7 @@ class Slot:
     asks: Templates
     recalls: Templates
     answer: str
+    keywords: tuple[str, ...] = ()  # the words that say what is told or asked: training noise leaves them alone
 
     @property
     def canonical_ask(self) -> str:
@@ -188,7 +195,7 @@ class Slot:
         return f"Noted: {text[0].lower()}{text[1:]}"
 
 
-def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), ())) -> Slot:
+def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), (), ())) -> Slot:
     """A fact of the form "my {x} is {v}"."""
     be, was, it = ("are", "were", "they") if plural else ("is", "was", "it")
     return Slot(
@@ -197,50 +204,63 @@ def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=
             f"the answer for my {x} is {{v}}", f"my {x} has always been {{v}}", f"{{v}}, that {be} my {x}",
             *extra_states[0]],
            [f"my {x} {'happen' if plural else 'happens'} to be {{v}}", f"as for my {x}: {{v}}",
-            f"my {x}? {{v}}", *extra_states[1]]),
+            f"my {x}? {{v}}", *extra_states[1]],
+           [f"my {x} {be} set to {{v}}", f"for my {x}, the answer is {{v}}", f"write down my {x} as {{v}}",
+            *extra_states[2]]),
         _t([f"What {be} my {x}?", f"Can you tell me my {x}?", f"Do you remember my {x}?", f"Tell me my {x}.",
             f"Which {'ones' if plural else 'one'} {be} my {x}?", f"And my {x}?", f"Do you know my {x}?",
             f"What was my {x}?", f"Could you tell me what my {x} {be}?"]
            + ([f"What's my {x}?"] if not plural else []),
            [f"Do you know what my {x} {be}?", f"I forgot my {x}. What {be} {it}?", f"Any idea what my {x} {be}?",
-            f"My {x}, what {be} {it}?"]),
+            f"My {x}, what {be} {it}?"],
+           [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?"]),
         _t([f"What did I say my {x} {was}?", f"What did I tell you my {x} {was}?",
             f"What did I say about my {x}?", f"Remember my {x}? What {was} {it}?"],
            [f"Remind me, what {was} my {x} again?", f"Earlier I mentioned my {x}. What {was} {it}?",
-            f"What had I told you about my {x}?"]),
-        f"Your {x} {be} {{v}}.")
+            f"What had I told you about my {x}?"],
+           [f"Do you recall what I said my {x} {was}?", f"Back then, what did I give as my {x}?"]),
+        f"Your {x} {be} {{v}}.", tuple(x.replace("'s", "").split()))
 
 
 def _slots() -> list[Slot]:
     slots = [
-        _attribute("name", "name", "names", extra_states=(["call me {v}"], ["people call me {v}"])),
+        _attribute("name", "name", "names", extra_states=(["call me {v}"], ["people call me {v}"],
+                                                               ["everyone knows me as {v}"])),
         Slot("city", "cities",
              _t(["I live in {v}", "my home is in {v}", "I am living in {v}", "I moved to {v}", "my city is {v}",
                  "I'm from {v}", "I stay in {v}"],
-                ["I'm based in {v}", "home for me is {v}", "I reside in {v}"]),
+                ["I'm based in {v}", "home for me is {v}", "I reside in {v}"],
+                ["I've settled in {v}", "my place is in {v}"]),
              _t(["Where do I live?", "What city do I live in?", "Do you know where I live?", "Where is my home?",
                  "What is my city?", "Where am I from?", "Tell me where I live."],
-                ["Which city is my home?", "In which city do I live?", "Where am I based?"]),
+                ["Which city is my home?", "In which city do I live?", "Where am I based?"],
+                ["Where's my home?", "Which place do I live in?"]),
              _t(["Where did I say I live?", "What did I tell you about where I live?",
                  "What city did I say I live in?"],
-                ["Remind me where I live.", "Which city did I mention as home?"]),
+                ["Remind me where I live.", "Which city did I mention as home?"],
+                ["Where did I tell you I live?", "What place did I say is home?"]),
              "You live in {v}."),
         _attribute("color", "favorite color", "colors"),
         Slot("food", "foods",
              _t(["I really love {v}", "my favorite food is {v}", "I love eating {v}", "I love {v}",
                  "my favourite food is {v}", "I could eat {v} every day", "nothing beats {v}"],
-                ["I can't get enough of {v}", "I adore {v}", "the food I like best is {v}"]),
+                ["I can't get enough of {v}", "I adore {v}", "the food I like best is {v}"],
+                ["I'm crazy about {v}", "my top food is {v}"]),
              _t(["What food do I love?", "What is my favorite food?", "What do I love to eat?",
                  "What's my favourite food?", "Which food do I love?", "What do I like to eat?"],
-                ["Which food do I like best?", "What should you cook for me?", "What dish do I adore?"]),
+                ["Which food do I like best?", "What should you cook for me?", "What dish do I adore?"],
+                ["What food do I like most?", "What's the food I love?"]),
              _t(["What did I say I love to eat?", "What did I tell you my favorite food was?",
                  "What food did I say I love?"],
-                ["Remind me what food I love.", "Which dish did I mention loving?"]),
+                ["Remind me what food I love.", "Which dish did I mention loving?"],
+                ["What did I tell you I love eating?", "Which food did I say I liked?"]),
              "You love {v}."),
         _attribute("animal", "favorite animals", "animals", plural=True),
-        _attribute("birthday", "birthday", "birthdays", extra_states=(["I was born on {v}"], ["I celebrate on {v}"])),
+        _attribute("birthday", "birthday", "birthdays", extra_states=(["I was born on {v}"], ["I celebrate on {v}"],
+                                                                             ["my birthday comes on {v}"])),
         _attribute("locker", "locker number", "numbers"),
-        _attribute("meeting", "meeting day", "weekdays", extra_states=(["my meeting is on {v}"], ["I meet them on {v}"])),
+        _attribute("meeting", "meeting day", "weekdays", extra_states=(["my meeting is on {v}"], ["I meet them on {v}"],
+                                                                        ["the meeting takes place on {v}"])),
     ]
     slots += [_attribute(f"rel:{rel}", f"{rel}'s name", "names") for rel in _RELATIONS]
     return slots
@@ -260,16 +280,19 @@ def called_slot(det: str, noun: str) -> Slot:
         _t([f"{d} is called {{v}}", f"{d}'s name is {{v}}", f"{d} is named {{v}}", f"I call {d} {{v}}",
             f"I named {d} {{v}}", f"{d} has the name {{v}}", f"{{v}} is the name of {d}", f"we call {d} {{v}}",
             f"{d}, it is called {{v}}"],
-           [f"we named {d} {{v}}", f"the name of {d} is {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"]),
+           [f"we named {d} {{v}}", f"the name of {d} is {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"],
+           [f"{d} is known as {{v}}", f"we gave {d} the name {{v}}"]),
         _t([f"What is {d} called?", f"What's {d}'s name?", f"What is the name of {d}?", f"What do I call {d}?",
             f"How is {d} named?", f"Tell me the name of {d}.", f"Do you remember {d}'s name?",
             f"What was {d} called?"],
            [f"What do we call {d}?", f"What name does {d} have?", f"Do you know what {d} is called?",
-            f"Which name did {d} get?"]),
+            f"Which name did {d} get?"],
+           [f"What is {d} known as?", f"Tell me what {d} is called."]),
         _t([f"What did I say {d} was called?", f"What did I name {d}?", f"What name did I give {d}?",
             f"What did I tell you {d} is called?"],
-           [f"Remind me what {d} is called.", f"What was {d}'s name again?"]),
-        f"{answer_det} {noun} is called {{v}}.")
+           [f"Remind me what {d} is called.", f"What was {d}'s name again?"],
+           [f"What did I tell you {d}'s name was?", f"Which name did I say {d} has?"]),
+        f"{answer_det} {noun} is called {{v}}.", (noun,))
 
 
 def slot_for(key: str) -> Slot:
@@ -283,34 +306,45 @@ def slot_for(key: str) -> Slot:
 _REMEMBER = _t(["Remember that {c}.", "Please remember that {c}.", "Don't forget: {c}.", "Keep in mind that {c}.",
                 "Remember: {c}.", "Please note that {c}.", "I want you to remember that {c}.", "Note this: {c}.",
                 "For the record, {c}.", "Remember this, {c}.", "Don't forget that {c}."],
-               ["Can you remember that {c}?", "Note that {c}.", "Just so you know, {c}.", "Make a note that {c}."])
+               ["Can you remember that {c}?", "Note that {c}.", "Just so you know, {c}.", "Make a note that {c}."],
+               ["Please keep track: {c}.", "Store this: {c}.", "Don't lose this: {c}."])
 # Openers and closers dress a sentence the way people type it; "" (none) is the commonest.
 _OPENERS = _t(["", "", "", "", "Hey, ", "Oh, and ", "By the way, ", "So, ", "OK, ", "Also, ", "Well, ", "Hi! ",
                "Okay so ", "And "],
-              ["", "", "", "", "Btw, ", "Listen, ", "Alright, ", "Anyway, "])
+              ["", "", "", "", "Btw, ", "Listen, ", "Alright, ", "Anyway, "],
+              ["", "", "", "", "Right, ", "Look, ", "Quick note: "])
 _CLOSERS = _t(["", "", "", "", " by the way", " :)", " ok", " thanks", " haha", " now"],
-              ["", "", "", "", " btw", " if that helps", " fyi"])
+              ["", "", "", "", " btw", " if that helps", " fyi"], ["", "", "", "", " just saying", " lol", " fwiw"])
 _ASK_OPENERS = _t(["", "", "", "", "Hey, ", "Quick question: ", "So, ", "OK, ", "Sorry, ", "Um, ", "Hmm, ", "Hi! ",
                    "And "],
-                  ["", "", "", "", "Tell me, ", "Wait, ", "Question: ", "Hey there, "])
+                  ["", "", "", "", "Tell me, ", "Wait, ", "Question: ", "Hey there, "],
+                  ["", "", "", "", "Say, ", "Honestly, ", "Real quick, "])
 _ASK_CLOSERS = _t(["", "", "", "", " please", " again", " now", " :)"], ["", "", "", "", " if you know",
-                                                                         " by any chance"])
+                                                                         " by any chance"],
+                   ["", "", "", "", " if you can", " for me"])
 _LIST = _t(["{a}, and {b}.", "{a}. {B}.", "{a}, {b} and {c}.", "{a}. {B}. {C}."],
-           ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and {c}."])
+           ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and {c}."],
+           ["{a} - {b}.", "First, {a}. Second, {b}.", "{a}, {b}, and also {c}."])
 _CORRECT_FULL = _t(["Correction: {c}, not {old}.", "Actually, {c}, not {old}.", "I changed my mind, {c}."],
-                   ["Sorry, I was wrong: {c}.", "Let me correct that: {c}.", "Update: {c} now."])
+                   ["Sorry, I was wrong: {c}.", "Let me correct that: {c}.", "Update: {c} now."],
+                   ["Wait, {c}, not {old}.", "I got that wrong, {c}.", "Fix that: {c}."])
 _CORRECT_SHORT = _t(["Actually, it's {v}.", "Sorry, I meant {v}.", "No wait, it's {v}."],
-                    ["Oops, it's {v}, not {old}.", "My mistake, it's {v}.", "Make that {v}."])
+                    ["Oops, it's {v}, not {old}.", "My mistake, it's {v}.", "Make that {v}."],
+                    ["Oh no, it's {v}.", "Scratch that, {v}.", "Change it to {v}."])
 _GREETINGS = _t(["Hi!", "Hello.", "Hey there!", "Good morning!", "Hello, how are you?", "Hi, nice to meet you."],
-                ["Good evening!", "Howdy!", "Hey, what's up?", "Greetings.", "Hiya"])
+                ["Good evening!", "Howdy!", "Hey, what's up?", "Greetings.", "Hiya"],
+                ["Yo!", "Hello there.", "Good afternoon!", "Hey hey"])
 _THANKS = _t(["Thanks!", "Thank you.", "Thanks a lot!", "Thank you so much.", "Great, thanks."],
-             ["Cheers!", "Much appreciated.", "Thanks for remembering!", "Thx"])
+             ["Cheers!", "Much appreciated.", "Thanks for remembering!", "Thx"],
+             ["Thanks so much!", "Many thanks.", "Appreciate it!", "ty"])
 _REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} times {b}?", "Tell me a joke.",
                 "Tell me something interesting about {t}.", "Can you summarize the history of {t}?",
                 "Translate good morning into French.", "Write an email to my {r}.", "What do you know about {t}?"],
                ["Compose a short story about {t}.", "How does {t} work?", "Calculate {a} plus {b}.",
                 "Could you describe {t} in detail?", "What's {a} divided by {b}?",
-                "Write some code that sorts a list.", "Give me three facts about {t}."])
+                "Write some code that sorts a list.", "Give me three facts about {t}."],
+               ["Summarize {t} for me.", "Draft a letter to my {r}.", "What's {a} minus {b}?",
+                "Sing me a song about {t}."])
 
 
 def _cap(text: str) -> str:
@@ -404,7 +438,7 @@ class _Known:
 class _Writer:
     """Writes one chat round by round; `known` is what the user has told so far."""
 
-    def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: bool = False):
+    def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
@@ -430,9 +464,10 @@ class _Writer:
         return rng.choice(free) if free else None
 
     def noun(self) -> str:
-        if self.phrasing == "heldout":
-            return self.rng.choice(_NOUNS_HELDOUT)
-        return pseudo_word(self.rng) if self.rng.random() < 0.25 else self.rng.choice(_NOUNS_TRAIN)
+        if self.phrasing != "train":
+            return self.rng.choice(_NOUNS_HELDOUT if self.phrasing == "heldout" else _NOUNS_DEV)
+        made_up = 0.5 if self.noise >= 2 else 0.25  # a made-up noun teaches copying the noun, not knowing it
+        return pseudo_word(self.rng) if self.rng.random() < made_up else self.rng.choice(_NOUNS_TRAIN)
 
     def clause(self, slot: Slot, value: str) -> str:
         template = slot.states.pick(self.phrasing, self.rng)
@@ -452,6 +487,55 @@ class _Writer:
             words.insert(self.rng.randrange(1, len(words) + 1), self.rng.choice(_SPARE_WORDS))
         return " ".join(words).replace("\0", value)
 
+    def with_frame_noise(self, text: str, protect: tuple[str, ...]) -> str:
+        """Training noise, level 2: a word of the sentence's frame (not a word of `protect`: the value and the words
+        that say what is told or asked) replaced by a made-up one, a made-up word put in, a word left out, or a
+        punctuation mark typed differently; so that a sentence built around words the model never saw ("I reside
+        in X", "Any idea what my ... is") is still read by what it is about and where the value stands."""
+        for _ in range(self.noise - 1):  # level 3: two edits
+            text = self._frame_edit(text, protect)
+        return text
+
+    def _frame_edit(self, text: str, protect: tuple[str, ...]) -> str:
+        rng = self.rng
+        keep = {w.lower() for p in protect for w in p.split()}
+        words = text.split(" ")
+        free = [i for i, w in enumerate(words) if _bare(w) not in keep and not any(c.isdigit() for c in w)]
+        roll = rng.random()
+        if free and roll < 0.2:
+            i = rng.choice(free)
+            word = pseudo_word(rng)
+            words[i] = (word.capitalize() if words[i][:1].isupper() else word) + _trailing_marks(words[i])
+        elif roll < 0.3:  # never next to a protected word: "my giltryroa podcast" would not say which is the noun
+            spots = [j for j in range(len(words) + 1)
+                     if all(_bare(w) not in keep for w in words[max(0, j - 1): j + 1])]
+            if spots:
+                words.insert(rng.choice(spots), pseudo_word(rng))
+        elif free and roll < 0.38 and len(words) > 3:
+            i = rng.choice(free)
+            marks = _trailing_marks(words.pop(i))
+            if marks and i > 0:
+                words[i - 1] = words[i - 1].rstrip(".,?!:;") + marks
+        text = " ".join(words)
+        marks = [j for j, c in enumerate(text) if c in ".,?!:;"]
+        if marks and rng.random() < 0.1:
+            j = rng.choice(marks)
+            text = text[:j] + rng.choice(("", ",", ".", ";", ":", " -", "!", "?")) + text[j + 1:]
+        return text
+
+    def with_made_up_word(self, text: str) -> str:
+        """Training noise, level 2, for prompts that state nothing: a made-up word put in, capitalised at times
+        ("Blorf thanks!"), so that the frame noise of facts does not teach that any sentence with a word the model
+        never saw tells a fact."""
+        rng = self.rng
+        words = text.split(" ")
+        i = rng.randrange(len(words) + 1)
+        word = pseudo_word(rng)
+        if i == 0 and words[0] != "I":
+            words[0] = words[0][:1].lower() + words[0][1:]
+        words.insert(i, word.capitalize() if i == 0 or rng.random() < 0.3 else word)
+        return " ".join(words)
+
     def with_unknown_words(self, text: str) -> str:
         """Training noise for prompts that state nothing: a word or two replaced by made-up ones, so that a word the
         model has never seen is not taken for a name to remember."""
@@ -468,6 +552,8 @@ class _Writer:
     def styled(self, text: str) -> str:
         """Out-of-scope prompts are typed carelessly too."""
         text = self.with_unknown_words(text)
+        if self.noise >= 2 and self.rng.random() < 0.3:
+            text = self.with_made_up_word(text)
         roll = self.rng.random()
         if roll < 0.1:
             return text.lower()
@@ -497,6 +583,8 @@ class _Writer:
         values = [self.value(s) for s in slots]
         clauses = [self.clause(s, v) for s, v in zip(slots, values)]
         if len(slots) > 1:
+            clauses = [self.with_frame_noise(c, (*s.keywords, v)) for c, s, v in zip(clauses, slots, values)]
+        if len(slots) > 1:
             template = _LIST.pick(self.phrasing, rng)
             while ("{c}" in template or "{C}" in template) != (len(slots) == 3):
                 template = _LIST.pick(self.phrasing, rng)
@@ -512,7 +600,7 @@ class _Writer:
         if len(slots) == 1 and not text.startswith(values[0]):
             text = _cap(self.dressed(text, _OPENERS, _CLOSERS))
         if len(slots) == 1:
-            text = self.with_spare_words(text, values[0])
+            text = self.with_frame_noise(self.with_spare_words(text, values[0]), (*slots[0].keywords, values[0]))
         for s, v in zip(slots, values):
             self.known[s.key] = _Known(v, i, i, False, "called" if s.key.startswith("called:") else family)
         self.last_single = slots[0].key if len(slots) == 1 else None
@@ -530,6 +618,7 @@ class _Writer:
             text = _CORRECT_SHORT.pick(self.phrasing, rng).format(v=new, old=old)
         else:
             text = _CORRECT_FULL.pick(self.phrasing, rng).format(c=self.clause(slot, new), old=old)
+        text = self.with_frame_noise(text, (*slot.keywords, new, old))
         known = self.known[key]
         self.known[key] = _Known(new, known.first, i, True, "correction")
         self.last_single = None
@@ -539,6 +628,7 @@ class _Writer:
         rng = self.rng
         text = (slot.recalls if asked == "what_did_i_say" else slot.asks).pick(self.phrasing, rng)
         text = self.with_spare_words(_cap(self.dressed(text, _ASK_OPENERS, _ASK_CLOSERS)))
+        text = self.with_frame_noise(text, slot.keywords)
         if asked == "no_question_mark":
             text = text.rstrip("?.")
         elif asked == "lower_case":
@@ -565,7 +655,8 @@ class _Writer:
         answers = [s.reply(self.known[k].value) for s, k in zip(slots, keys)]
         if kind == "multi":
             asks = [s.asks.pick(self.phrasing, rng).removeprefix("And ") for s in slots]
-            question = f"{asks[0][:-1]}, and {asks[1][0].lower()}{asks[1][1:]}"
+            question = self.with_frame_noise(f"{asks[0][:-1]}, and {asks[1][0].lower()}{asks[1][1:]}",
+                                             (*slots[0].keywords, *slots[1].keywords))
             reply = f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
         else:
             question, reply = self.question_text(slots[0], asked), answers[0]
@@ -584,7 +675,7 @@ class _Writer:
             slot = self.unknown_slot()
             text, reply = self.question_text(slot, self.asked_family()), UNKNOWN_REPLY
         elif kind == "request":
-            topics = _TOPICS if self.phrasing == "train" else _TOPICS_HELDOUT
+            topics = {"train": _TOPICS, "heldout": _TOPICS_HELDOUT, "dev": _TOPICS_DEV}[self.phrasing]
             text = _REQUESTS.pick(self.phrasing, rng).format(
                 t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
             text, reply = self.styled(text), DEMO_REPLY
@@ -613,6 +704,14 @@ class _Writer:
         return Round(self.with_unknown_words(text), CHATTER_REPLY)
 
 
+def _bare(word: str) -> str:
+    return word.strip(".,?!:;()-").removesuffix("'s").lower()
+
+
+def _trailing_marks(word: str) -> str:
+    return word[len(word.rstrip(".,?!:;")):]
+
+
 def _ask(question: str, position: str, rng: random.Random) -> str:
     if position == "alone":
         return question
@@ -625,9 +724,11 @@ def _ask(question: str, position: str, rng: random.Random) -> str:
 
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
-                  phrasing: str = "train", noise: bool = False) -> Dialogue:
+                  phrasing: str = "train", noise: int = 0) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
-    small talk. `noise` (training only) adds spare words to facts and questions and made-up words to the rest."""
+    small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
+    2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
+    and makes half the named things made-up nouns."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
     w = _Writer(rng, p, phrasing, dlg, noise)
     for i in range(n_rounds):
@@ -650,9 +751,9 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
-              phrasing: str = "train", noise: bool = False) -> list[Dialogue]:
-    """`count` chats: values from `split`'s pools, sentences from `phrasing`'s templates (both "train" or
-    "heldout"). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` either."""
+              phrasing: str = "train", noise: int = 0) -> list[Dialogue]:
+    """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
+    (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any."""
     if phrasing not in PHRASINGS:
         raise ValueError(f"unknown phrasing {phrasing!r} (accepted: {', '.join(PHRASINGS)})")
     rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")

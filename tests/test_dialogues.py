@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvchat.engine.chat_format import ChatFormat, Conversation
 from kvchat.engine.dialogues import POSITIONS, QUESTION_KINDS, dialogues, pools
 from kvchat.engine.train import CHAT_TEMPLATE, round_text
@@ -78,18 +80,24 @@ def _all_templates():
     return groups
 
 
-def test_held_out_phrasings_are_new_templates_not_new_values():
+def test_held_out_and_dev_phrasings_are_new_templates_not_new_values():
+    from kvchat.engine import dialogues as d
+
     for templates in _all_templates():
-        assert templates.train and templates.heldout
-        train = {t.lower() for t in templates.train}
-        assert not train & {t.lower() for t in templates.heldout}, templates
+        sets = [{t.lower() for t in getattr(templates, p)} for p in d.PHRASINGS]
+        assert all(sets), templates
+        assert not sets[0] & sets[1] and not sets[0] & sets[2] and not sets[1] & sets[2], templates
+    nouns = [set(d._NOUNS_TRAIN), set(d._NOUNS_HELDOUT), set(d._NOUNS_DEV)]
+    topics = [set(d._TOPICS), set(d._TOPICS_HELDOUT), set(d._TOPICS_DEV)]
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert not nouns[a] & nouns[b] and not topics[a] & topics[b]
 
 
 def test_every_phrasing_family_and_out_of_scope_kind_occurs_with_its_polite_reply():
     from kvchat.engine.dialogues import (ASKED_FAMILIES, OUT_OF_SCOPE_KINDS, POLITE_REPLIES, STATED_FAMILIES,
                                          UNKNOWN_REPLY)
 
-    for phrasing in ("train", "heldout"):
+    for phrasing in ("train", "heldout", "dev"):
         stated, asked, kinds = set(), set(), set()
         for dlg in dialogues("heldout", 40, 2, 30, 40, phrasing):
             assert dlg.phrasing == phrasing
@@ -117,12 +125,31 @@ def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
             assert abs(len(a) - len(b)) <= 1
 
 
-def test_training_noise_changes_the_messages_never_the_facts():
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_training_noise_changes_the_messages_never_the_facts(level):
     plain = dialogues("train", 20, 5, 20, 30)
-    noisy = dialogues("train", 20, 5, 20, 30, noise=True)
+    noisy = dialogues("train", 20, 5, 20, 30, noise=level)
     assert [r.user for d in plain for r in d.rounds] != [r.user for d in noisy for r in d.rounds]
     for dlg in noisy:
         for q in dlg.questions:
             for value in q.values:
                 assert value in dlg.rounds[q.round_index].assistant
                 assert any(value in r.user for r in dlg.rounds[: q.round_index])
+
+
+def test_frame_noise_keeps_the_value_and_the_words_that_say_what_is_told():
+    from kvchat.engine.dialogues import Dialogue, _Writer, pools
+
+    writer = _Writer(random.Random(0), pools("train"), "train", Dialogue(None), noise=3)
+    text = "Please remember that my locker number is 417 by the way."
+    changed = 0
+    for _ in range(500):
+        noisy = writer.with_frame_noise(text, ("locker", "number", "417"))
+        changed += noisy != text
+        words = [w.strip(".,?!:;-") for w in noisy.split()]
+        assert "417" in words and "locker" in words and "number" in words
+        i = words.index("locker")
+        assert words[i + 1] == "number"  # nothing made up is put between (or next to) the protected words
+    assert 250 < changed < 500  # most messages get an edit; some stay as typed
+    quiet = _Writer(random.Random(0), pools("train"), "train", Dialogue(None), noise=1)
+    assert all(quiet.with_frame_noise(text, ("417",)) == text for _ in range(50))
