@@ -488,11 +488,11 @@ class _Writer:
         return " ".join(words).replace("\0", value)
 
     def with_frame_noise(self, text: str, protect: tuple[str, ...]) -> str:
-        """Training noise, level 2: a word of the sentence's frame (not a word of `protect`: the value and the words
+        """Training noise, levels 2 (one edit) and 3 (two): a word of the sentence's frame (not a word of `protect`: the value and the words
         that say what is told or asked) replaced by a made-up one, a made-up word put in, a word left out, or a
         punctuation mark typed differently; so that a sentence built around words the model never saw ("I reside
         in X", "Any idea what my ... is") is still read by what it is about and where the value stands."""
-        for _ in range(self.noise - 1):  # level 3: two edits
+        for _ in range(self.noise - 1):
             text = self._frame_edit(text, protect)
         return text
 
@@ -524,7 +524,7 @@ class _Writer:
         return text
 
     def with_made_up_word(self, text: str) -> str:
-        """Training noise, level 2, for prompts that state nothing: a made-up word put in, capitalised at times
+        """Training noise, levels 2-3, for prompts that state nothing: a made-up word put in, capitalised at times
         ("Blorf thanks!"), so that the frame noise of facts does not teach that any sentence with a word the model
         never saw tells a fact."""
         rng = self.rng
