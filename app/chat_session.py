@@ -535,13 +535,13 @@ class ChatSession:
                     if grp.start < self.split and any(cfg.window(i) for i in grp)]
         return min(windowed) if windowed else len(self.rounds)
 
-    def _recompute_tier(self) -> KVCache:
-        """Where a restore's recomputes write the device tier's K/V. A cache with sliding-window rings gets a
-        fork of them: the recompute's windows run over its own ring while the loads fill the cache's, and the
-        restore joins the two once both are done (`_join_recomputed`)."""
+    def _recompute_tier(self, loads_running: bool = True) -> KVCache:
+        """Where a restore's recomputes write the device tier's K/V. While loads may run, a cache with
+        sliding-window rings gets a fork of them: the recompute's windows run over its own ring while the loads
+        fill the cache's, and the restore joins the two once both are done (`_join_recomputed`)."""
         if self.policy is not None:
             return self.cache.lower
-        if self.cache.ring_size:
+        if self.cache.ring_size and loads_running:
             if self._ring_fork is None:
                 self._ring_fork = self.cache.fork_ring()
             return self._ring_fork
@@ -923,8 +923,7 @@ class ChatSession:
         ends = list(itertools.accumulate(len(s) for s in spans))
         total = ends[-1]
         self.cache, self._ring_fork = self._new_cache(total + 512), None
-        self._recompute([(0, [t for s in spans for t in s])], stats)
-        self._join_recomputed()
+        self._recompute([(0, [t for s in spans for t in s])], stats, loads_running=False)  # nothing is loaded
         if self.policy is None:
             self.cache.length = total
         else:
@@ -1022,7 +1021,8 @@ class ChatSession:
         if below < len(layers):
             self._upper_parts.setdefault(i, []).append((range(layers.start + below, layers.stop), kv[below:]))
 
-    def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats) -> None:
+    def _recompute(self, pending: list[tuple[int, list[int]]], stats: RestoreStats,
+                   loads_running: bool = True) -> None:
         """Prefill runs of consecutive missing rounds at their own slots and positions, attending to all before."""
         if not pending:
             return
@@ -1030,7 +1030,7 @@ class ChatSession:
         first = pending[0][0]
         tokens = [t for _, span in pending for t in span]
         end = first + len(tokens)
-        device_tier = self._recompute_tier()
+        device_tier = self._recompute_tier(loads_running)
         device_tier.reserve(end)
         # In prefill's chunks: a whole 30k-token chat in one pass would build [T, T]-sized attention masks.
         for at in range(first, end, PrefixRecompute.CHUNK):

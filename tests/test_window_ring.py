@@ -233,3 +233,21 @@ def test_a_decode_step_over_rings_made_in_inference_mode(gemma):
         m(torch.tensor(gemma.encode_prompt(REFERENCE_PROMPT)), cache)
     step = GraphedDecode(m, cache, 64, capture=False)
     assert step(1).shape[-1] == gemma.config.vocab_size
+
+
+def test_a_ring_chat_read_again_from_its_text_needs_no_fork(gemma, kvchat_home, monkeypatch, chat_ring):
+    """A new system prompt drops the stored K/V: the whole chat is recomputed with nothing loading beside it, so
+    straight into the cache's own ring (a fork and its join would only copy)."""
+    from kvchat.engine.model import KVCache
+
+    store = Store()
+    chat = chat_of(store, gemma, MESSAGES[:3])
+    store.unlink_files(store.update_session(chat.sid, system_prompt="Answer in one word."))
+    forks = []
+    real_fork = KVCache.fork_ring
+    monkeypatch.setattr(KVCache, "fork_ring", lambda self: forks.append(1) or real_fork(self))
+    again = ChatSession(store, gemma, chat.sid)
+    stats = again.restore()
+    assert stats.tokens_loaded == 0 and "no longer match" in stats.notes[0] and not forks
+    assert again.cache.ring_size == 24
+    assert_like_a_fresh_prefill(gemma, again)
