@@ -488,11 +488,11 @@ class _Writer:
         return " ".join(words).replace("\0", value)
 
     def with_frame_noise(self, text: str, protect: tuple[str, ...]) -> str:
-        """Training noise, levels 2 (one edit) and 3 (two): a word of the sentence's frame (not a word of `protect`: the value and the words
-        that say what is told or asked) replaced by a made-up one, a made-up word put in, a word left out, or a
+        """Training noise, levels 2 (one edit) and 3-4 (two): a word of the sentence's frame (not a word of
+        `protect`: the value and the words that say what is told or asked) replaced by a made-up one, a made-up word put in, a word left out, or a
         punctuation mark typed differently; so that a sentence built around words the model never saw ("I reside
         in X", "Any idea what my ... is") is still read by what it is about and where the value stands."""
-        for _ in range(self.noise - 1):
+        for _ in range(min(self.noise, 3) - 1):
             text = self._frame_edit(text, protect)
         return text
 
@@ -510,7 +510,12 @@ class _Writer:
             spots = [j for j in range(len(words) + 1)
                      if all(_bare(w) not in keep for w in words[max(0, j - 1): j + 1])]
             if spots:
-                words.insert(rng.choice(spots), pseudo_word(rng))
+                j, word = rng.choice(spots), pseudo_word(rng)
+                if self.noise >= 4 and j == 0:  # "Btw, what is ...": an unknown first word is capitalised too
+                    word = word.capitalize()
+                    if words[0] != "I" and not words[0].startswith("I'"):
+                        words[0] = words[0][:1].lower() + words[0][1:]
+                words.insert(j, word)
         elif free and roll < 0.38 and len(words) > 3:
             i = rng.choice(free)
             marks = _trailing_marks(words.pop(i))
@@ -522,6 +527,16 @@ class _Writer:
             j = rng.choice(marks)
             text = text[:j] + rng.choice(("", ",", ".", ";", ":", " -", "!", "?")) + text[j + 1:]
         return text
+
+    def with_tail(self, text: str) -> str:
+        """Training noise, level 4: a closer of two or three words the model does not know (made-up and spare
+        words) before the question's last mark, the answer unchanged ("What is my name blorf so?"): a question that
+        ends in a phrase never seen ("... if you know?") asks one thing, not two."""
+        rng = self.rng
+        end = text[len(text.rstrip("?.!")):]
+        words = [pseudo_word(rng) if rng.random() < 0.6 else rng.choice(_SPARE_WORDS)
+                 for _ in range(rng.choice((2, 2, 3)))]
+        return text[: len(text) - len(end)] + rng.choice((" ", ", ")) + " ".join(words) + end
 
     def with_made_up_word(self, text: str) -> str:
         """Training noise, levels 2-3, for prompts that state nothing: a made-up word put in, capitalised at times
@@ -629,6 +644,8 @@ class _Writer:
         text = (slot.recalls if asked == "what_did_i_say" else slot.asks).pick(self.phrasing, rng)
         text = self.with_spare_words(_cap(self.dressed(text, _ASK_OPENERS, _ASK_CLOSERS)))
         text = self.with_frame_noise(text, slot.keywords)
+        if self.noise >= 4 and rng.random() < 0.25:
+            text = self.with_tail(text)
         if asked == "no_question_mark":
             text = text.rstrip("?.")
         elif asked == "lower_case":
@@ -728,7 +745,8 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
-    and makes half the named things made-up nouns."""
+    and makes half the named things made-up nouns; 3 makes two such edits; 4 also ends a quarter of the questions
+    in words the model does not know (`with_tail`) and capitalises a made-up first word."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
     w = _Writer(rng, p, phrasing, dlg, noise)
     for i in range(n_rounds):

@@ -59,6 +59,7 @@ class TrainConfig:
     # with the frame noise of 2026-11-24 (docs/embedded-model.md: more recall on new phrasings, less politeness).
     noise: int = 1
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
+    oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -100,24 +101,27 @@ def _init_worker(gguf_path: str) -> None:
     _worker_tok = Tokenizer(gguf_path)
 
 
-def encode_dialogue(tok, dlg: Dialogue) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and loss mask (1 on assistant replies and their end-of-turn token)."""
+def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and loss weights (1 on assistant replies and their end-of-turn token; `oos_weight` on the replies
+    to out-of-scope prompts)."""
     ids, mask = [], []
+    out_of_scope = {o.round_index for o in dlg.out_of_scope}
     for i, r in enumerate(dlg.rounds):
         prompt = tok.encode(round_text(r.user, None, dlg.system if i == 0 else None))
         reply = tok.encode(f"{r.assistant}<|im_end|>\n")
         ids += prompt + reply
-        mask += [0] * len(prompt) + [1] * (len(reply) - 1) + [0]  # the trailing newline is template, not reply
+        w = oos_weight if i in out_of_scope else 1
+        mask += [0] * len(prompt) + [w] * (len(reply) - 1) + [0]  # the trailing newline is template, not reply
     return np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise = args
-    return [encode_dialogue(_worker_tok, d) for d in dialogues(split, count, seed, lo, hi, noise=noise)]
+    split, count, seed, lo, hi, noise, oos_weight = args
+    return [encode_dialogue(_worker_tok, d, oos_weight) for d in dialogues(split, count, seed, lo, hi, noise=noise)]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise)
+    chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight)
               for i in range(math.ceil(cfg.n_dialogues / 500))]
     with mp.get_context("spawn").Pool(workers, _init_worker, (str(gguf_path),)) as pool:
         out = []

@@ -125,7 +125,7 @@ def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
             assert abs(len(a) - len(b)) <= 1
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_training_noise_changes_the_messages_never_the_facts(level):
     plain = dialogues("train", 20, 5, 20, 30)
     noisy = dialogues("train", 20, 5, 20, 30, noise=level)
@@ -153,3 +153,24 @@ def test_frame_noise_keeps_the_value_and_the_words_that_say_what_is_told():
     assert 250 < changed < 500  # most messages get an edit; some stay as typed
     quiet = _Writer(random.Random(0), pools("train"), "train", Dialogue(None), noise=1)
     assert all(quiet.with_frame_noise(text, ("417",)) == text for _ in range(50))
+
+
+def test_level_4_ends_questions_in_unknown_words_and_keeps_what_is_asked():
+    from kvchat.engine.dialogues import Dialogue, _Writer, pools, slot_for
+
+    writer = _Writer(random.Random(1), pools("train"), "train", Dialogue(None), noise=4)
+    tails = []
+    writer.with_tail = lambda text: tails.append(_Writer.with_tail(writer, text)) or tails[-1]
+    slot = slot_for("locker")
+    for _ in range(400):
+        words = [w.strip(".,?!:;-") for w in writer.question_text(slot, "plain").split()]
+        assert "locker" in words and "number" in words
+    assert 60 < len(tails) < 140  # a quarter of the questions
+    for _ in range(50):
+        tail = _Writer.with_tail(writer, "What is my locker number?")
+        assert tail.startswith("What is my locker number") and tail.endswith("?") and len(tail.split()) in (7, 8)
+    # levels 1-3 never call it
+    quiet = _Writer(random.Random(1), pools("train"), "train", Dialogue(None), noise=3)
+    quiet.with_tail = lambda text: pytest.fail("a tail at level 3")
+    for _ in range(100):
+        quiet.question_text(slot, "plain")

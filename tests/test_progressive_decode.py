@@ -163,3 +163,63 @@ def test_gpu_the_captured_step_is_the_eager_step():
         assert step.selections == 3
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+
+
+def test_message_queries_keep_the_last_rows_of_a_chunked_prefill():
+    from kvchat.engine.progressive_decode import MessageQueries
+
+    tap = MessageQueries(rows=5)
+    q = torch.randn(12, 2, 4)
+    tap(0, q[:4], 10)
+    tap(0, q[4:9], 14)
+    tap(0, q[9:], 19)  # chunks of one prefill, slots 10..21
+    kept, first = tap.by_layer[0]
+    assert first == 17 and torch.equal(kept, q[7:])
+    tap(0, q[:2], 40)  # not the next chunk: a new prefill starts over
+    assert tap.by_layer[0][1] == 40 and tap.by_layer[0][0].shape[0] == 2
+
+
+def test_the_choice_also_counts_what_the_message_attended_to(model):
+    """With the message's rows, a layer's choice is the top of (mean softmax of the reply's rows) + (mean softmax
+    of the message's rows), computed here by hand; the paper's choice (reply alone) differs on this prompt."""
+    from kvchat.engine.progressive_decode import MessageQueries
+
+    m, cfg = model.model, model.config
+    m.query_tap = tap = MessageQueries(rows=6)
+    try:
+        cache, logits, n = prefilled(model)
+    finally:
+        m.query_tap = None
+    assert sorted(tap.by_layer) == list(range(cfg.n_layers)) and tap.by_layer[0][1] == n - 6
+    step = ProgressiveDecode(m, cache, 0, 200, budget=8, interval=4, warmup=4, capture=False, message=tap)
+    decode(step, logits, 4)
+    layer, end = 3, cache.length
+
+    def mean_mass(q, rows):  # q [R, H, D] at slots `rows` -> [Hkv, n]
+        keys = cache.layer(layer)[0, :, :end].float().repeat_interleave(cfg.n_rep, 0)
+        scores = torch.einsum("thd,hnd->htn", q.float(), keys) * cfg.softmax_scale
+        causal = torch.arange(end)[None, :] <= rows[:, None]
+        mass = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)[:, :, :n]
+        return mass.view(cfg.n_kv_heads, cfg.n_rep * len(rows), n).mean(1)
+
+    reply = mean_mass(step.queries[:, layer], torch.arange(end - 4, end))
+    message = mean_mass(tap.by_layer[layer][0], torch.arange(n - 6, n))
+    differs = False
+    for head in range(cfg.n_kv_heads):
+        want = set((reply[head] + message[head]).topk(8).indices.tolist())
+        assert set(step.chosen[layer, head, :8].tolist()) == want
+        differs |= want != set(reply[head].topk(8).indices.tolist())
+    assert differs
+
+
+def test_the_policy_taps_its_message_prefill_unless_told_not_to(model):
+    m = model.model
+    policy = make_policy("loopserve", model, sparse=False, question_rows=16)
+    cache = m.new_cache(64)
+    undo = policy.prepare(m, cache, [], [])
+    assert m.query_tap is policy.message and m.sparse_prefill is None
+    undo()
+    assert m.query_tap is None
+    assert make_policy("loopserve", model, sparse=False, question_rows=0).prepare(m, cache, [], []) is None
+    with pytest.raises(KvchatError, match="question_rows"):
+        make_policy("loopserve", model, question_rows=-1)

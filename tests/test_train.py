@@ -41,13 +41,18 @@ def test_exported_model_runs_identically_in_engine_and_llama_cpp(tmp_path):
 def test_loss_mask_covers_assistant_replies_only(tmp_path):
     model, vocab = trained_like(SMALL)
     tok = Tokenizer(export_gguf(model, vocab, tmp_path / "m.gguf", Q.F32))
-    dlg = dialogues("train", 1, 2, 4, 4)[0]
+    dlg = dialogues("train", 1, 2, 12, 12)[0]
     ids, mask = encode_dialogue(tok, dlg)
     assert len(ids) == len(mask)
     supervised = tok.decode([int(t) for t, m in zip(ids, mask) if m], special=True)
     for r in dlg.rounds:
         assert r.assistant in supervised and r.user not in supervised
     assert supervised.count("<|im_end|>") == len(dlg.rounds)
+    _, weighted = encode_dialogue(tok, dlg, oos_weight=2)  # out-of-scope replies count twice in the loss
+    assert dlg.out_of_scope and set(weighted.tolist()) == {0, 1, 2}
+    assert ((weighted > 0) == (mask > 0)).all()
+    twice = tok.decode([int(t) for t, w in zip(ids, weighted) if w == 2], special=True)
+    assert all(dlg.rounds[o.round_index].assistant in twice for o in dlg.out_of_scope)
 
 
 def test_checkpoint_round_trip_has_no_pickle(tmp_path):
