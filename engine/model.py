@@ -430,7 +430,6 @@ class DecoderLayer(nn.Module):
         self.gelu = w.gelu
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
         self.sparse_prefill = None  # engine.sparse_prefill.SparsePrefill: set for all layers by the Transformer
-        self.query_tap = None  # callable(layer, q [T, H, D], start): sees a prefill's queries (Transformer.query_tap)
         self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
         self.wo = nn.Parameter(w.wo, requires_grad=False)
@@ -458,8 +457,6 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(x, rot)
         if queries is not None:
             queries.append(q)
-        if self.query_tap is not None and step is None:
-            self.query_tap(layer, q, start)
         in_ring = bool(self.window) and cache.in_ring(layer)
         if step is not None:  # a decode step the kernels do not take: slot and length still live on the device
             kv = cache.layer(layer)
@@ -782,17 +779,6 @@ class Transformer(nn.Module):
     def sparse_prefill(self, value) -> None:
         for layer in self.layers:
             layer.sparse_prefill = value
-
-    @property
-    def query_tap(self):
-        """Called as tap(layer, q [T, H, D], start) with each prefill's queries (not a decode step's), or None:
-        how LoopServe's decode learns what the message asked (engine.progressive_decode.MessageQueries)."""
-        return self.layers[0].query_tap
-
-    @query_tap.setter
-    def query_tap(self, value) -> None:
-        for layer in self.layers:
-            layer.query_tap = value
 
     def rotations(self, positions: Tensor) -> Rotations:
         """positions [T] (best on the CPU: see RotaryTable.forward) -> each table's C, S [T, 1, D]."""

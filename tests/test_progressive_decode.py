@@ -77,6 +77,28 @@ def test_a_small_budget_attends_to_the_inputs_most_attended_slots(model):
     assert (full(tokens[4]) - step(tokens[4])).abs().max() > 1e-3
 
 
+def test_pooling_keeps_the_neighbours_of_the_most_attended_slots(model):
+    m, cfg = model.model, model.config
+    cache, logits, n = prefilled(model)
+    step = ProgressiveDecode(m, cache, 0, 200, budget=9, interval=4, warmup=4, capture=False, pool=3)
+    decode(step, logits, 4)
+    layer, end = 2, cache.length
+    q = step.queries[:, layer].float()
+    keys = cache.layer(layer)[0, :, :end].float().repeat_interleave(cfg.n_rep, 0)
+    scores = torch.einsum("thd,hnd->htn", q, keys) * cfg.softmax_scale
+    causal = torch.arange(end)[None, :] <= torch.arange(end - 4, end)[:, None]
+    mass = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).sum(1)[:, :n]
+    mass = mass.view(cfg.n_kv_heads, cfg.n_rep, n).sum(1)
+    pooled = torch.stack([mass[:, max(0, i - 1) : i + 2].amax(1) for i in range(n)], 1)  # the max of i-1, i, i+1
+    for head in range(cfg.n_kv_heads):
+        chosen = set(step.chosen[layer, head, :9].tolist())
+        assert chosen == set(pooled[head].topk(9).indices.tolist())
+        peak = int(mass[head].argmax())
+        assert {peak - 1, peak, peak + 1} & set(range(n)) <= chosen  # the peak comes with its neighbours
+    with pytest.raises(ValueError, match="pool"):
+        ProgressiveDecode(m, cache, 0, 200, pool=0)
+
+
 def test_under_a_round_policy_each_layer_chooses_among_what_it_may_see(model):
     m = model.model
     cache, logits, n = prefilled(model)
@@ -93,7 +115,10 @@ def test_under_a_round_policy_each_layer_chooses_among_what_it_may_see(model):
 
 def test_the_policies_take_their_options_and_refuse_bad_ones(model):
     policy = make_policy("loopserve", model, budget=64, interval=8)
-    assert policy.budget == 64 and policy.interval == 8
+    assert policy.budget == 64 and policy.interval == 8 and policy.pool == 7
+    assert make_policy("loopserve", model, pool=1).pool == 1  # the paper's choice of single slots
+    with pytest.raises(KvchatError, match="at least 1"):
+        make_policy("loopserve", model, pool=0)
     with pytest.raises(KvchatError, match="takes no option"):
         make_policy("loopserve", model, watershed=2)
     with pytest.raises(KvchatError, match="at least 1"):
@@ -163,63 +188,3 @@ def test_gpu_the_captured_step_is_the_eager_step():
         assert step.selections == 3
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
-
-
-def test_message_queries_keep_the_last_rows_of_a_chunked_prefill():
-    from kvchat.engine.progressive_decode import MessageQueries
-
-    tap = MessageQueries(rows=5)
-    q = torch.randn(12, 2, 4)
-    tap(0, q[:4], 10)
-    tap(0, q[4:9], 14)
-    tap(0, q[9:], 19)  # chunks of one prefill, slots 10..21
-    kept, first = tap.by_layer[0]
-    assert first == 17 and torch.equal(kept, q[7:])
-    tap(0, q[:2], 40)  # not the next chunk: a new prefill starts over
-    assert tap.by_layer[0][1] == 40 and tap.by_layer[0][0].shape[0] == 2
-
-
-def test_the_choice_also_counts_what_the_message_attended_to(model):
-    """With the message's rows, a layer's choice is the top of (mean softmax of the reply's rows) + (mean softmax
-    of the message's rows), computed here by hand; the paper's choice (reply alone) differs on this prompt."""
-    from kvchat.engine.progressive_decode import MessageQueries
-
-    m, cfg = model.model, model.config
-    m.query_tap = tap = MessageQueries(rows=6)
-    try:
-        cache, logits, n = prefilled(model)
-    finally:
-        m.query_tap = None
-    assert sorted(tap.by_layer) == list(range(cfg.n_layers)) and tap.by_layer[0][1] == n - 6
-    step = ProgressiveDecode(m, cache, 0, 200, budget=8, interval=4, warmup=4, capture=False, message=tap)
-    decode(step, logits, 4)
-    layer, end = 3, cache.length
-
-    def mean_mass(q, rows):  # q [R, H, D] at slots `rows` -> [Hkv, n]
-        keys = cache.layer(layer)[0, :, :end].float().repeat_interleave(cfg.n_rep, 0)
-        scores = torch.einsum("thd,hnd->htn", q.float(), keys) * cfg.softmax_scale
-        causal = torch.arange(end)[None, :] <= rows[:, None]
-        mass = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)[:, :, :n]
-        return mass.view(cfg.n_kv_heads, cfg.n_rep * len(rows), n).mean(1)
-
-    reply = mean_mass(step.queries[:, layer], torch.arange(end - 4, end))
-    message = mean_mass(tap.by_layer[layer][0], torch.arange(n - 6, n))
-    differs = False
-    for head in range(cfg.n_kv_heads):
-        want = set((reply[head] + message[head]).topk(8).indices.tolist())
-        assert set(step.chosen[layer, head, :8].tolist()) == want
-        differs |= want != set(reply[head].topk(8).indices.tolist())
-    assert differs
-
-
-def test_the_policy_taps_its_message_prefill_unless_told_not_to(model):
-    m = model.model
-    policy = make_policy("loopserve", model, sparse=False, question_rows=16)
-    cache = m.new_cache(64)
-    undo = policy.prepare(m, cache, [], [])
-    assert m.query_tap is policy.message and m.sparse_prefill is None
-    undo()
-    assert m.query_tap is None
-    assert make_policy("loopserve", model, sparse=False, question_rows=0).prepare(m, cache, [], []) is None
-    with pytest.raises(KvchatError, match="question_rows"):
-        make_policy("loopserve", model, question_rows=-1)

@@ -1,7 +1,7 @@
 """LoopServe (../shared/papers/loopserve-sparse-prefill-progressive-decode.txt): the new message's prefill attends
 along the vertical and slash lines its sampled rows choose (engine.sparse_prefill), and the reply decodes over the
-input slots its own recent tokens (and the message's last `question_rows` tokens) choose, chosen again every
-`interval` tokens (engine.progressive_decode; `question_rows=0` chooses from the reply alone, as the paper does).
+input slots its own recent tokens choose (with their neighbours: `pool`), chosen again every `interval` tokens
+(engine.progressive_decode).
 
 `loopserve+round` composes it with Round Attention: the round policy decides which rounds a message's upper
 layers see, LoopServe which of their tokens the reply reads (and the prefill of layers that see every slot is
@@ -14,7 +14,7 @@ from typing import Callable
 from kvchat.engine.model import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.round_attention import RoundAttention
-from kvchat.engine.progressive_decode import MessageQueries, ProgressiveDecode
+from kvchat.engine.progressive_decode import ProgressiveDecode
 from kvchat.engine.sparse_prefill import SparsePrefill
 from kvchat.errors import KvchatError
 
@@ -23,16 +23,13 @@ class LoopServe(KVPolicy):
     name = "loopserve"
 
     def __init__(self, alpha: float = 0.955, budget: int = 1024, interval: int = 16, warmup: int = 16,
-                 min_keys: int = 0, sparse: bool = True, progressive: bool = True, question_rows: int = 64):
+                 min_keys: int = 0, sparse: bool = True, progressive: bool = True, pool: int = 7):
         if not 0 < alpha <= 1:
             raise KvchatError(f"alpha is the attention mass the prefill's lines keep, in (0, 1], not {alpha}")
-        if budget < 1 or interval < 1 or warmup < 1:
-            raise KvchatError("budget, interval and warmup are counts of tokens, at least 1")
-        if question_rows < 0:
-            raise KvchatError("question_rows is a count of the message's tokens, 0 or more")
+        if budget < 1 or interval < 1 or warmup < 1 or pool < 1:
+            raise KvchatError("budget, interval, warmup and pool are counts of tokens, at least 1")
         self.alpha, self.budget, self.interval, self.warmup = alpha, budget, interval, warmup
-        self.question_rows = question_rows
-        self.message: MessageQueries | None = None  # the latest message's queries (its prefill)
+        self.pool = pool  # 1: the paper's top-B of single slots
         # min_keys 0: every message's prefill is sparse (what quality runs measure); the engine's own default
         # (engine.sparse_prefill.DEFAULT_MIN_KEYS) is where sparse starts to be faster.
         self.min_keys, self.sparse, self.progressive = min_keys, sparse, progressive
@@ -45,17 +42,13 @@ class LoopServe(KVPolicy):
 
     def prepare(self, model: Transformer, cache: KVCache, round_starts: list[int],
                 history: list[int]) -> Callable[[], None] | None:
-        sparse, tap = model.sparse_prefill, model.query_tap
-        if self.sparse:
-            self.sparse_prefill = model.sparse_prefill = SparsePrefill(self.alpha, min_keys=self.min_keys)
-        self.message = None
-        if self.progressive and self.question_rows:
-            self.message = model.query_tap = MessageQueries(self.question_rows)
-        if not self.sparse and self.message is None:
+        if not self.sparse:
             return None
+        before = model.sparse_prefill
+        self.sparse_prefill = model.sparse_prefill = SparsePrefill(self.alpha, min_keys=self.min_keys)
 
         def undo() -> None:
-            model.sparse_prefill, model.query_tap = sparse, tap
+            model.sparse_prefill = before
 
         return undo
 
@@ -64,8 +57,7 @@ class LoopServe(KVPolicy):
         if not self.progressive:
             return None
         self.last_decode = ProgressiveDecode(model, cache, prompt_start, capacity, self.budget, self.interval,
-                                             self.warmup, attend, cuda_graph, self.message)
-        self.message = None  # one message's rows serve one reply
+                                             self.warmup, attend, cuda_graph, self.pool)
         return self.last_decode
 
 
@@ -74,8 +66,8 @@ class LoopServeRound(LoopServe):
 
     def __init__(self, watershed: int | None = None, k: float = 0.1, alpha: float = 0.955, budget: int = 1024,
                  interval: int = 16, warmup: int = 16, min_keys: int = 0, sparse: bool = True,
-                 progressive: bool = True, question_rows: int = 64):
-        super().__init__(alpha, budget, interval, warmup, min_keys, sparse, progressive, question_rows)
+                 progressive: bool = True, pool: int = 7):
+        super().__init__(alpha, budget, interval, warmup, min_keys, sparse, progressive, pool)
         self.rounds = RoundAttention(watershed=watershed, k=k)
 
     @classmethod
