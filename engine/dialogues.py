@@ -489,9 +489,10 @@ class _Writer:
 
     def with_frame_noise(self, text: str, protect: tuple[str, ...]) -> str:
         """Training noise, levels 2 (one edit) and 3-4 (two): a word of the sentence's frame (not a word of
-        `protect`: the value and the words that say what is told or asked) replaced by a made-up one, a made-up word put in, a word left out, or a
-        punctuation mark typed differently; so that a sentence built around words the model never saw ("I reside
-        in X", "Any idea what my ... is") is still read by what it is about and where the value stands."""
+        `protect`: the value and the words that say what is told or asked) replaced by a made-up one, a made-up
+        word put in, a word left out, or a punctuation mark typed differently; so that a sentence built around
+        words the model never saw ("I reside in X", "Any idea what my ... is") is still read by what it is about
+        and where the value stands."""
         for _ in range(min(self.noise, 3) - 1):
             text = self._frame_edit(text, protect)
         return text
