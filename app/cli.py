@@ -141,13 +141,37 @@ def info(model_path, as_json) -> None:
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
 
 
-def _policy_options(name: str, watershed, r_l, unchecked) -> dict:
-    """The options `kvchat eval` passes to policy `name`."""
+def _policy_options(name: str, watershed, r_l, unchecked, given: dict | None = None) -> dict:
+    """The options `kvchat eval` passes to policy `name`: its flags', then those given with --option."""
     if name.startswith("round") or name == "loopserve+round":
-        return {} if watershed is None else {"watershed": watershed}
-    if name == "krul":
-        return {"r_l": r_l, "checked": not unchecked}
-    return {}
+        options = {} if watershed is None else {"watershed": watershed}
+    elif name == "krul":
+        options = {"r_l": r_l, "checked": not unchecked}
+    else:
+        options = {}
+    return options | (given or {})
+
+
+def _parse_options(items: tuple[str, ...]) -> dict:
+    """--option KEY=VALUE pairs -> {key: int, float, bool or str}."""
+    from kvchat.errors import KvchatError
+
+    options: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or not text.strip():
+            raise KvchatError(f"--option takes KEY=VALUE (e.g. pool=1), not {item!r}")
+        value: int | float | bool | str = text.strip()
+        for convert in (int, float):
+            try:
+                value = convert(text)
+                break
+            except ValueError:
+                pass
+        if text.strip().lower() in ("true", "false"):
+            value = text.strip().lower() == "true"
+        options[key.strip()] = value
+    return options
 
 
 def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json) -> None:
@@ -233,10 +257,12 @@ EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round
               help="--text: chat lengths in tokens (comma-separated).")
 @click.option("--positions", default=256, show_default=True, type=click.IntRange(min=2),
               help="--text: reply tokens teacher-forced per chat (at most).")
+@click.option("--option", "given_options", multiple=True, metavar="KEY=VALUE",
+              help="An option of the policy --kv-policy names (e.g. pool=1 for loopserve); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
 @click.pass_context
 def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
-          r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, as_json) -> None:
+          r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json) -> None:
     """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
     how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
     from kvchat.app.chats import calibrating
@@ -245,18 +271,22 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
     from kvchat.engine.policies import make_policy
     from kvchat.errors import KvchatError
 
+    given = _parse_options(given_options)
     if text:
         source = click.core.ParameterSource
         named = ctx.get_parameter_source("policy_name") != source.DEFAULT
+        if given and not named:
+            raise KvchatError("--option needs --kv-policy: options belong to one policy")
         n_chats = chats if ctx.get_parameter_source("chats") != source.DEFAULT else 2
         _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device,
-                   lambda name: _policy_options(name, watershed, r_l, unchecked), lengths, positions, as_json)
+                   lambda name: _policy_options(name, watershed, r_l, unchecked, given), lengths, positions,
+                   as_json)
         return
     if max_rounds < min_rounds:
         raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
     engine = Engine(model_path, device=_device(device))
     policy = make_policy(policy_name, engine, calibrating,
-                         **_policy_options(policy_name, watershed, r_l, unchecked))
+                         **_policy_options(policy_name, watershed, r_l, unchecked, given))
     try:
         dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
     except ValueError as exc:
@@ -267,7 +297,7 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
             click.echo(f"\r{done}/{total} chats", nl=False, err=True)
 
     result = evaluate(engine, policy, dialogues, progress=progress)
-    d = result.as_dict()
+    d = result.as_dict() | ({"options": given} if given else {})
     if samples:
         more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
         d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=None if as_json else (

@@ -59,6 +59,20 @@ def test_eval_json_has_top_level_accuracy(models, phrasing):
     assert {"by_stated", "by_asked", "out_of_scope", "stop_reasons"} <= set(out)
 
 
+def test_eval_passes_policy_options_and_refuses_bad_ones_in_one_line(models):
+    model = str(models.get(style="chatml", arch="qwen2"))
+    base = ["eval", "--model", model, "--chats", "1", "--min-rounds", "4", "--max-rounds", "5", "--min-tokens", "0",
+            "--device", "cpu", "--kv-policy", "loopserve", "--json"]
+    proc = kvchat(*base, "--option", "pool=1", "--option", "sparse=false", check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["policy"] == "loopserve" and out["options"] == {"pool": 1, "sparse": False}
+    for bad, says in ((["--option", "pool"], "KEY=VALUE"), (["--option", "nope=1"], "takes no option nope"),
+                      (["--option", "pool=abc"], "do not fit")):
+        proc = kvchat(*base, *bad, check=False)
+        assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr
+
+
 def test_the_demo_model_is_scored_on_held_out_phrasings_and_out_of_scope_prompts():
     """A random model answers nothing politely; the shipped one does, and its replies stay under the cap."""
     from kvchat.assets import DEFAULT_MODEL

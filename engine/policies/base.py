@@ -28,7 +28,10 @@ class KVPolicy(ABC):
         unknown = [name for name in options if name not in accepted or name == "self"]
         if unknown:
             raise KvchatError(f"the {cls.name} KV policy takes no option {', '.join(unknown)}")
-        return cls(**options)
+        try:
+            return cls(**options)
+        except TypeError as exc:  # a value of the wrong kind ("pool=abc" from the command line)
+            raise KvchatError(f"the {cls.name} KV policy's options {options} do not fit: {exc}") from None
 
     @abstractmethod
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
