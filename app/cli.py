@@ -158,20 +158,20 @@ def _parse_options(items: tuple[str, ...]) -> dict:
 
     options: dict = {}
     for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip() or not text.strip():
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key or not text:
             raise KvchatError(f"--option takes KEY=VALUE (e.g. pool=1), not {item!r}")
-        value: int | float | bool | str = text.strip()
-        for convert in (int, float):
-            try:
-                value = convert(text)
-                break
-            except ValueError:
-                pass
-        if text.strip().lower() in ("true", "false"):
-            value = text.strip().lower() == "true"
-        options[key.strip()] = value
+        options[key] = text.lower() == "true" if text.lower() in ("true", "false") else _number_or_text(text)
     return options
+
+
+def _number_or_text(text: str) -> int | float | str:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json) -> None:
