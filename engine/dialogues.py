@@ -540,7 +540,7 @@ class _Writer:
         return text[: len(text) - len(end)] + rng.choice((" ", ", ")) + " ".join(words) + end
 
     def with_made_up_word(self, text: str) -> str:
-        """Training noise, levels 2-3, for prompts that state nothing: a made-up word put in, capitalised at times
+        """Training noise, levels 2-4, for prompts that state nothing: a made-up word put in, capitalised at times
         ("Blorf thanks!"), so that the frame noise of facts does not teach that any sentence with a word the model
         never saw tells a fact."""
         rng = self.rng
