@@ -67,6 +67,7 @@ _FILLER = [
 ]
 
 
+
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _ONSETS = list("bcdfghjklmnpqrstvwxyz") + "br ch cl dr fl gr kl pr sh sk st th tr".split() + [""] * 6
 _VOWELS = list("aeiouy") + "ai ea ee io oa ou".split()
@@ -133,6 +134,12 @@ caravan scarecrow""".split()
 _TOPICS_DEV = ["tidal waves", "jellyfish", "the printing press", "solar panels", "knitting", "the silk road"]
 _TOPICS_HELDOUT = ["black holes", "the roman empire", "photosynthesis", "earthquakes", "the stock market",
                    "vaccines", "electric cars", "the pyramids", "quantum computers", "coral reefs"]
+
+# Level-5 noise puts everyday words in a sentence's frame: the words of the small talk, less those that could say
+# what is told (a named thing's noun, "home", "neighbors"), so the noise never turns a sentence into another fact.
+_FILLER_WORDS = tuple(sorted({w.strip(".,").lower() for f in _FILLER for w in f.split()}
+                             - {"i", "my", "home", "neighbors", "we", "it", "the", "a", "and", "to", "of", "so",
+                                "than", "but"} - set(_NOUNS_TRAIN + _NOUNS_HELDOUT + _NOUNS_DEV)))
 
 PHRASINGS = ("train", "heldout", "dev")
 _SPARE_WORDS = "really just please actually so um like quite maybe still ok oh hmm".split()
@@ -438,8 +445,10 @@ class _Known:
 class _Writer:
     """Writes one chat round by round; `known` is what the user has told so far."""
 
-    def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0):
+    def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
+                 never_told: int = 25):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
+        self.never_told = never_told  # the weight of questions about something never told among out-of-scope prompts
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -488,7 +497,7 @@ class _Writer:
         return " ".join(words).replace("\0", value)
 
     def with_frame_noise(self, text: str, protect: tuple[str, ...]) -> str:
-        """Training noise, levels 2 (one edit) and 3-4 (two): a word of the sentence's frame (not a word of
+        """Training noise, levels 2 (one edit) and 3-5 (two): a word of the sentence's frame (not a word of
         `protect`: the value and the words that say what is told or asked) replaced by a made-up one, a made-up
         word put in, a word left out, or a punctuation mark typed differently; so that a sentence built around
         words the model never saw ("I reside in X", "Any idea what my ... is") is still read by what it is about
@@ -505,13 +514,13 @@ class _Writer:
         roll = rng.random()
         if free and roll < 0.2:
             i = rng.choice(free)
-            word = pseudo_word(rng)
+            word = self.odd_word()
             words[i] = (word.capitalize() if words[i][:1].isupper() else word) + _trailing_marks(words[i])
         elif roll < 0.3:  # never next to a protected word: "my giltryroa podcast" would not say which is the noun
             spots = [j for j in range(len(words) + 1)
                      if all(_bare(w) not in keep for w in words[max(0, j - 1): j + 1])]
             if spots:
-                j, word = rng.choice(spots), pseudo_word(rng)
+                j, word = rng.choice(spots), self.odd_word()
                 if self.noise >= 4 and j == 0:  # "Btw, what is ...": an unknown first word is capitalised too
                     word = word.capitalize()
                     if words[0] != "I" and not words[0].startswith("I'"):
@@ -528,6 +537,13 @@ class _Writer:
             j = rng.choice(marks)
             text = text[:j] + rng.choice(("", ",", ".", ";", ":", " -", "!", "?")) + text[j + 1:]
         return text
+
+    def odd_word(self) -> str:
+        """A word that says nothing about what is told or asked: made up, or at level 5 half the time an everyday
+        one ("park", "yesterday"), since the sentences people write are built of real words."""
+        if self.noise >= 5 and self.rng.random() < 0.5:
+            return self.rng.choice(_FILLER_WORDS)
+        return pseudo_word(self.rng)
 
     def with_tail(self, text: str) -> str:
         """Training noise, level 4: a closer of two or three words the model does not know (made-up and spare
@@ -546,7 +562,7 @@ class _Writer:
         rng = self.rng
         words = text.split(" ")
         i = rng.randrange(len(words) + 1)
-        word = pseudo_word(rng)
+        word = self.odd_word()
         if i == 0 and words[0] != "I":
             words[0] = words[0][:1].lower() + words[0][1:]
         words.insert(i, word.capitalize() if i == 0 or rng.random() < 0.3 else word)
@@ -560,7 +576,7 @@ class _Writer:
             return text
         for _ in range(self.rng.choice((1, 1, 2))):
             i = self.rng.randrange(len(words))
-            word = pseudo_word(self.rng)
+            word = self.odd_word()
             words[i] = (word.capitalize() if i == 0 or self.rng.random() < 0.3 else word) + \
                 "".join(c for c in words[i][-1:] if c in ".,?!")
         return " ".join(words)
@@ -688,7 +704,7 @@ class _Writer:
 
     def out_of_scope(self, i: int) -> Round:
         rng = self.rng
-        kind = rng.choices(OUT_OF_SCOPE_KINDS, weights=(20, 20, 35, 25))[0]
+        kind = rng.choices(OUT_OF_SCOPE_KINDS, weights=(20, 20, 35, self.never_told))[0]
         if kind == "unknown":
             slot = self.unknown_slot()
             text, reply = self.question_text(slot, self.asked_family()), UNKNOWN_REPLY
@@ -742,14 +758,16 @@ def _ask(question: str, position: str, rng: random.Random) -> str:
 
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
-                  phrasing: str = "train", noise: int = 0) -> Dialogue:
+                  phrasing: str = "train", noise: int = 0, never_told: int = 25) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
     and makes half the named things made-up nouns; 3 makes two such edits; 4 also ends a quarter of the questions
-    in words the model does not know (`with_tail`) and capitalises a made-up first word."""
+    in words the model does not know (`with_tail`) and capitalises a made-up first word; 5 makes half of the words
+    put in everyday ones (`odd_word`). `never_told` weighs questions about something never told among the
+    out-of-scope prompts (greetings 20, thanks 20, requests 35)."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -770,12 +788,12 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
-              phrasing: str = "train", noise: int = 0) -> list[Dialogue]:
+              phrasing: str = "train", noise: int = 0, never_told: int = 25) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any."""
     if phrasing not in PHRASINGS:
         raise ValueError(f"unknown phrasing {phrasing!r} (accepted: {', '.join(PHRASINGS)})")
     rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
     p = pools(split)
-    return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise)
-            for _ in range(count)]
+    return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
+                          never_told) for _ in range(count)]

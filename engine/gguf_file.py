@@ -85,6 +85,11 @@ class GGUFFile:
         field = self._reader.fields.get(key)
         return 0 if field is None else len(field.data)
 
+    def array(self, key: str) -> list:
+        """A metadata array in full, the vocabulary's too (`metadata` leaves those out)."""
+        field = self._reader.fields.get(key)
+        return [] if field is None else list(field.contents())
+
     def _check_tensor_bounds(self) -> None:
         file_size = self.path.stat().st_size
         for t in self.tensors.values():

@@ -100,7 +100,7 @@ def _available_ram() -> int:
     return 0
 
 
-def _to_device(t: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def read_tensor(t: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the memory map is read-only; we only read it
         raw = torch.from_numpy(t.data.reshape(-1).view(np.uint8))
@@ -132,7 +132,7 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
     check_memory(cfg, device, dtype, gf.path)
 
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-        return _to_device(gf.tensors[name], device, as_dtype)
+        return read_tensor(gf.tensors[name], device, as_dtype)
 
     def rounding(*names: str):
         rule = input_rounding([gf.tensors[n].qtype for n in names]) if numerics == "llama.cpp" else None

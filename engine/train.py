@@ -25,8 +25,11 @@ from torch import nn
 from kvchat.engine.config import ModelConfig
 from kvchat.engine.dialogues import (_ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, Dialogue, dialogues)
 from kvchat.engine.gguf_export import write_model_gguf
+from kvchat.engine.gguf_file import GGUFFile
+from kvchat.engine.loader import read_tensor
 from kvchat.engine.reply_guard import DEMO_REPLY_CAP, REPLY_CAP_KEY
 from kvchat.engine.vocab import ByteBPEVocab
+from kvchat.errors import KvchatError
 
 # ChatML, as Qwen writes it; the system prompt is optional.
 CHAT_TEMPLATE = (
@@ -57,10 +60,11 @@ class TrainConfig:
     seed: int = 0
     # The defaults are the shipped model's recipe. Training noise level (dialogues.make_dialogue): 1 shipped; 3
     # with the frame noise of 2026-11-24 (docs/embedded-model.md: more recall on new phrasings, less politeness);
-    # 4 adds question tails.
+    # 4 adds question tails; 5 makes half of the words put in everyday ones.
     noise: int = 1
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
+    never_told: int = 25  # how often a question asks about something never told (dialogues.make_dialogue)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -117,13 +121,14 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight = args
-    return [encode_dialogue(_worker_tok, d, oos_weight) for d in dialogues(split, count, seed, lo, hi, noise=noise)]
+    split, count, seed, lo, hi, noise, oos_weight, never_told = args
+    return [encode_dialogue(_worker_tok, d, oos_weight)
+            for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told)]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight)
-              for i in range(math.ceil(cfg.n_dialogues / 500))]
+    chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
+               cfg.never_told) for i in range(math.ceil(cfg.n_dialogues / 500))]
     with mp.get_context("spawn").Pool(workers, _init_worker, (str(gguf_path),)) as pool:
         out = []
         for part in pool.imap_unordered(_encode_chunk, chunks):
@@ -184,19 +189,20 @@ class TrainModel(nn.Module):
             h = h + L.w_down(F.silu(L.w_gate(x)) * L.w_up(x))
         return F.linear(self.norm(h), self.embed.weight)  # tied output
 
-    def gguf_tensors(self) -> dict[str, np.ndarray]:
-        def np_(t):
-            return t.detach().float().cpu().numpy()
-
-        out = {"token_embd.weight": np_(self.embed.weight), "output_norm.weight": np_(self.norm.weight)}
+    def gguf_parameters(self) -> dict[str, nn.Parameter]:
+        """Each parameter under its GGUF tensor name."""
+        out = {"token_embd.weight": self.embed.weight, "output_norm.weight": self.norm.weight}
         for i, L in enumerate(self.layers):
             p = f"blk.{i}."
-            out.update({p + "attn_norm.weight": np_(L.attn_norm.weight), p + "attn_q.weight": np_(L.wq.weight),
-                        p + "attn_k.weight": np_(L.wk.weight), p + "attn_v.weight": np_(L.wv.weight),
-                        p + "attn_output.weight": np_(L.wo.weight), p + "ffn_norm.weight": np_(L.ffn_norm.weight),
-                        p + "ffn_gate.weight": np_(L.w_gate.weight), p + "ffn_up.weight": np_(L.w_up.weight),
-                        p + "ffn_down.weight": np_(L.w_down.weight)})
+            out.update({p + "attn_norm.weight": L.attn_norm.weight, p + "attn_q.weight": L.wq.weight,
+                        p + "attn_k.weight": L.wk.weight, p + "attn_v.weight": L.wv.weight,
+                        p + "attn_output.weight": L.wo.weight, p + "ffn_norm.weight": L.ffn_norm.weight,
+                        p + "ffn_gate.weight": L.w_gate.weight, p + "ffn_up.weight": L.w_up.weight,
+                        p + "ffn_down.weight": L.w_down.weight})
         return out
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        return {name: p.detach().float().cpu().numpy() for name, p in self.gguf_parameters().items()}
 
 
 # ---- checkpoints (npz + json) ----
@@ -232,6 +238,25 @@ def load_checkpoint(folder: Path, model: TrainModel) -> dict:
     return json.loads((folder / "state.json").read_text())
 
 
+_SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
+
+
+def load_gguf_weights(path: Path, model: TrainModel, vocab: ByteBPEVocab) -> None:
+    """Start from an exported model (the shipped one, say) instead of random weights; its shape and vocabulary must
+    be this run's, or the weights would mean something else."""
+    gf = GGUFFile(path)
+    theirs = ModelConfig.from_gguf(gf)
+    wrong = [f"{f} {getattr(theirs, f)} (this run: {getattr(model.mc, f)})" for f in _SHAPE_FIELDS
+             if getattr(theirs, f) != getattr(model.mc, f)]
+    if wrong:
+        raise KvchatError(f"{path}: another shape: {', '.join(wrong)}")
+    if gf.array("tokenizer.ggml.tokens") != vocab.tokens:
+        raise KvchatError(f"{path}: another vocabulary than this run's (the merges follow --seed and n_merges)")
+    with torch.no_grad():
+        for name, p in model.gguf_parameters().items():
+            p.copy_(read_tensor(gf.tensors[name], torch.device("cpu"), torch.float32))
+
+
 def vocab_from_state(state: dict) -> ByteBPEVocab:
     v = state["vocab"]
     return ByteBPEVocab(v["tokens"], v["token_types"], v["merges"], v["special_ids"], bos=None, eos="<|im_end|>",
@@ -262,7 +287,9 @@ def _batches(corpus, batch: int, max_tokens: int, rng: random.Random):
 
 
 def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers: int, log=print,
-          device: str = "cuda", minutes: float | None = None) -> Path:
+          device: str = "cuda", minutes: float | None = None, init: Path | None = None) -> Path:
+    """`resume` continues a checkpoint's run (its config and step); `init` starts a new run (this config, step 0)
+    from an exported GGUF's weights."""
     torch.manual_seed(cfg.seed)
     device = torch.device(device)
     if resume is not None:
@@ -275,6 +302,8 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
     model = TrainModel(mc)
     if resume is not None:
         load_checkpoint(resume, model)
+    elif init is not None:
+        load_gguf_weights(init, model, vocab)
     out.mkdir(parents=True, exist_ok=True)
     tok_path = export_gguf(model, vocab, out / "tokenizer-model.gguf", Q.F32)  # llama.cpp reads the vocabulary here
     t0 = time.time()
@@ -325,6 +354,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the checkpoint and the exported GGUF")
     ap.add_argument("--resume", type=Path, default=None, help="checkpoint folder to continue from")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start a new run from this exported model's weights (same shape and vocabulary)")
     ap.add_argument("--steps", type=int, default=None, help="steps to run now (default: all remaining)")
     ap.add_argument("--total-steps", type=int, default=None, help="length of the whole schedule (new runs only)")
     ap.add_argument("--workers", type=int, default=max(1, mp.cpu_count() - 1))
@@ -341,7 +372,7 @@ def main() -> None:
     if args.total_steps:
         cfg.steps = args.total_steps
     path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device,
-                 minutes=args.minutes)
+                 minutes=args.minutes, init=args.init)
     print(f"exported {path}")
 
 

@@ -125,7 +125,7 @@ def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
             assert abs(len(a) - len(b)) <= 1
 
 
-@pytest.mark.parametrize("level", [1, 2, 3, 4])
+@pytest.mark.parametrize("level", [1, 2, 3, 4, 5])
 def test_training_noise_changes_the_messages_never_the_facts(level):
     plain = dialogues("train", 20, 5, 20, 30)
     noisy = dialogues("train", 20, 5, 20, 30, noise=level)
@@ -153,6 +153,27 @@ def test_frame_noise_keeps_the_value_and_the_words_that_say_what_is_told():
     assert 250 < changed < 500  # most messages get an edit; some stay as typed
     quiet = _Writer(random.Random(0), pools("train"), "train", Dialogue(None), noise=1)
     assert all(quiet.with_frame_noise(text, ("417",)) == text for _ in range(50))
+
+
+def test_level_5_puts_everyday_words_in_and_never_ones_that_tell_something():
+    from kvchat.engine.dialogues import _FILLER_WORDS, Dialogue, _Writer, pools
+
+    writer = _Writer(random.Random(2), pools("train"), "train", Dialogue(None), noise=5)
+    words = [writer.odd_word() for _ in range(400)]
+    everyday = sum(w in _FILLER_WORDS for w in words)
+    assert 140 < everyday < 260  # about half; the rest made up
+    assert not {"home", "name", "neighbors", "piano", "my"} & set(_FILLER_WORDS)
+    quiet = _Writer(random.Random(2), pools("train"), "train", Dialogue(None), noise=4)
+    assert not any(quiet.odd_word() in _FILLER_WORDS for _ in range(200))
+
+
+def test_never_told_weighs_questions_about_what_was_never_said():
+    def share(weight):
+        chats = dialogues("train", 30, 3, 30, 40, noise=3, never_told=weight)
+        kinds = [o.kind for d in chats for o in d.out_of_scope]
+        return kinds.count("unknown") / len(kinds)
+
+    assert 0.15 < share(25) < 0.35 and 0.4 < share(75) < 0.65
 
 
 def test_level_4_ends_questions_in_unknown_words_and_keeps_what_is_asked():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -10,7 +13,8 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.parity import reference_logits, relative_error
 from kvchat.engine.tokenizer import Tokenizer
 from kvchat.engine.train import (TrainConfig, TrainModel, build_vocab, encode_dialogue, export_gguf, load_checkpoint,
-                                 save_checkpoint, vocab_from_state)
+                                 load_gguf_weights, save_checkpoint, vocab_from_state)
+from kvchat.errors import KvchatError
 
 SMALL = TrainConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=256, n_merges=200)
 
@@ -65,3 +69,24 @@ def test_checkpoint_round_trip_has_no_pickle(tmp_path):
     assert state["step"] == 7 and vocab_from_state(state).tokens == vocab.tokens
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_a_run_can_start_from_an_exported_model(tmp_path):
+    model, vocab = trained_like(SMALL)
+    path = export_gguf(model, vocab, tmp_path / "m.gguf", Q.F32)
+    fresh = TrainModel(SMALL.model_config(len(vocab.tokens)))
+    load_gguf_weights(path, fresh, vocab)
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_starting_from_another_shape_or_vocabulary_is_refused(tmp_path):
+    model, vocab = trained_like(SMALL)
+    path = export_gguf(model, vocab, tmp_path / "m.gguf", Q.F32)
+    wider = dataclasses.replace(SMALL, ffn_dim=384)
+    with pytest.raises(KvchatError, match="ffn_dim 256 \\(this run: 384\\)"):
+        load_gguf_weights(path, TrainModel(wider.model_config(len(vocab.tokens))), vocab)
+    other = build_vocab(dataclasses.replace(SMALL, seed=1))
+    other.tokens[-1] = other.tokens[-1] + "x"  # same length, another token
+    with pytest.raises(KvchatError, match="another vocabulary"):
+        load_gguf_weights(path, TrainModel(SMALL.model_config(len(vocab.tokens))), other)
