@@ -548,10 +548,12 @@ class _Writer:
     def with_tail(self, text: str) -> str:
         """Training noise, level 4: a closer of two or three words the model does not know (made-up and spare
         words) before the question's last mark, the answer unchanged ("What is my name blorf so?"): a question that
-        ends in a phrase never seen ("... if you know?") asks one thing, not two."""
+        ends in a phrase never seen ("... if you know?") asks one thing, not two. Level 6: four questions in ten,
+        and the words made up or everyday ones ("What is my name park yesterday?")."""
         rng = self.rng
         end = text[len(text.rstrip("?.!")):]
-        words = [pseudo_word(rng) if rng.random() < 0.6 else rng.choice(_SPARE_WORDS)
+        unknown = self.odd_word if self.noise >= 6 else lambda: pseudo_word(rng)
+        words = [unknown() if rng.random() < 0.6 else rng.choice(_SPARE_WORDS)
                  for _ in range(rng.choice((2, 2, 3)))]
         return text[: len(text) - len(end)] + rng.choice((" ", ", ")) + " ".join(words) + end
 
@@ -661,7 +663,7 @@ class _Writer:
         text = (slot.recalls if asked == "what_did_i_say" else slot.asks).pick(self.phrasing, rng)
         text = self.with_spare_words(_cap(self.dressed(text, _ASK_OPENERS, _ASK_CLOSERS)))
         text = self.with_frame_noise(text, slot.keywords)
-        if self.noise >= 4 and rng.random() < 0.25:
+        if self.noise >= 4 and rng.random() < (0.4 if self.noise >= 6 else 0.25):
             text = self.with_tail(text)
         if asked == "no_question_mark":
             text = text.rstrip("?.")
@@ -764,7 +766,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
     and makes half the named things made-up nouns; 3 makes two such edits; 4 also ends a quarter of the questions
     in words the model does not know (`with_tail`) and capitalises a made-up first word; 5 makes half of the words
-    put in everyday ones (`odd_word`). `never_told` weighs questions about something never told among the
+    put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs questions about something never told among the
     out-of-scope prompts (greetings 20, thanks 20, requests 35)."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
     w = _Writer(rng, p, phrasing, dlg, noise, never_told)

@@ -60,7 +60,7 @@ class TrainConfig:
     seed: int = 0
     # The defaults are the shipped model's recipe. Training noise level (dialogues.make_dialogue): 1 shipped; 3
     # with the frame noise of 2026-11-24 (docs/embedded-model.md: more recall on new phrasings, less politeness);
-    # 4 adds question tails; 5 makes half of the words put in everyday ones.
+    # 4 adds question tails; 5 makes half of the words put in everyday ones; 6 puts them in more tails too.
     noise: int = 1
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1

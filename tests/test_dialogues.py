@@ -125,7 +125,7 @@ def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
             assert abs(len(a) - len(b)) <= 1
 
 
-@pytest.mark.parametrize("level", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("level", [1, 2, 3, 4, 5, 6])
 def test_training_noise_changes_the_messages_never_the_facts(level):
     plain = dialogues("train", 20, 5, 20, 30)
     noisy = dialogues("train", 20, 5, 20, 30, noise=level)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every recall figure that comes from the embedded model, measured on the CPU cores of the GPU machine (16 cores: the
+# evals run side by side, 2 threads each, fp32 with llama.cpp numerics as on the 2-core CPU; only their seconds and
+# tokens/s differ). For a new embedded model: bash docs/gpu/embedded-evals.sh MODEL.gguf PART... with the parts
+#   base       the full cache on held-out (with 1,000 sampled replies) and trained phrasings
+#   krul       checked and unchecked (r_l 0.25, 0.5) Krul on both phrasing sets, and the merge calibration
+#   loopserve  LoopServe and its ablations on held-out phrasings
+#   text       the round policies' fidelity on MT-Bench text (and the watershed calibration)
+# Results land in $OUT as eval-*.json (+ .err); the calibrations the evals made, in $OUT/calibrations.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || exit 1
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=${KVCHAT_HOME:-/tmp/kvhome} OMP_NUM_THREADS=2
+MODEL=$1; shift
+ev() {  # name, then eval's options
+  local name=$1; shift
+  python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --json "$@" > "$OUT/eval-$name.json" \
+    2> "$OUT/eval-$name.err" &
+}
+# The policies calibrate on first use; one process makes each calibration before the others read it.
+python3 -m kvchat.app.cli calibrate --model "$MODEL" --device cpu --json > "$OUT/calibrate.json" 2> "$OUT/calibrate.err"
+for part in "$@"; do
+  case "$part" in
+    base)
+      ev full-heldout --phrasing heldout --samples 1000
+      ev full-train --phrasing train ;;
+    krul)
+      python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --kv-policy krul --chats 1 > /dev/null 2>&1
+      for ph in heldout train; do
+        ev krul-$ph --kv-policy krul --phrasing $ph
+        ev krul-unchecked-0.25-$ph --kv-policy krul --unchecked --r-l 0.25 --phrasing $ph
+        ev krul-unchecked-0.5-$ph --kv-policy krul --unchecked --r-l 0.5 --phrasing $ph
+      done ;;
+    loopserve)
+      ev loopserve-heldout --kv-policy loopserve --phrasing heldout
+      ev loopserve-decode-only-heldout --kv-policy loopserve --option sparse=false --phrasing heldout
+      ev loopserve-prefill-only-heldout --kv-policy loopserve --option progressive=false --phrasing heldout
+      ev loopserve-pool1-heldout --kv-policy loopserve --option pool=1 --phrasing heldout
+      ev loopserve-decode-only-pool1-heldout --kv-policy loopserve --option sparse=false --option pool=1 \
+        --phrasing heldout ;;
+    text)
+      ev text --text --lengths 2000 --chats 2 ;;
+  esac
+done
+wait
+cp -r "$KVCHAT_HOME/calibrations" "$OUT/" 2>/dev/null
+for f in "$OUT"/eval-*.json; do
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[1], d.get('accuracy'), \
+(d.get('out_of_scope') or {}).get('polite_rate'), round(d.get('seconds', 0)))" "$f" 2>/dev/null || echo "$f: no result"
+done
