@@ -3,12 +3,15 @@
 # evals run side by side, 2 threads each, fp32 with llama.cpp numerics as on the 2-core CPU; only their seconds and
 # tokens/s differ). For a new embedded model: bash docs/gpu/embedded-evals.sh MODEL.gguf PART... with the parts
 #   base       the full cache on held-out (with 1,000 sampled replies) and trained phrasings
-#   krul       checked and unchecked (r_l 0.25, 0.5) Krul on both phrasing sets, and the merge calibration
+#   merges     the merge calibration checked Krul makes on first use (run it before krul)
+#   krul       checked Krul on both phrasing sets
+#   krul-unchecked  unchecked Krul (r_l 0.25, 0.5) on both phrasing sets
 #   loopserve  LoopServe and its ablations on held-out phrasings
 #   text       the round policies' fidelity on MT-Bench text (and the watershed calibration)
-# Results land in $OUT as eval-*.json (+ .err); the calibrations the evals made, in $OUT/calibrations.
+# Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
+# the device tool brings back at most 8 files.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; RES=/tmp/embedded-evals; mkdir -p "$OUT" "$RES"
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.done || exit 1
@@ -18,20 +21,22 @@ export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=${KVCHAT_HOM
 MODEL=$1; shift
 ev() {  # name, then eval's options
   local name=$1; shift
-  python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --json "$@" > "$OUT/eval-$name.json" \
-    2> "$OUT/eval-$name.err" &
+  python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --json "$@" > "$RES/eval-$name.json" \
+    2> "$RES/eval-$name.err" &
 }
 # The policies calibrate on first use; one process makes each calibration before the others read it.
-python3 -m kvchat.app.cli calibrate --model "$MODEL" --device cpu --json > "$OUT/calibrate.json" 2> "$OUT/calibrate.err"
+python3 -m kvchat.app.cli calibrate --model "$MODEL" --device cpu --json > "$RES/calibrate.json" 2> "$RES/calibrate.err"
 for part in "$@"; do
   case "$part" in
     base)
       ev full-heldout --phrasing heldout --samples 1000
       ev full-train --phrasing train ;;
+    merges)  # the merge calibration checked Krul makes on first use (its pairs and their agreement)
+      python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --kv-policy krul --chats 1 > /dev/null 2>&1 ;;
     krul)
-      python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --kv-policy krul --chats 1 > /dev/null 2>&1
+      for ph in heldout train; do ev krul-$ph --kv-policy krul --phrasing $ph; done ;;
+    krul-unchecked)
       for ph in heldout train; do
-        ev krul-$ph --kv-policy krul --phrasing $ph
         ev krul-unchecked-0.25-$ph --kv-policy krul --unchecked --r-l 0.25 --phrasing $ph
         ev krul-unchecked-0.5-$ph --kv-policy krul --unchecked --r-l 0.5 --phrasing $ph
       done ;;
@@ -47,8 +52,9 @@ for part in "$@"; do
   esac
 done
 wait
-cp -r "$KVCHAT_HOME/calibrations" "$OUT/" 2>/dev/null
-for f in "$OUT"/eval-*.json; do
+cp -r "$KVCHAT_HOME/calibrations" "$RES/" 2>/dev/null
+tar czf "$OUT/embedded-evals.tgz" -C "$RES" .
+for f in "$RES"/eval-*.json; do
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[1], d.get('accuracy'), \
 (d.get('out_of_scope') or {}).get('polite_rate'), round(d.get('seconds', 0)))" "$f" 2>/dev/null || echo "$f: no result"
 done
