@@ -148,8 +148,8 @@ def test_send_takes_the_kv_policy(kvchat_home):
     out = kvchat("send", sid, MESSAGES[1], "--device", "cpu", "--kv-policy", "round").stdout.strip()
     assert out
     store = Store()
-    # the embedded model's calibrated watershed is layer 3: layers [0, 4) and [4, 8) are stored apart
-    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 4), (4, 8)}
+    # the embedded model's calibrated watershed is layer 4: layers [0, 5) and [5, 8) are stored apart
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 5), (5, 8)}
     # a round whose K/V files are gone shows as text only, though its key bounds are still on disk
     for seg in store.segments(sid):
         if seg["round_idx"] == 0 and seg["kind"] == "kv":
