@@ -67,7 +67,6 @@ _FILLER = [
 ]
 
 
-
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _ONSETS = list("bcdfghjklmnpqrstvwxyz") + "br ch cl dr fl gr kl pr sh sk st th tr".split() + [""] * 6
 _VOWELS = list("aeiouy") + "ai ea ee io oa ou".split()
@@ -766,8 +765,8 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
     and makes half the named things made-up nouns; 3 makes two such edits; 4 also ends a quarter of the questions
     in words the model does not know (`with_tail`) and capitalises a made-up first word; 5 makes half of the words
-    put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs questions about something never told among the
-    out-of-scope prompts (greetings 20, thanks 20, requests 35)."""
+    put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs
+    questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35)."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
     w = _Writer(rng, p, phrasing, dlg, noise, never_told)
     for i in range(n_rounds):

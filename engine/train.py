@@ -58,9 +58,10 @@ class TrainConfig:
     min_rounds: int = 4
     max_rounds: int = 52
     seed: int = 0
-    # The defaults are the shipped model's recipe. Training noise level (dialogues.make_dialogue): 1 shipped; 3
-    # with the frame noise of 2026-11-24 (docs/embedded-model.md: more recall on new phrasings, less politeness);
-    # 4 adds question tails; 5 makes half of the words put in everyday ones; 6 puts them in more tails too.
+    # The defaults are the recipe of the model shipped 2026-11-23 (one run from random weights); the one shipped
+    # 2026-11-24 took three runs, each from the last one's weights (docs/embedded-model.md). Training noise level
+    # (dialogues.make_dialogue): 1 the defaults; 3 adds frame noise (more recall on new phrasings); 4 question
+    # tails; 5 makes half of the words put in everyday ones; 6 puts them in more tails too.
     noise: int = 1
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
@@ -353,9 +354,10 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the checkpoint and the exported GGUF")
-    ap.add_argument("--resume", type=Path, default=None, help="checkpoint folder to continue from")
-    ap.add_argument("--init", type=Path, default=None,
-                    help="start a new run from this exported model's weights (same shape and vocabulary)")
+    start = ap.add_mutually_exclusive_group()
+    start.add_argument("--resume", type=Path, default=None, help="checkpoint folder to continue from")
+    start.add_argument("--init", type=Path, default=None,
+                       help="start a new run from this exported model's weights (same shape and vocabulary)")
     ap.add_argument("--steps", type=int, default=None, help="steps to run now (default: all remaining)")
     ap.add_argument("--total-steps", type=int, default=None, help="length of the whole schedule (new runs only)")
     ap.add_argument("--workers", type=int, default=max(1, mp.cpu_count() - 1))

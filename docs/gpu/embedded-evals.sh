@@ -7,7 +7,7 @@
 #   krul       checked Krul on both phrasing sets
 #   krul-unchecked  unchecked Krul (r_l 0.25, 0.5) on both phrasing sets
 #   loopserve  LoopServe and its ablations on held-out phrasings
-#   text       the round policies' fidelity on MT-Bench text (and the watershed calibration)
+#   text       the policies' fidelity on MT-Bench text (`eval --text`)
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
