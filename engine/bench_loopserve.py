@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kvchat.engine.engine import Engine
 from kvchat.engine.floor import timed_runs
 from kvchat.engine.generate import decoder_step
-from kvchat.engine.policies.loopserve import LoopServe
+from kvchat.engine.policies.loopserve import POOL
 from kvchat.engine.progressive_decode import ProgressiveDecode
 from kvchat.engine.sparse_prefill import SparsePrefill
 from kvchat.kernels.sparse_prefill import block_size, build_index, slash_diagonals, sparse_prefill_attention
@@ -158,7 +158,7 @@ def prefill_and_decode(engine: Engine, context: int, repeats: int = 3, alpha: fl
 
     figures["decode_full_tok_s"] = decode_times(lambda: decoder_step(model, cache, capacity, None))
     figures["decode_progressive_tok_s"] = decode_times(
-        lambda: ProgressiveDecode(model, cache, context, capacity, budget=budget, pool=LoopServe().pool))
+        lambda: ProgressiveDecode(model, cache, context, capacity, budget=budget, pool=POOL))
     figures["decode_speedup"] = (statistics.median(figures["decode_progressive_tok_s"])
                                  / statistics.median(figures["decode_full_tok_s"]))
     figures["budget"] = budget

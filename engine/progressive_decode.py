@@ -16,8 +16,8 @@ Adaptations, said here once:
 * `pool` (7 in the policy): a slot's mass is the largest within `pool // 2` slots of it before the top-B, as
   SnapKV pools its scores, so the neighbours of a slot that draws attention are kept with it. Without it a value
   of several tokens loses its later tokens (the attention that will copy them comes only as the reply reaches
-  them): on the embedded model 11 of 95 two-question answers were lost ("Stai" for "Stella"); with it as many
-  are right as with the full cache (docs/benchmarks.md).
+  them): on the embedded model of 2026-11-23, 11 of 95 two-question answers were lost ("Stai" for "Stella"), on
+  the one shipped 2026-11-24, 26; with it, at most one (docs/benchmarks.md).
 
 The step is the full cache's decode step with a per-layer, per-head slot list ([L, Hkv, S], and a count per layer,
 both device tensors): one CUDA graph serves the whole reply, and a new choice only rewrites the lists between

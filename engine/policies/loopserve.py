@@ -19,11 +19,15 @@ from kvchat.engine.sparse_prefill import SparsePrefill
 from kvchat.errors import KvchatError
 
 
+# Each chosen slot's mass is the largest within 3 slots of it (engine.progressive_decode); 1 is the paper's choice.
+POOL = 7
+
+
 class LoopServe(KVPolicy):
     name = "loopserve"
 
     def __init__(self, alpha: float = 0.955, budget: int = 1024, interval: int = 16, warmup: int = 16,
-                 min_keys: int = 0, sparse: bool = True, progressive: bool = True, pool: int = 7):
+                 min_keys: int = 0, sparse: bool = True, progressive: bool = True, pool: int = POOL):
         if not 0 < alpha <= 1:
             raise KvchatError(f"alpha is the attention mass the prefill's lines keep, in (0, 1], not {alpha}")
         if budget < 1 or interval < 1 or warmup < 1 or pool < 1:
@@ -66,7 +70,7 @@ class LoopServeRound(LoopServe):
 
     def __init__(self, watershed: int | None = None, k: float = 0.1, alpha: float = 0.955, budget: int = 1024,
                  interval: int = 16, warmup: int = 16, min_keys: int = 0, sparse: bool = True,
-                 progressive: bool = True, pool: int = 7):
+                 progressive: bool = True, pool: int = POOL):
         super().__init__(alpha, budget, interval, warmup, min_keys, sparse, progressive, pool)
         self.rounds = RoundAttention(watershed=watershed, k=k)
 
