@@ -167,13 +167,18 @@ class Templates:
     train: tuple[str, ...]
     heldout: tuple[str, ...]
     dev: tuple[str, ...]
+    # Training only, with `wide` phrasings (TrainConfig.wide): more of the same, so that the model sees many ways
+    # of saying a thing. The trained-phrasing eval and benchmarks keep to `train`, so their chats do not change.
+    more: tuple[str, ...] = ()
 
-    def pick(self, phrasing: str, rng: random.Random) -> str:
+    def pick(self, phrasing: str, rng: random.Random, wide: bool = False) -> str:
+        if wide and phrasing == "train" and self.more:
+            return rng.choice(self.train + self.more)
         return rng.choice(getattr(self, phrasing))
 
 
-def _t(train: list[str], heldout: list[str], dev: list[str]) -> Templates:
-    return Templates(tuple(train), tuple(heldout), tuple(dev))
+def _t(train: list[str], heldout: list[str], dev: list[str], more: list[str] = ()) -> Templates:
+    return Templates(tuple(train), tuple(heldout), tuple(dev), tuple(more))
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ class Slot:
         return f"Noted: {text[0].lower()}{text[1:]}"
 
 
-def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), (), ())) -> Slot:
+def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), (), (), ())) -> Slot:
     """A fact of the form "my {x} is {v}"."""
     be, was, it = ("are", "were", "they") if plural else ("is", "was", "it")
     return Slot(
@@ -212,61 +217,81 @@ def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=
            [f"my {x} {'happen' if plural else 'happens'} to be {{v}}", f"as for my {x}: {{v}}",
             f"my {x}? {{v}}", *extra_states[1]],
            [f"my {x} {be} set to {{v}}", f"for my {x}, the answer is {{v}}", f"write down my {x} as {{v}}",
-            *extra_states[2]]),
+            *extra_states[2]],
+           [f"my {x} would be {{v}}", f"I have {{v}} as my {x}", f"my {x} = {{v}}",
+            f"these days my {x} {be} {{v}}", f"I'd say my {x} {be} {{v}}", *extra_states[3]]),
         _t([f"What {be} my {x}?", f"Can you tell me my {x}?", f"Do you remember my {x}?", f"Tell me my {x}.",
             f"Which {'ones' if plural else 'one'} {be} my {x}?", f"And my {x}?", f"Do you know my {x}?",
             f"What was my {x}?", f"Could you tell me what my {x} {be}?"]
            + ([f"What's my {x}?"] if not plural else []),
            [f"Do you know what my {x} {be}?", f"I forgot my {x}. What {be} {it}?", f"Any idea what my {x} {be}?",
             f"My {x}, what {be} {it}?"],
-           [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?"]),
+           [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?"],
+           [f"Say my {x}.", f"Give me my {x}.", f"How about my {x}?", f"What about my {x}?",
+            f"Do you still know my {x}?", f"You know my {x}, right?", f"What {be} my {x}, do you remember?",
+            f"So what {be} my {x}?", f"I need my {x}."]),
         _t([f"What did I say my {x} {was}?", f"What did I tell you my {x} {was}?",
             f"What did I say about my {x}?", f"Remember my {x}? What {was} {it}?"],
            [f"Remind me, what {was} my {x} again?", f"Earlier I mentioned my {x}. What {was} {it}?",
             f"What had I told you about my {x}?"],
-           [f"Do you recall what I said my {x} {was}?", f"Back then, what did I give as my {x}?"]),
+           [f"Do you recall what I said my {x} {was}?", f"Back then, what did I give as my {x}?"],
+           [f"Which {x} did I tell you?", f"What {x} did I say?", f"What did you note as my {x}?",
+            f"What did I type as my {x}?"]),
         f"Your {x} {be} {{v}}.", tuple(x.replace("'s", "").split()))
 
 
 def _slots() -> list[Slot]:
     slots = [
         _attribute("name", "name", "names", extra_states=(["call me {v}"], ["people call me {v}"],
-                                                               ["everyone knows me as {v}"])),
+                                                               ["everyone knows me as {v}"],
+                                                               ["I'm called {v}", "the name's {v}"])),
         Slot("city", "cities",
              _t(["I live in {v}", "my home is in {v}", "I am living in {v}", "I moved to {v}", "my city is {v}",
                  "I'm from {v}", "I stay in {v}"],
                 ["I'm based in {v}", "home for me is {v}", "I reside in {v}"],
-                ["I've settled in {v}", "my place is in {v}"]),
+                ["I've settled in {v}", "my place is in {v}"],
+                ["my town is {v}", "{v} is where I live", "I've lived in {v} for years", "my address is in {v}",
+                 "I live over in {v}", "these days I live in {v}"]),
              _t(["Where do I live?", "What city do I live in?", "Do you know where I live?", "Where is my home?",
                  "What is my city?", "Where am I from?", "Tell me where I live."],
                 ["Which city is my home?", "In which city do I live?", "Where am I based?"],
-                ["Where's my home?", "Which place do I live in?"]),
+                ["Where's my home?", "Which place do I live in?"],
+                ["Where do I stay?", "What town am I in?", "Which city am I in?",
+                 "Where's my city?", "Where is it that I live?"]),
              _t(["Where did I say I live?", "What did I tell you about where I live?",
                  "What city did I say I live in?"],
                 ["Remind me where I live.", "Which city did I mention as home?"],
-                ["Where did I tell you I live?", "What place did I say is home?"]),
+                ["Where did I tell you I live?", "What place did I say is home?"],
+                ["Where did I say my home was?", "What town did I say I live in?"]),
              "You live in {v}."),
         _attribute("color", "favorite color", "colors"),
         Slot("food", "foods",
              _t(["I really love {v}", "my favorite food is {v}", "I love eating {v}", "I love {v}",
                  "my favourite food is {v}", "I could eat {v} every day", "nothing beats {v}"],
                 ["I can't get enough of {v}", "I adore {v}", "the food I like best is {v}"],
-                ["I'm crazy about {v}", "my top food is {v}"]),
+                ["I'm crazy about {v}", "my top food is {v}"],
+                ["I enjoy {v} the most", "I'm a big fan of {v}", "I'd eat {v} any day",
+                 "I like {v} more than anything"]),
              _t(["What food do I love?", "What is my favorite food?", "What do I love to eat?",
                  "What's my favourite food?", "Which food do I love?", "What do I like to eat?"],
                 ["Which food do I like best?", "What should you cook for me?", "What dish do I adore?"],
-                ["What food do I like most?", "What's the food I love?"]),
+                ["What food do I like most?", "What's the food I love?"],
+                ["What do I enjoy eating?", "What food am I a fan of?",
+                 "What would I eat every day?", "What food is my favorite?"]),
              _t(["What did I say I love to eat?", "What did I tell you my favorite food was?",
                  "What food did I say I love?"],
                 ["Remind me what food I love.", "Which dish did I mention loving?"],
-                ["What did I tell you I love eating?", "Which food did I say I liked?"]),
+                ["What did I tell you I love eating?", "Which food did I say I liked?"],
+                ["What did I say my favorite food was?", "What food was it that I love?"]),
              "You love {v}."),
         _attribute("animal", "favorite animals", "animals", plural=True),
         _attribute("birthday", "birthday", "birthdays", extra_states=(["I was born on {v}"], ["I celebrate on {v}"],
-                                                                             ["my birthday comes on {v}"])),
+                                                                             ["my birthday comes on {v}"],
+                                                                             ["my big day is {v}"])),
         _attribute("locker", "locker number", "numbers"),
         _attribute("meeting", "meeting day", "weekdays", extra_states=(["my meeting is on {v}"], ["I meet them on {v}"],
-                                                                        ["the meeting takes place on {v}"])),
+                                                                        ["the meeting takes place on {v}"],
+                                                                        ["the meeting is every {v}"])),
     ]
     slots += [_attribute(f"rel:{rel}", f"{rel}'s name", "names") for rel in _RELATIONS]
     return slots
@@ -287,17 +312,22 @@ def called_slot(det: str, noun: str) -> Slot:
             f"I named {d} {{v}}", f"{d} has the name {{v}}", f"{{v}} is the name of {d}", f"we call {d} {{v}}",
             f"{d}, it is called {{v}}"],
            [f"we named {d} {{v}}", f"the name of {d} is {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"],
-           [f"{d} is known as {{v}}", f"we gave {d} the name {{v}}"]),
+           [f"{d} is known as {{v}}", f"we gave {d} the name {{v}}"],
+           [f"{d}'s called {{v}}", f"{d} answers to {{v}}", f"{d} was named {{v}}", f"{{v}}, that's {d}",
+            f"they call {d} {{v}}", f"{d} is {{v}} by name", f"{d} has {{v}} as its name"]),
         _t([f"What is {d} called?", f"What's {d}'s name?", f"What is the name of {d}?", f"What do I call {d}?",
             f"How is {d} named?", f"Tell me the name of {d}.", f"Do you remember {d}'s name?",
             f"What was {d} called?"],
            [f"What do we call {d}?", f"What name does {d} have?", f"Do you know what {d} is called?",
             f"Which name did {d} get?"],
-           [f"What is {d} known as?", f"Tell me what {d} is called."]),
+           [f"What is {d} known as?", f"Tell me what {d} is called."],
+           [f"What's {d} called?", f"Name of {d}?", f"Which name is {d}'s?", f"How do I call {d}?",
+            f"What's the name for {d}?", f"Remember {d}'s name?"]),
         _t([f"What did I say {d} was called?", f"What did I name {d}?", f"What name did I give {d}?",
             f"What did I tell you {d} is called?"],
            [f"Remind me what {d} is called.", f"What was {d}'s name again?"],
-           [f"What did I tell you {d}'s name was?", f"Which name did I say {d} has?"]),
+           [f"What did I tell you {d}'s name was?", f"Which name did I say {d} has?"],
+           [f"What did I call {d}?", f"How did I name {d}?", f"What name did I use for {d}?"]),
         f"{answer_det} {noun} is called {{v}}.", (noun,))
 
 
@@ -313,36 +343,55 @@ _REMEMBER = _t(["Remember that {c}.", "Please remember that {c}.", "Don't forget
                 "Remember: {c}.", "Please note that {c}.", "I want you to remember that {c}.", "Note this: {c}.",
                 "For the record, {c}.", "Remember this, {c}.", "Don't forget that {c}."],
                ["Can you remember that {c}?", "Note that {c}.", "Just so you know, {c}.", "Make a note that {c}."],
-               ["Please keep track: {c}.", "Store this: {c}.", "Don't lose this: {c}."])
+               ["Please keep track: {c}.", "Store this: {c}.", "Don't lose this: {c}."],
+               ["Be sure to remember that {c}.", "You should know that {c}.", "Important: {c}.", "Heads up: {c}.",
+                "Here's a fact: {c}.", "Remember for later that {c}.", "I'd like you to know that {c}.",
+                "Keep this in your memory: {c}."])
 # Openers and closers dress a sentence the way people type it; "" (none) is the commonest.
 _OPENERS = _t(["", "", "", "", "Hey, ", "Oh, and ", "By the way, ", "So, ", "OK, ", "Also, ", "Well, ", "Hi! ",
                "Okay so ", "And "],
               ["", "", "", "", "Btw, ", "Listen, ", "Alright, ", "Anyway, "],
-              ["", "", "", "", "Right, ", "Look, ", "Quick note: "])
+              ["", "", "", "", "Right, ", "Look, ", "Quick note: "],
+              ["Okay, ", "Now, ", "Oh, ", "Hey so ", "Ah, ", "Hello, ", "Then, ", "Hmm, ", "Ok so "])
 _CLOSERS = _t(["", "", "", "", " by the way", " :)", " ok", " thanks", " haha", " now"],
-              ["", "", "", "", " btw", " if that helps", " fyi"], ["", "", "", "", " just saying", " lol", " fwiw"])
+              ["", "", "", "", " btw", " if that helps", " fyi"], ["", "", "", "", " just saying", " lol", " fwiw"],
+              [" :D", " for now", " these days", " thank you", " you know", " ;)", " then", " hehe"])
 _ASK_OPENERS = _t(["", "", "", "", "Hey, ", "Quick question: ", "So, ", "OK, ", "Sorry, ", "Um, ", "Hmm, ", "Hi! ",
                    "And "],
                   ["", "", "", "", "Tell me, ", "Wait, ", "Question: ", "Hey there, "],
-                  ["", "", "", "", "Say, ", "Honestly, ", "Real quick, "])
+                  ["", "", "", "", "Say, ", "Honestly, ", "Real quick, "],
+                  ["Okay, ", "Now, ", "Hello, ", "Excuse me, ", "Just wondering, ", "Quick one: ", "Ah, ", "Oh, ",
+                   "Hey so ", "Hmm ok, "])
 _ASK_CLOSERS = _t(["", "", "", "", " please", " again", " now", " :)"], ["", "", "", "", " if you know",
                                                                          " by any chance"],
-                   ["", "", "", "", " if you can", " for me"])
+                   ["", "", "", "", " if you can", " for me"],
+                   [" thanks", " thank you", " haha", " pls", " quickly", " right now", " exactly",
+                    " do you remember", " ;)", " for real"])
 _LIST = _t(["{a}, and {b}.", "{a}. {B}.", "{a}, {b} and {c}.", "{a}. {B}. {C}."],
            ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and {c}."],
-           ["{a} - {b}.", "First, {a}. Second, {b}.", "{a}, {b}, and also {c}."])
+           ["{a} - {b}.", "First, {a}. Second, {b}.", "{a}, {b}, and also {c}."],
+           ["{a} and {b}.", "{a}, plus {b}.", "{a}. And {b}.", "{a}, {b}.", "{a}, {b}, {c}.",
+            "{a} and {b}, and {c}.", "{a}! {B}!", "{a}, then {b}.", "Two facts: {a}, and {b}."])
 _CORRECT_FULL = _t(["Correction: {c}, not {old}.", "Actually, {c}, not {old}.", "I changed my mind, {c}."],
                    ["Sorry, I was wrong: {c}.", "Let me correct that: {c}.", "Update: {c} now."],
-                   ["Wait, {c}, not {old}.", "I got that wrong, {c}.", "Fix that: {c}."])
+                   ["Wait, {c}, not {old}.", "I got that wrong, {c}.", "Fix that: {c}."],
+                   ["No, {c}, not {old}.", "Correction, {c}.", "Not {old}: {c}.", "Small fix: {c}.",
+                    "Change of plan, {c}.", "Actually no, {c}.", "It's not {old}: {c}."])
 _CORRECT_SHORT = _t(["Actually, it's {v}.", "Sorry, I meant {v}.", "No wait, it's {v}."],
                     ["Oops, it's {v}, not {old}.", "My mistake, it's {v}.", "Make that {v}."],
-                    ["Oh no, it's {v}.", "Scratch that, {v}.", "Change it to {v}."])
+                    ["Oh no, it's {v}.", "Scratch that, {v}.", "Change it to {v}."],
+                    ["No, {v}.", "It's {v} actually.", "I mean {v}.", "Wrong, it's {v}.", "Sorry, {v}.", "Nope, {v}.",
+                     "Not {old}, {v}."])
 _GREETINGS = _t(["Hi!", "Hello.", "Hey there!", "Good morning!", "Hello, how are you?", "Hi, nice to meet you."],
                 ["Good evening!", "Howdy!", "Hey, what's up?", "Greetings.", "Hiya"],
-                ["Yo!", "Hello there.", "Good afternoon!", "Hey hey"])
+                ["Yo!", "Hello there.", "Good afternoon!", "Hey hey"],
+                ["Hey!", "Morning!", "Hi, how's it going?", "Hey, good to see you.", "Hello again!", "Good day!"])
 _THANKS = _t(["Thanks!", "Thank you.", "Thanks a lot!", "Thank you so much.", "Great, thanks."],
              ["Cheers!", "Much appreciated.", "Thanks for remembering!", "Thx"],
-             ["Thanks so much!", "Many thanks.", "Appreciate it!", "ty"])
+             ["Thanks so much!", "Many thanks.", "Appreciate it!", "ty"],
+             ["Thanks.", "Thank you!", "Nice, thank you.", "Perfect, thanks!", "Awesome, thanks.",
+              "Thanks, that helps.",
+              "Thank you very much."])
 _REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} times {b}?", "Tell me a joke.",
                 "Tell me something interesting about {t}.", "Can you summarize the history of {t}?",
                 "Translate good morning into French.", "Write an email to my {r}.", "What do you know about {t}?"],
@@ -350,7 +399,14 @@ _REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} ti
                 "Could you describe {t} in detail?", "What's {a} divided by {b}?",
                 "Write some code that sorts a list.", "Give me three facts about {t}."],
                ["Summarize {t} for me.", "Draft a letter to my {r}.", "What's {a} minus {b}?",
-                "Sing me a song about {t}."])
+                "Sing me a song about {t}."],
+               ["Write a haiku about {t}.", "Teach me about {t}.", "Multiply {a} by {b}.", "Why is {t} important?",
+                "Make a list of ideas about {t}.", "Help me plan a trip.", "Recommend a good book.",
+                "List the pros and cons of {t}.", "Search the web for {t}.", "Fix my code."])
+
+
+# How a question for two facts joins them; the trained, dev and held-out chats use the first, `wide` all.
+_TWO_QUESTIONS = ("{a}, and {b}", "{a}{a_end} {B}", "{a} and {b}", "{a}, plus {b}")
 
 
 def _cap(text: str) -> str:
@@ -445,11 +501,15 @@ class _Writer:
     """Writes one chat round by round; `known` is what the user has told so far."""
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
-                 never_told: int = 25):
+                 never_told: int = 25, wide: bool = False):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.never_told = never_told  # the weight of questions about something never told among out-of-scope prompts
+        self.wide = wide and phrasing == "train"  # training chats draw on every group's `more` phrasings too
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
+
+    def pick(self, templates: Templates) -> str:
+        return templates.pick(self.phrasing, self.rng, self.wide)
 
     # -- values and slots --
     def value(self, slot: Slot) -> str:
@@ -478,9 +538,9 @@ class _Writer:
         return pseudo_word(self.rng) if self.rng.random() < made_up else self.rng.choice(_NOUNS_TRAIN)
 
     def clause(self, slot: Slot, value: str) -> str:
-        template = slot.states.pick(self.phrasing, self.rng)
+        template = self.pick(slot.states)
         while template.startswith("{v}") and slot.field in ("colors", "foods", "animals"):
-            template = slot.states.pick(self.phrasing, self.rng)  # "Crows are ..." would recase it
+            template = self.pick(slot.states)  # "Crows are ..." would recase it
         if self.rng.random() < 0.15:
             template = template.lower()  # typed in lower case; the value stays as typed
         return template.replace("{v}", value)
@@ -598,10 +658,10 @@ class _Writer:
         """`text` (a sentence ending in . ? or !) with an opener before it and a closer before its last mark."""
         end = text[-1] if text[-1:] in ".?!" else ""
         body = text[: len(text) - len(end)]
-        opener = openers.pick(self.phrasing, self.rng)
+        opener = self.pick(openers)
         if opener and body[:2] not in ("I ", "I'") and body[1:2].islower():
             body = body[0].lower() + body[1:]
-        return opener + body + closers.pick(self.phrasing, self.rng) + end
+        return opener + body + self.pick(closers) + end
 
     # -- rounds --
     def statement(self, i: int) -> Round:
@@ -618,15 +678,15 @@ class _Writer:
         if len(slots) > 1:
             clauses = [self.with_frame_noise(c, (*s.keywords, v)) for c, s, v in zip(clauses, slots, values)]
         if len(slots) > 1:
-            template = _LIST.pick(self.phrasing, rng)
+            template = self.pick(_LIST)
             while ("{c}" in template or "{C}" in template) != (len(slots) == 3):
-                template = _LIST.pick(self.phrasing, rng)
+                template = self.pick(_LIST)
             parts = dict(zip("abc", clauses))
             text = template.format(a=_cap(parts["a"]), b=parts["b"], c=parts.get("c", ""), B=_cap(parts["b"]),
                                    C=_cap(parts.get("c", "")))
             family, reply = "list", LIST_ACK
         elif rng.random() < 0.4:
-            text = _REMEMBER.pick(self.phrasing, rng).format(c=clauses[0])
+            text = self.pick(_REMEMBER).format(c=clauses[0])
             family, reply = "remember", slots[0].ack(values[0])
         else:
             text, family, reply = _cap(clauses[0]) + ".", "plain", slots[0].ack(values[0])
@@ -648,9 +708,9 @@ class _Writer:
         if new == old:
             return self.chatter()
         if short:
-            text = _CORRECT_SHORT.pick(self.phrasing, rng).format(v=new, old=old)
+            text = self.pick(_CORRECT_SHORT).format(v=new, old=old)
         else:
-            text = _CORRECT_FULL.pick(self.phrasing, rng).format(c=self.clause(slot, new), old=old)
+            text = self.pick(_CORRECT_FULL).format(c=self.clause(slot, new), old=old)
         text = self.with_frame_noise(text, (*slot.keywords, new, old))
         known = self.known[key]
         self.known[key] = _Known(new, known.first, i, True, "correction")
@@ -659,7 +719,7 @@ class _Writer:
 
     def question_text(self, slot: Slot, asked: str) -> str:
         rng = self.rng
-        text = (slot.recalls if asked == "what_did_i_say" else slot.asks).pick(self.phrasing, rng)
+        text = self.pick(slot.recalls if asked == "what_did_i_say" else slot.asks)
         text = self.with_spare_words(_cap(self.dressed(text, _ASK_OPENERS, _ASK_CLOSERS)))
         text = self.with_frame_noise(text, slot.keywords)
         if self.noise >= 4 and rng.random() < (0.4 if self.noise >= 6 else 0.25):
@@ -689,8 +749,10 @@ class _Writer:
         slots = [slot_for(k) for k in keys]
         answers = [s.reply(self.known[k].value) for s, k in zip(slots, keys)]
         if kind == "multi":
-            asks = [s.asks.pick(self.phrasing, rng).removeprefix("And ") for s in slots]
-            question = self.with_frame_noise(f"{asks[0][:-1]}, and {asks[1][0].lower()}{asks[1][1:]}",
+            asks = [self.pick(s.asks).removeprefix("And ") for s in slots]
+            join = rng.choice(_TWO_QUESTIONS) if self.wide else _TWO_QUESTIONS[0]
+            question = self.with_frame_noise(join.format(a=asks[0][:-1], a_end=asks[0][-1], B=asks[1],
+                                                         b=f"{asks[1][0].lower()}{asks[1][1:]}"),
                                              (*slots[0].keywords, *slots[1].keywords))
             reply = f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
         else:
@@ -711,11 +773,11 @@ class _Writer:
             text, reply = self.question_text(slot, self.asked_family()), UNKNOWN_REPLY
         elif kind == "request":
             topics = {"train": _TOPICS, "heldout": _TOPICS_HELDOUT, "dev": _TOPICS_DEV}[self.phrasing]
-            text = _REQUESTS.pick(self.phrasing, rng).format(
+            text = self.pick(_REQUESTS).format(
                 t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
             text, reply = self.styled(text), DEMO_REPLY
         else:
-            text = (_GREETINGS if kind == "greeting" else _THANKS).pick(self.phrasing, rng)
+            text = self.pick(_GREETINGS if kind == "greeting" else _THANKS)
             text, reply = self.styled(text), GREETING_REPLY if kind == "greeting" else THANKS_REPLY
         self.dlg.out_of_scope.append(OutOfScope(i, kind))
         self.last_single = None
@@ -759,16 +821,17 @@ def _ask(question: str, position: str, rng: random.Random) -> str:
 
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
-                  phrasing: str = "train", noise: int = 0, never_told: int = 25) -> Dialogue:
+                  phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
     and makes half the named things made-up nouns; 3 makes two such edits; 4 also ends a quarter of the questions
     in words the model does not know (`with_tail`) and capitalises a made-up first word; 5 makes half of the words
     put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs
-    questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35)."""
+    questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35).
+    `wide` (training only) adds every template group's `more` phrasings to the trained ones."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -789,7 +852,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
-              phrasing: str = "train", noise: int = 0, never_told: int = 25) -> list[Dialogue]:
+              phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any."""
     if phrasing not in PHRASINGS:
@@ -797,4 +860,4 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
     rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told) for _ in range(count)]
+                          never_told, wide) for _ in range(count)]

@@ -28,7 +28,7 @@ from kvchat.engine.gguf_export import write_model_gguf
 from kvchat.engine.gguf_file import GGUFFile
 from kvchat.engine.loader import read_tensor
 from kvchat.engine.reply_guard import DEMO_REPLY_CAP, REPLY_CAP_KEY
-from kvchat.engine.vocab import ByteBPEVocab
+from kvchat.engine.vocab import CONTROL, ByteBPEVocab
 from kvchat.errors import KvchatError
 
 # ChatML, as Qwen writes it; the system prompt is optional.
@@ -66,6 +66,7 @@ class TrainConfig:
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
     never_told: int = 25  # how often a question asks about something never told (dialogues.make_dialogue)
+    wide: int = 0  # 1: every template group's `more` phrasings too (dialogues.Templates), about twice the frames
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -122,14 +123,14 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
-            for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told)]
+            for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide))]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
     chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-               cfg.never_told) for i in range(math.ceil(cfg.n_dialogues / 500))]
+               cfg.never_told, cfg.wide) for i in range(math.ceil(cfg.n_dialogues / 500))]
     with mp.get_context("spawn").Pool(workers, _init_worker, (str(gguf_path),)) as pool:
         out = []
         for part in pool.imap_unordered(_encode_chunk, chunks):
@@ -258,10 +259,43 @@ def load_gguf_weights(path: Path, model: TrainModel, vocab: ByteBPEVocab) -> Non
             p.copy_(read_tensor(gf.tensors[name], torch.device("cpu"), torch.float32))
 
 
+def average_models(paths: list[Path], out: Path) -> Path:
+    """A "model soup": the mean of the weights of models fine-tuned from one another (same shape and vocabulary),
+    which often generalises better than any one of them (Wortsman et al. 2022)."""
+    vocab = vocab_from_gguf(paths[0])
+    mc = ModelConfig.from_gguf(GGUFFile(paths[0]))
+    models = []
+    for path in paths:
+        models.append(TrainModel(mc))
+        load_gguf_weights(path, models[-1], vocab)
+    with torch.no_grad():
+        params = [m.gguf_parameters() for m in models]
+        for name, p in params[0].items():
+            p.copy_(torch.stack([ps[name] for ps in params]).mean(0))
+    out.mkdir(parents=True, exist_ok=True)
+    return export_gguf(models[0], vocab, out / "kvchat-memory-demo.gguf", Q.F16)
+
+
 def vocab_from_state(state: dict) -> ByteBPEVocab:
     v = state["vocab"]
-    return ByteBPEVocab(v["tokens"], v["token_types"], v["merges"], v["special_ids"], bos=None, eos="<|im_end|>",
-                        eot="<|im_end|>", add_bos=False, pre="qwen2")
+    return _vocab(v["tokens"], v["token_types"], v["merges"], v["special_ids"])
+
+
+def vocab_from_gguf(path: Path) -> ByteBPEVocab:
+    """The vocabulary an exported model was trained with: a run from its weights (`--init`) keeps it, whatever
+    chats this run's merges would have been learned on."""
+    gf = GGUFFile(path)  # a missing or garbled file: GGUFError, one line
+    tokens, types = gf.array("tokenizer.ggml.tokens"), gf.array("tokenizer.ggml.token_type")
+    merges = gf.array("tokenizer.ggml.merges")
+    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL}
+    if not merges or set(specials) != set(SPECIALS):
+        raise KvchatError(f"{path}: another vocabulary than a kvchat demo model's (special tokens {sorted(specials)})")
+    return _vocab(list(tokens), list(types), list(merges), specials)
+
+
+def _vocab(tokens, types, merges, special_ids) -> ByteBPEVocab:
+    return ByteBPEVocab(tokens, types, merges, special_ids, bos=None, eos="<|im_end|>", eot="<|im_end|>",
+                        add_bos=False, pre="qwen2")
 
 
 def export_gguf(model: TrainModel, vocab: ByteBPEVocab, path: Path, qtype: Q = Q.F16) -> Path:
@@ -298,7 +332,8 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
         cfg = TrainConfig(**state["config"])
         vocab = vocab_from_state(state)
     else:
-        state, vocab = {"step": 0, "history": []}, build_vocab(cfg)
+        state = {"step": 0, "history": []}
+        vocab = vocab_from_gguf(init) if init is not None else build_vocab(cfg)
     mc = cfg.model_config(len(vocab.tokens))
     model = TrainModel(mc)
     if resume is not None:
@@ -357,7 +392,10 @@ def main() -> None:
     start = ap.add_mutually_exclusive_group()
     start.add_argument("--resume", type=Path, default=None, help="checkpoint folder to continue from")
     start.add_argument("--init", type=Path, default=None,
-                       help="start a new run from this exported model's weights (same shape and vocabulary)")
+                       help="start a new run from this exported model's weights and vocabulary (same shape)")
+    start.add_argument("--average", type=Path, nargs="+", default=None, metavar="FILE",
+                       help="train nothing: write the mean of these exported models' weights (same shape and "
+                            "vocabulary) to OUT/kvchat-memory-demo.gguf")
     ap.add_argument("--steps", type=int, default=None, help="steps to run now (default: all remaining)")
     ap.add_argument("--total-steps", type=int, default=None, help="length of the whole schedule (new runs only)")
     ap.add_argument("--workers", type=int, default=max(1, mp.cpu_count() - 1))
@@ -373,6 +411,13 @@ def main() -> None:
         setattr(cfg, field, type(getattr(cfg, field))(value))
     if args.total_steps:
         cfg.steps = args.total_steps
+    if args.average:
+        try:
+            path = average_models(args.average, args.out)
+        except KvchatError as e:
+            raise SystemExit(f"error: {e}") from None
+        print(f"exported {path}")
+        return
     path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device,
                  minutes=args.minutes, init=args.init)
     print(f"exported {path}")

@@ -85,6 +85,7 @@ def test_held_out_and_dev_phrasings_are_new_templates_not_new_values():
 
     for templates in _all_templates():
         sets = [{t.lower() for t in getattr(templates, p)} for p in d.PHRASINGS]
+        sets[0] |= {t.lower() for t in templates.more}  # the wide training phrasings are training phrasings
         assert all(sets), templates
         assert not sets[0] & sets[1] and not sets[0] & sets[2] and not sets[1] & sets[2], templates
     nouns = [set(d._NOUNS_TRAIN), set(d._NOUNS_HELDOUT), set(d._NOUNS_DEV)]
@@ -195,3 +196,49 @@ def test_level_4_ends_questions_in_unknown_words_and_keeps_what_is_asked():
     quiet.with_tail = lambda text: pytest.fail("a tail at level 3")
     for _ in range(100):
         quiet.question_text(slot, "plain")
+
+
+def _words(text: str, subject: str) -> list[str]:
+    text = text.lower().replace(subject, " X ") if subject else text.lower()
+    return [w for w in (w.strip(".,?!:;()-") for w in text.split()) if w]
+
+
+def test_wide_phrasings_share_no_four_words_with_held_out_or_dev_ones():
+    """The extra training phrasings must not be near copies of what measures or chooses the model: no four words
+    in a row (the thing told or asked masked) in common with a held-out or dev template of the same group."""
+    from kvchat.engine import dialogues as d
+
+    def grams(text, subject):
+        w = _words(text, subject)
+        return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
+
+    groups = [([g], "") for g in (d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS,
+                                   d._REQUESTS)]
+    groups.append(([d._OPENERS, d._CLOSERS, d._ASK_OPENERS, d._ASK_CLOSERS], ""))
+    for slot in [*d.SLOTS, d.called_slot("my", "boat")]:
+        subject = "my boat" if slot.key.startswith("called:") else \
+            slot.answer.removeprefix("Your ").split(" is ")[0].split(" are ")[0].lower()
+        groups.append(([slot.states, slot.asks, slot.recalls], subject))
+    n_more = 0
+    for members, subject in groups:
+        others = [t for g in members for t in g.heldout + g.dev]
+        other_grams = set().union(*(grams(t, subject) for t in others))
+        for g in members:
+            n_more += len(g.more)
+            for t in g.more:
+                assert t.lower() not in {o.lower() for o in others}, t
+                assert not grams(t, subject) & other_grams, t
+    assert n_more > 300
+
+
+def test_wide_chats_use_the_more_phrasings_and_the_others_never_do():
+    plain = " ".join(r.user for dlg in dialogues("train", 60, 0, 30, 40, noise=1) for r in dlg.rounds)
+    wide = " ".join(r.user for dlg in dialogues("train", 60, 0, 30, 40, noise=1, wide=True) for r in dlg.rounds)
+    for marker in ("Heads up:", "Nope,", " answers to ", "Multiply "):
+        assert marker not in plain
+    assert sum(m in wide for m in ("Heads up:", "Nope,", " answers to ", "Multiply ", "Give me my", "Morning!")) >= 4
+    # held-out and dev chats ignore the flag: it is for training only
+    def held_out(**kw):
+        return [r.user for dlg in dialogues("heldout", 5, 0, 20, 30, phrasing="heldout", **kw) for r in dlg.rounds]
+
+    assert held_out(wide=True) == held_out()

@@ -12,8 +12,9 @@ from kvchat.engine.dialogues import dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.parity import reference_logits, relative_error
 from kvchat.engine.tokenizer import Tokenizer
-from kvchat.engine.train import (TrainConfig, TrainModel, build_vocab, encode_dialogue, export_gguf, load_checkpoint,
-                                 load_gguf_weights, save_checkpoint, vocab_from_state)
+from kvchat.engine.train import (TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue, export_gguf,
+                                 load_checkpoint, load_gguf_weights, save_checkpoint, vocab_from_gguf,
+                                 vocab_from_state)
 from kvchat.errors import KvchatError
 
 SMALL = TrainConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=256, n_merges=200)
@@ -90,3 +91,30 @@ def test_starting_from_another_shape_or_vocabulary_is_refused(tmp_path):
     other.tokens[-1] = other.tokens[-1] + "x"  # same length, another token
     with pytest.raises(KvchatError, match="another vocabulary"):
         load_gguf_weights(path, TrainModel(SMALL.model_config(len(vocab.tokens))), other)
+
+
+def test_a_run_from_an_exported_model_keeps_its_vocabulary(tmp_path):
+    model, vocab = trained_like(SMALL)
+    path = export_gguf(model, vocab, tmp_path / "m.gguf", Q.F32)
+    again = vocab_from_gguf(path)
+    assert (again.tokens, again.token_types, again.merges, again.special_ids) == \
+        (vocab.tokens, vocab.token_types, vocab.merges, vocab.special_ids)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(KvchatError, match="bad.gguf"):
+        vocab_from_gguf(tmp_path / "bad.gguf")
+
+
+def test_averaging_models_writes_the_mean_of_their_weights(tmp_path):
+    a, vocab = trained_like(SMALL)
+    b, _ = trained_like(SMALL)
+    pa, pb = export_gguf(a, vocab, tmp_path / "a.gguf", Q.F32), export_gguf(b, vocab, tmp_path / "b.gguf", Q.F32)
+    path = average_models([pa, pb], tmp_path / "soup")
+    soup = TrainModel(SMALL.model_config(len(vocab.tokens)))
+    load_gguf_weights(path, soup, vocab)
+    name, p = next((n, p) for n, p in soup.gguf_parameters().items() if p.dim() == 2)
+    mean = (a.gguf_parameters()[name] + b.gguf_parameters()[name]) / 2
+    torch.testing.assert_close(p, mean, atol=2e-3, rtol=2e-3)  # the soup is written in F16
+    wider, _ = trained_like(dataclasses.replace(SMALL, ffn_dim=384))
+    pw = export_gguf(wider, vocab, tmp_path / "w.gguf", Q.F32)
+    with pytest.raises(KvchatError, match="another shape"):
+        average_models([pa, pw], tmp_path / "bad")

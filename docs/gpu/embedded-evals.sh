@@ -8,6 +8,8 @@
 #   krul-unchecked  unchecked Krul (r_l 0.25, 0.5) on both phrasing sets
 #   loopserve  LoopServe and its ablations on held-out phrasings
 #   text       the policies' fidelity on MT-Bench text (`eval --text`)
+#   round      the three Round Attention strategies on both phrasing sets
+#   dev        the full cache on dev phrasings, two sets of 40 chats (seeds 0 and 1): for choosing between runs
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -49,6 +51,13 @@ for part in "$@"; do
         --phrasing heldout ;;
     text)
       ev text --text --lengths 2000 --chats 2 ;;
+    round)
+      for pol in round-topk round-threshold round-adaptive; do
+        for ph in heldout train; do ev $pol-$ph --kv-policy $pol --phrasing $ph; done
+      done ;;
+    dev)
+      ev full-dev --phrasing dev
+      ev full-dev-seed1 --phrasing dev --seed 1 ;;
   esac
 done
 wait
