@@ -289,7 +289,8 @@ def vocab_from_gguf(path: Path) -> ByteBPEVocab:
     merges = gf.array("tokenizer.ggml.merges")
     specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL}
     if not merges or set(specials) != set(SPECIALS):
-        raise KvchatError(f"{path}: another vocabulary than a kvchat demo model's (special tokens {sorted(specials)})")
+        raise KvchatError(f"{path}: not a kvchat demo model's vocabulary (BPE merges and the special tokens "
+                          f"{', '.join(SPECIALS)})")
     return _vocab(list(tokens), list(types), list(merges), specials)
 
 
@@ -411,15 +412,14 @@ def main() -> None:
         setattr(cfg, field, type(getattr(cfg, field))(value))
     if args.total_steps:
         cfg.steps = args.total_steps
-    if args.average:
-        try:
+    try:
+        if args.average:
             path = average_models(args.average, args.out)
-        except KvchatError as e:
-            raise SystemExit(f"error: {e}") from None
-        print(f"exported {path}")
-        return
-    path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device,
-                 minutes=args.minutes, init=args.init)
+        else:
+            path = train(cfg, args.out, args.resume, args.steps or cfg.steps, args.workers, device=args.device,
+                         minutes=args.minutes, init=args.init)
+    except KvchatError as e:  # a wrong --init/--average file: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
     print(f"exported {path}")
 
 

@@ -93,7 +93,7 @@ def test_starting_from_another_shape_or_vocabulary_is_refused(tmp_path):
         load_gguf_weights(path, TrainModel(SMALL.model_config(len(vocab.tokens))), other)
 
 
-def test_a_run_from_an_exported_model_keeps_its_vocabulary(tmp_path):
+def test_a_run_from_an_exported_model_keeps_its_vocabulary(tmp_path, models):
     model, vocab = trained_like(SMALL)
     path = export_gguf(model, vocab, tmp_path / "m.gguf", Q.F32)
     again = vocab_from_gguf(path)
@@ -102,6 +102,8 @@ def test_a_run_from_an_exported_model_keeps_its_vocabulary(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 20)
     with pytest.raises(KvchatError, match="bad.gguf"):
         vocab_from_gguf(tmp_path / "bad.gguf")
+    with pytest.raises(KvchatError, match="not a kvchat demo model's vocabulary"):
+        vocab_from_gguf(models.get(arch="gemma3"))  # another model's: its weights would mean something else
 
 
 def test_averaging_models_writes_the_mean_of_their_weights(tmp_path):
