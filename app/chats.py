@@ -29,8 +29,9 @@ def kv_stored(store, segments: list[dict]) -> bool:
 
 
 def calibrating(done: int, total: int) -> None:
-    """Progress of the calibration a model gets the first time a round policy runs on it (on stderr)."""
-    click.echo(f"\rcalibrating the watershed layer (first use of this model): {done}/{total} chats", err=True,
+    """Progress of the calibration a model gets the first time a round policy or layer merging runs on it (on
+    stderr): chats measured for the watershed layer, or layer pairs checked for merging."""
+    click.echo(f"\rcalibrating this model (first use of a round policy or of merging): {done}/{total}", err=True,
                nl=done == total)
 
 

@@ -215,12 +215,12 @@ def is_embedded_model(engine) -> bool:
     return same_file or engine.metadata.get("general.name") == DEFAULT_MODEL.stem  # a copy keeps its name
 
 
-def calibration_chats(engine, count: int = DEFAULT_CHATS,
-                      seed: int = DEFAULT_SEED) -> tuple[str, list[tuple[Conversation, str]]]:
+def calibration_chats(engine, count: int = DEFAULT_CHATS, seed: int = DEFAULT_SEED,
+                      phrasing: str = "train") -> tuple[str, list[tuple[Conversation, str]]]:
     """(source, [(closed chat, new message)]), deterministic from the seed.
 
-    The embedded model knows only memory dialogues: held-out ones of MIN_ROUNDS..MAX_ROUNDS rounds, cut before their
-    last question, which is the new message. Any other model gets MT-Bench chats of at least 10 rounds (the resume
+    The embedded model knows only memory dialogues: held-out ones of MIN_ROUNDS..MAX_ROUNDS rounds, in `phrasing`'s
+    sentences (dialogues.PHRASINGS), cut before their last question, which is the new message. Any other model gets MT-Bench chats of at least 10 rounds (the resume
     benchmark's builder) of 1-2k tokens, within half its context, with a fresh MT-Bench question as the new message.
     """
     if count < 1:
@@ -229,7 +229,7 @@ def calibration_chats(engine, count: int = DEFAULT_CHATS,
         from kvchat.engine.dialogues import dialogues
 
         chats = []
-        for dlg in dialogues("heldout", count, 7919 + seed, MIN_ROUNDS + 1, MAX_ROUNDS + 1):
+        for dlg in dialogues("heldout", count, 7919 + seed, MIN_ROUNDS + 1, MAX_ROUNDS + 1, phrasing=phrasing):
             # make_dialogue always asks in one of the last two rounds, so a question round after round 0 exists
             q = max(question.round_index for question in dlg.questions)
             chats.append((Conversation(dlg.rounds[:q], dlg.system), dlg.rounds[q].user))

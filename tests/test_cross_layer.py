@@ -219,6 +219,7 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
     engine = Engine(DEFAULT_MODEL, device="cpu")
     cal = calibrate_merges(engine, "a" * 64, chats=3, max_checks=4)
     assert cal.n_layers == 8 and len(cal.ir_share) == 8 and cal.agreement
+    assert cal.unit == "answers" and cal.chats == 3  # the embedded model is held to whole answers
     for pair, agreed in cal.agreement.items():  # accepted exactly when the merged replies agreed enough
         assert (pair in cal.accepted) == (agreed >= AGREEMENT)
     assert set(cal.accepted) | set(cal.rejected) == set(cal.agreement)
@@ -240,3 +241,20 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
         load_merge_calibration("c" * 64, 8)
     path.write_text(json.dumps({**good, "version": 0}))
     assert load_merge_calibration("b" * 64, 8) is None  # an older check is made again, not trusted
+
+
+def test_the_check_by_answers_loses_an_answer_for_any_token_it_changes():
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.engine.calibration import calibration_chats, reference_reply
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.merge_selection import merged_agreement
+
+    engine = Engine(DEFAULT_MODEL, device="cpu")
+    _, dev = calibration_chats(engine, 4, phrasing="dev")
+    _, trained = calibration_chats(engine, 4)
+    assert [m for _, m in dev] != [m for _, m in trained]  # sentences the model was never trained on
+    refs = [reference_reply(engine, c, m) for c, m in dev]
+    assert merged_agreement(engine, refs, [], by_answer=True) == 1.0
+    harmful = [LayerPair(0, 1), LayerPair(4, 7)]  # input-sensitive layers: the answers change
+    by_answer = merged_agreement(engine, refs, harmful, by_answer=True)
+    assert by_answer < 1.0 and by_answer <= merged_agreement(engine, refs, harmful)

@@ -157,18 +157,19 @@ class ChatScreen(Screen):
         self._later(self._error, describe(exc), doing)
 
     def _calibrating(self, activity: str) -> Callable[[int, int], None]:
-        """For a worker: the round policy's first use on a model calibrates it, which holds the model for seconds
-        to minutes; say so once, count the chats in the status bar, then show `activity` again."""
+        """For a worker: the first use of the round policy or of layer merging on a model calibrates it, which
+        holds the model for seconds to minutes; say so once, count the steps in the status bar, then show
+        `activity` again."""
         told = threading.Event()
 
         def progress(done: int, total: int) -> None:
             if not told.is_set():
                 told.set()
                 # shown for as long as a calibration usually takes (the status bar counts its chats meanwhile)
-                self._later(partial(self.notify, "Calibrating the model for the round KV policy (once per model)…",
-                                    timeout=120))
+                self._later(partial(self.notify, "Calibrating the model for the round KV policy or for merging "
+                                    "(once per model)…", timeout=120))
             self._later(self.status_bar.set_activity,
-                        f"calibrating the round policy: {done}/{total} chats…" if done < total else activity)
+                        f"calibrating the model: {done}/{total}…" if done < total else activity)
 
         return progress
 
