@@ -220,8 +220,9 @@ def calibration_chats(engine, count: int = DEFAULT_CHATS, seed: int = DEFAULT_SE
     """(source, [(closed chat, new message)]), deterministic from the seed.
 
     The embedded model knows only memory dialogues: held-out ones of MIN_ROUNDS..MAX_ROUNDS rounds, in `phrasing`'s
-    sentences (dialogues.PHRASINGS), cut before their last question, which is the new message. Any other model gets MT-Bench chats of at least 10 rounds (the resume
-    benchmark's builder) of 1-2k tokens, within half its context, with a fresh MT-Bench question as the new message.
+    sentences (dialogues.PHRASINGS), cut before their last question, which is the new message. Any other model gets
+    MT-Bench chats of at least 10 rounds (the resume benchmark's builder) of 1-2k tokens, within half its context,
+    with a fresh MT-Bench question as the new message.
     """
     if count < 1:
         raise KvchatError("calibration needs at least one chat")

@@ -390,8 +390,7 @@ _THANKS = _t(["Thanks!", "Thank you.", "Thanks a lot!", "Thank you so much.", "G
              ["Cheers!", "Much appreciated.", "Thanks for remembering!", "Thx"],
              ["Thanks so much!", "Many thanks.", "Appreciate it!", "ty"],
              ["Thanks.", "Thank you!", "Nice, thank you.", "Perfect, thanks!", "Awesome, thanks.",
-              "Thanks, that helps.",
-              "Thank you very much."])
+              "Thanks, that helps.", "Thank you very much."])
 _REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} times {b}?", "Tell me a joke.",
                 "Tell me something interesting about {t}.", "Can you summarize the history of {t}?",
                 "Translate good morning into French.", "Write an email to my {r}.", "What do you know about {t}?"],

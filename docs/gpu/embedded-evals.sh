@@ -9,7 +9,7 @@
 #   loopserve  LoopServe and its ablations on held-out phrasings
 #   text       the policies' fidelity on MT-Bench text (`eval --text`)
 #   round      the three Round Attention strategies on both phrasing sets
-#   dev        the full cache on dev phrasings, two sets of 40 chats (seeds 0 and 1): for choosing between runs
+#   dev        the full cache on dev phrasings, four sets of 40 chats (seeds 0-3): for choosing between runs
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -56,8 +56,7 @@ for part in "$@"; do
         for ph in heldout train; do ev $pol-$ph --kv-policy $pol --phrasing $ph; done
       done ;;
     dev)
-      ev full-dev --phrasing dev
-      ev full-dev-seed1 --phrasing dev --seed 1 ;;
+      for seed in 0 1 2 3; do ev full-dev-seed$seed --phrasing dev --seed $seed; done ;;
   esac
 done
 wait
