@@ -30,7 +30,7 @@ from kvchat.engine.layer_stats import PROBE_ROWS, LayerStats
 from kvchat.errors import KvchatError
 from kvchat.paths import data_dir, write_json_atomically
 
-MERGE_CALIBRATION_VERSION = 2  # 2: the embedded model checked on dev phrasings
+MERGE_CALIBRATION_VERSION = 2  # 2: the embedded model checked by whole answers, in dev phrasings
 # A layer whose late queries give the chat's first and last 10% less than this share of their attention is
 # input-sensitive. Uniform attention gives 0.2; the I-R layers of Krul's Figure 5 give well over half.
 GAMMA = 0.5
@@ -213,9 +213,10 @@ def merged_agreement(engine, references, pairs: list[LayerPair], retain: float =
         for i, (token, sure) in enumerate(zip(ref.reply, ref.sure)):
             if i:
                 logits = prefill(model, cache, [ref.reply[i - 1]])
-            same &= int(logits.argmax()) == token
+            hit = int(logits.argmax()) == token
+            same &= hit
             if sure:
-                hits += int(logits.argmax()) == token
+                hits += hit
                 count += 1
         answers += same
     if by_answer:
