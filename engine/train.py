@@ -67,6 +67,12 @@ class TrainConfig:
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
     never_told: int = 25  # how often a question asks about something never told (dialogues.make_dialogue)
     wide: int = 0  # 1: every template group's `more` phrasings too (dialogues.Templates), about twice the frames
+    # Weight of a second next-token loss on the prompts (the user's messages and the template around them), beside
+    # the replies' loss (each averaged over its own tokens): predicting how people write gives the frame words
+    # distributional embeddings ("called", "named", "known as" in the same places), which the replies' loss alone
+    # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (last) took 1.0 in its
+    # last stage (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
+    user_lm: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -108,9 +114,12 @@ def _init_worker(gguf_path: str) -> None:
     _worker_tok = Tokenizer(gguf_path)
 
 
+PROMPT = 255  # encode_dialogue's mark for a prompt token (reply weights are small integers)
+
+
 def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and loss weights (1 on assistant replies and their end-of-turn token; `oos_weight` on the replies
-    to out-of-scope prompts)."""
+    to out-of-scope prompts; PROMPT on the prompts' tokens, which only TrainConfig.user_lm trains on)."""
     ids, mask = [], []
     out_of_scope = {o.round_index for o in dlg.out_of_scope}
     for i, r in enumerate(dlg.rounds):
@@ -118,7 +127,7 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
         reply = tok.encode(f"{r.assistant}<|im_end|>\n")
         ids += prompt + reply
         w = oos_weight if i in out_of_scope else 1
-        mask += [0] * len(prompt) + [w] * (len(reply) - 1) + [0]  # the trailing newline is template, not reply
+        mask += [PROMPT] * len(prompt) + [w] * (len(reply) - 1) + [0]  # the trailing newline is template
     return np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
 
 
@@ -322,6 +331,16 @@ def _batches(corpus, batch: int, max_tokens: int, rng: random.Random):
             yield torch.from_numpy(ids), torch.from_numpy(mask)
 
 
+def split_losses(loss_all: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The replies' loss (weighted by the mask's reply weights) and the prompts' (PROMPT tokens), each averaged over
+    its own tokens, so that adding the second leaves the first's scale alone."""
+    prompt = mask == PROMPT
+    reply = torch.where(prompt, torch.zeros_like(mask), mask)
+    prompt = prompt.float()
+    return ((loss_all * reply).sum() / reply.sum().clamp_min(1),
+            (loss_all * prompt).sum() / prompt.sum().clamp_min(1))
+
+
 def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers: int, log=print,
           device: str = "cuda", minutes: float | None = None, init: Path | None = None) -> Path:
     """`resume` continues a checkpoint's run (its config and step); `init` starts a new run (this config, step 0)
@@ -372,17 +391,19 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = forward(ids[:, :-1])
         loss_all = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        weight = mask[:, 1:].flatten()
-        loss = (loss_all * weight).sum() / weight.sum()
+        loss, prompt_loss = split_losses(loss_all, mask[:, 1:].flatten())
+        objective = loss + cfg.user_lm * prompt_loss if cfg.user_lm else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens_seen += ids.numel()
         if (step + 1) % 100 == 0 or step == start:
             rate = tokens_seen / (time.time() - t0)
-            history.append({"step": step + 1, "loss": round(loss.item(), 4), "lr": lr})
-            log(f"step {step + 1}/{total}  loss {loss.item():.4f}  lr {lr:.2e}  {rate / 1e3:.0f}k tok/s")
+            history.append({"step": step + 1, "loss": round(loss.item(), 4), "lr": lr,
+                            "prompt_loss": round(prompt_loss.item(), 4)})
+            log(f"step {step + 1}/{cfg.steps}  loss {loss.item():.4f}  prompts {prompt_loss.item():.3f}  lr {lr:.2e}  "
+                f"{rate / 1e3:.0f}k tok/s")
     save_checkpoint(model, end, cfg, vocab, out / "checkpoint", history)
     return export_gguf(model, vocab, out / "kvchat-memory-demo.gguf", Q.F16)
 

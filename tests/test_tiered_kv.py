@@ -166,7 +166,10 @@ def test_an_unsure_token_is_rechecked_and_the_rounds_it_could_read_are_brought_i
     opened = torch.arange(tiered.open_start, tiered.length)
     want = engine.model(torch.tensor([following]), reference,
                         attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
-    assert torch.allclose(tiered.step(following), want, atol=1e-3)  # summation order differs across machines
+    got = tiered.step(following)
+    # Summation order differs across machines and with the slots attended: 1e-4 of the largest logit (a wrong round
+    # in view moves the logits by far more).
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_a_recheck_that_finds_nothing_moves_nothing_and_keeps_the_tokens_logits(engine):
@@ -175,10 +178,14 @@ def test_a_recheck_that_finds_nothing_moves_nothing_and_keeps_the_tokens_logits(
     tiered.prefill(prompt)
     plain.prefill(prompt)
     resident, moved = list(tiered.resident), tiered.stats.transfer_bytes
-    for word in (" Your", " sister", "'s", " name", " is"):  # unsure after " Your" and " is"
+    unsure = 0  # the steps whose top probability is under recheck_below: each is rechecked
+    for word in (" Your", " sister", "'s", " name", " is"):
         token = int(engine.tokenizer.encode(word)[0])
-        assert torch.equal(tiered.step(token), plain.step(token))
-    assert tiered.stats.rechecks == 2 and not tiered.stats.found and tiered.resident == resident
+        logits = plain.step(token)
+        assert torch.equal(tiered.step(token), logits)
+        unsure += float(torch.softmax(logits.float(), dim=-1).max()) < 0.999999
+    assert unsure >= 2 and tiered.stats.rechecks == min(unsure, tiered.policy.max_rechecks)
+    assert not tiered.stats.found and tiered.resident == resident
     assert tiered.stats.transfer_bytes == moved
 
 

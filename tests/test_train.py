@@ -12,9 +12,9 @@ from kvchat.engine.dialogues import dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.parity import reference_logits, relative_error
 from kvchat.engine.tokenizer import Tokenizer
-from kvchat.engine.train import (TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue, export_gguf,
-                                 load_checkpoint, load_gguf_weights, save_checkpoint, vocab_from_gguf,
-                                 vocab_from_state)
+from kvchat.engine.train import (PROMPT, TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue,
+                                 export_gguf, load_checkpoint, load_gguf_weights, save_checkpoint, split_losses,
+                                 vocab_from_gguf, vocab_from_state)
 from kvchat.errors import KvchatError
 
 SMALL = TrainConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=256, n_merges=200)
@@ -49,15 +49,27 @@ def test_loss_mask_covers_assistant_replies_only(tmp_path):
     dlg = dialogues("train", 1, 2, 12, 12)[0]
     ids, mask = encode_dialogue(tok, dlg)
     assert len(ids) == len(mask)
-    supervised = tok.decode([int(t) for t, m in zip(ids, mask) if m], special=True)
+    supervised = tok.decode([int(t) for t, m in zip(ids, mask) if m and m != PROMPT], special=True)
     for r in dlg.rounds:
         assert r.assistant in supervised and r.user not in supervised
     assert supervised.count("<|im_end|>") == len(dlg.rounds)
+    prompts = tok.decode([int(t) for t, m in zip(ids, mask) if m == PROMPT], special=True)
+    assert all(r.user in prompts and r.assistant not in prompts for r in dlg.rounds)
     _, weighted = encode_dialogue(tok, dlg, oos_weight=2)  # out-of-scope replies count twice in the loss
-    assert dlg.out_of_scope and set(weighted.tolist()) == {0, 1, 2}
-    assert ((weighted > 0) == (mask > 0)).all()
+    assert dlg.out_of_scope and set(weighted.tolist()) == {0, 1, 2, PROMPT}
+    assert ((weighted == PROMPT) == (mask == PROMPT)).all() and ((weighted > 0) == (mask > 0)).all()
     twice = tok.decode([int(t) for t, w in zip(ids, weighted) if w == 2], special=True)
     assert all(dlg.rounds[o.round_index].assistant in twice for o in dlg.out_of_scope)
+
+
+def test_the_prompt_loss_is_apart_from_the_replies_loss():
+    losses = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    mask = torch.tensor([0.0, PROMPT, PROMPT, 1.0, 2.0, 0.0])  # template, two prompt tokens, a reply counted 1 and 2
+    replies, prompts = split_losses(losses, mask)
+    assert replies.item() == pytest.approx((4 + 2 * 5) / 3)  # as the replies-only loss always was
+    assert prompts.item() == pytest.approx((2 + 3) / 2)
+    _, none = split_losses(losses, torch.tensor([0.0, 0, 0, 1, 1, 0]))
+    assert none.item() == 0.0
 
 
 def test_checkpoint_round_trip_has_no_pickle(tmp_path):

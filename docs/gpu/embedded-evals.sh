@@ -10,6 +10,8 @@
 #   text       the policies' fidelity on MT-Bench text (`eval --text`)
 #   round      the three Round Attention strategies on both phrasing sets
 #   dev        the full cache on dev phrasings, four sets of 40 chats (seeds 0-3): for choosing between runs
+#   heldout    the full cache on held-out sets 1-3 (set 0 is base's): where dev does not predict held-out recall
+#   report     the full cache on held-out sets 4-7, which nothing is chosen on: the figures a shipped model reports
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -57,6 +59,10 @@ for part in "$@"; do
       done ;;
     dev)
       for seed in 0 1 2 3; do ev full-dev-seed$seed --phrasing dev --seed $seed; done ;;
+    heldout)
+      for seed in 1 2 3; do ev full-heldout-seed$seed --phrasing heldout --seed $seed; done ;;
+    report)
+      for seed in 4 5 6 7; do ev full-heldout-seed$seed --phrasing heldout --seed $seed; done ;;
   esac
 done
 wait
