@@ -87,7 +87,9 @@ class MergeCalibration:
     fingerprint: str
     n_layers: int
     accepted: list[str]  # pairs "i+j" that passed the check, in the order they were accepted
-    agreement: dict[str, float]  # pair checked -> agreement with it and the pairs accepted before it merged
+    # pair checked -> agreement with it and the pairs accepted before it merged; a pair checked by answers is given
+    # up on once it cannot pass, and its figure is then the most it could still have reached (below the bar)
+    agreement: dict[str, float]
     ir_share: list[float]  # pooled over the calibration chats, per layer
     gamma: float
     retain: float
@@ -171,7 +173,8 @@ def calibrate_merges(engine, fingerprint: str, chats: int, gamma: float = GAMMA,
             break
         if {pair.low, pair.high} & {x for p in accepted for x in (p.low, p.high)}:
             continue
-        agreed[str(pair)] = round(merged_agreement(engine, references, accepted + [pair], retain, by_answer), 4)
+        agreed[str(pair)] = round(merged_agreement(engine, references, accepted + [pair], retain, by_answer,
+                                                   give_up_below=AGREEMENT if by_answer else None), 4)
         (accepted if agreed[str(pair)] >= AGREEMENT else rejected).append(pair)
         if progress is not None:
             progress(n + 1, min(budget, len(ranked)))
@@ -199,13 +202,17 @@ def _reference_stats(engine, ref) -> LayerStats:
 
 @torch.inference_mode()
 def merged_agreement(engine, references, pairs: list[LayerPair], retain: float = RETAIN,
-                     by_answer: bool = False) -> float:
+                     by_answer: bool = False, give_up_below: float | None = None) -> float:
     """Share of the references' sure tokens predicted the same with `pairs` merged in the closed rounds (teacher
     forced along the full cache's reply, as the watershed check does); `by_answer`: share of the references whose
-    every token is."""
+    every token is, and with `give_up_below` the check stops as soon as that share can no longer reach it (a pair
+    that changes its first answers is not run over the rest), returning the most it could still have reached."""
     model = engine.model
     hits = count = answers = 0
-    for ref in references:
+    for n, ref in enumerate(references):
+        reachable = (answers + len(references) - n) / len(references)  # every answer still to check kept
+        if by_answer and give_up_below is not None and reachable < give_up_below:
+            return reachable
         history = [t for span in ref.history for t in span]
         cache = model.new_cache(len(history) + len(ref.prompt) + len(ref.reply) + 1)
         prefill(model, cache, history)

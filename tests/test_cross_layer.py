@@ -258,3 +258,6 @@ def test_the_check_by_answers_loses_an_answer_for_any_token_it_changes():
     harmful = [LayerPair(0, 1), LayerPair(4, 7)]  # input-sensitive layers: the answers change
     by_answer = merged_agreement(engine, refs, harmful, by_answer=True)
     assert by_answer < 1.0 and by_answer <= merged_agreement(engine, refs, harmful)
+    # given up on once it cannot pass: the most it could still have reached, below the bar and not below the truth
+    early = merged_agreement(engine, refs, harmful, by_answer=True, give_up_below=1.0)
+    assert by_answer <= early < 1.0 and early == 1 - 1 / len(refs)  # stopped at its first changed answer
