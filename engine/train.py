@@ -334,9 +334,8 @@ def _batches(corpus, batch: int, max_tokens: int, rng: random.Random):
 def split_losses(loss_all: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The replies' loss (weighted by the mask's reply weights) and the prompts' (PROMPT tokens), each averaged over
     its own tokens, so that adding the second leaves the first's scale alone."""
-    prompt = mask == PROMPT
-    reply = torch.where(prompt, torch.zeros_like(mask), mask)
-    prompt = prompt.float()
+    is_prompt = mask == PROMPT
+    reply, prompt = mask.masked_fill(is_prompt, 0), is_prompt.float()
     return ((loss_all * reply).sum() / reply.sum().clamp_min(1),
             (loss_all * prompt).sum() / prompt.sum().clamp_min(1))
 
@@ -392,9 +391,8 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
             logits = forward(ids[:, :-1])
         loss_all = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
         loss, prompt_loss = split_losses(loss_all, mask[:, 1:].flatten())
-        objective = loss + cfg.user_lm * prompt_loss if cfg.user_lm else loss
         opt.zero_grad(set_to_none=True)
-        objective.backward()
+        (loss + cfg.user_lm * prompt_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens_seen += ids.numel()
@@ -402,7 +400,7 @@ def train(cfg: TrainConfig, out: Path, resume: Path | None, steps: int, workers:
             rate = tokens_seen / (time.time() - t0)
             history.append({"step": step + 1, "loss": round(loss.item(), 4), "lr": lr,
                             "prompt_loss": round(prompt_loss.item(), 4)})
-            log(f"step {step + 1}/{cfg.steps}  loss {loss.item():.4f}  prompts {prompt_loss.item():.3f}  lr {lr:.2e}  "
+            log(f"step {step + 1}/{total}  loss {loss.item():.4f}  prompts {prompt_loss.item():.3f}  lr {lr:.2e}  "
                 f"{rate / 1e3:.0f}k tok/s")
     save_checkpoint(model, end, cfg, vocab, out / "checkpoint", history)
     return export_gguf(model, vocab, out / "kvchat-memory-demo.gguf", Q.F16)
