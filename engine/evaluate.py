@@ -179,7 +179,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             result.longest_reply = max(result.longest_reply, len(out.tokens))
             result.tokens += len(prompt) + len(out.tokens)
         if q is None and i in out_of_scope:
-            _score_out_of_scope(result, out_of_scope[i], out, ok)
+            _score_out_of_scope(result, out_of_scope[i], rnd.user, out, ok)
         elif q is not None:
             for table, key in ((result.by_kind, q.kind), (result.by_position, q.position),
                                (result.by_distance, q.distance_bucket), (result.by_stated, q.stated),
@@ -207,7 +207,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
     return cache.length
 
 
-def _score_out_of_scope(result: EvalResult, kind: str, out, expected: bool) -> None:
+def _score_out_of_scope(result: EvalResult, kind: str, prompt: str, out, expected: bool) -> None:
     polite = out.text.strip() in POLITE_REPLIES
     result.out_of_scope.add(polite)
     result.out_of_scope_by_kind[kind].add(polite)
@@ -215,7 +215,7 @@ def _score_out_of_scope(result: EvalResult, kind: str, out, expected: bool) -> N
     if not polite:
         result.longest_other_reply = max(result.longest_other_reply, len(out.tokens))
         if len(result.failures) < 40:
-            result.failures.append({"out_of_scope": kind, "got": out.text})
+            result.failures.append({"out_of_scope": kind, "prompt": prompt[-120:], "got": out.text})
 
 
 @dataclass

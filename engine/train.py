@@ -55,13 +55,16 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.05
     n_dialogues: int = 80000
+    # Chats of 4-52 rounds put 7% of the tokens past position 2,000, where eval's chats (44-52 rounds, ~2,500 tokens)
+    # ask most of their far-back questions; the last stages of the model shipped 2026-11-24 (latest) took 32-60.
     min_rounds: int = 4
     max_rounds: int = 52
     seed: int = 0
     # The defaults are the recipe of the model shipped 2026-11-23 (one run from random weights); the one shipped
-    # 2026-11-24 took three runs, each from the last one's weights (docs/embedded-model.md). Training noise level
-    # (dialogues.make_dialogue): 1 the defaults; 3 adds frame noise (more recall on new phrasings); 4 question
-    # tails; 5 makes half of the words put in everyday ones; 6 puts them in more tails too.
+    # 2026-11-24 (latest) took seven stages, each from the last one's weights, and the mean of the last two
+    # (docs/embedded-model.md). Training noise level (dialogues.make_dialogue): 1 the defaults; 3 adds frame noise
+    # (more recall on new phrasings); 4 question tails; 5 makes half of the words put in everyday ones; 6 puts them
+    # in more tails too.
     noise: int = 1
     compile: int = 0  # 1: torch.compile the model on a GPU (~1.8x the steps/s after ~2 minutes compiling)
     oos_weight: int = 1  # the loss weight of replies to out-of-scope prompts (a polite refusal) against recall's 1
@@ -70,8 +73,8 @@ class TrainConfig:
     # Weight of a second next-token loss on the prompts (the user's messages and the template around them), beside
     # the replies' loss (each averaged over its own tokens): predicting how people write gives the frame words
     # distributional embeddings ("called", "named", "known as" in the same places), which the replies' loss alone
-    # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (last) took 1.0 in its
-    # last stage (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
+    # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (latest) took 1.0 in its
+    # last four stages (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
     user_lm: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:

@@ -25,6 +25,10 @@ def test_every_policy_runs_the_same_chats(models, name):
         assert sum(t.questions for t in table.values()) == result.overall.questions
     assert result.out_of_scope.questions == sum(len(c.out_of_scope) for c in chats)
     assert result.tokens > 0 and result.min_chat_rounds >= 6
+    # a random model answers out-of-scope prompts impolitely: each such failure names the prompt that got it
+    prompts = {c.rounds[o.round_index].user[-120:] for c in chats for o in c.out_of_scope}
+    missed = [f for f in result.failures if "out_of_scope" in f]
+    assert missed and all(f["prompt"] in prompts for f in missed)
 
 
 def test_full_policy_sees_everything(models):
