@@ -55,7 +55,7 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.05
     n_dialogues: int = 80000
-    # Chats of 4-52 rounds put 7% of the tokens past position 2,000, where eval's chats (44-52 rounds, ~2,500 tokens)
+    # Chats of 4-52 rounds put 6% of the tokens past position 2,000, where eval's chats (44-52 rounds, ~2,500 tokens)
     # ask most of their far-back questions; the last stages of the model shipped 2026-11-24 (latest) took 32-60.
     min_rounds: int = 4
     max_rounds: int = 52
@@ -73,8 +73,8 @@ class TrainConfig:
     # Weight of a second next-token loss on the prompts (the user's messages and the template around them), beside
     # the replies' loss (each averaged over its own tokens): predicting how people write gives the frame words
     # distributional embeddings ("called", "named", "known as" in the same places), which the replies' loss alone
-    # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (latest) took 1.0 in its
-    # last four stages (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
+    # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (latest) took 1.0 in
+    # its last four stages (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
     user_lm: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
