@@ -173,6 +173,15 @@ class KVCache(nn.Module):
         parts = [self.ring[n, :, :, places] for places, _ in self._ring_places(start, end)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
+    def keys_of(self, layers: list[int], end: int) -> Tensor | None:
+        """K of slots [0, end) of several model layers as one view [len(layers), Hkv, end, D], where the cache
+        holds them side by side in `kv` (outside the rings, in adjacent places); None where it does not."""
+        places = [self._where[layer] for layer in layers]
+        n0 = places[0][1]
+        if any(in_ring or n != n0 + j for j, (in_ring, n) in enumerate(places)):
+            return None
+        return self.kv[n0 : n0 + len(layers), 0, :, :end]
+
     def gather(self, layer: int, slots: Tensor, lowest: int, end: int) -> Tensor:
         """K/V [2, Hkv, len(slots), D] of the listed slots (on the cache's device, all in [lowest, end): the
         caller knows the bounds, so no device sync is needed to check them) of one layer."""

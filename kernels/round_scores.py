@@ -137,6 +137,16 @@ if triton is not None:
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2
         return tl.where(key_ok[None, :], scores, float("-inf"))
 
+    @triton.jit
+    def _online_softmax_step(row_max, row_sum, scores):
+        """One key block into each row's running max and sum of exp2 (flash attention's m_i and l_i). A row may see
+        none of the block's keys (all -inf: masked keys): its max is kept finite for the update, so that
+        exp2(-inf - max) gives 0 rather than NaN."""
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(tl.exp2(scores - safe_max[:, None]), axis=1)
+        return new_max, row_sum
+
     @triton.autotune(**_AUTOTUNE)
     @triton.jit
     def _row_stats_kernel(q_ptr, k_ptr, row_max_ptr, row_sum_ptr,
@@ -163,11 +173,7 @@ if triton is not None:
             keys = block_start + tl.arange(0, BLOCK_N)
             scores = _scores_log2(q, k_head_ptr, keys, keys < split_end, stride_ks, stride_kd, qk_scale_log2,
                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_IN_FP32)
-            # Every split holds at least one key, so new_max is finite from the first block on and
-            # exp2(-inf - finite) = 0 wipes the initial row_sum of 0 harmlessly.
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            row_sum = row_sum * tl.exp2(row_max - new_max) + tl.sum(tl.exp2(scores - new_max[:, None]), axis=1)
-            row_max = new_max
+            row_max, row_sum = _online_softmax_step(row_max, row_sum, scores)
         out = (kv_head * tl.num_programs(2) + split) * n_rows + rows
         tl.store(row_max_ptr + out, row_max, mask=row_ok)
         tl.store(row_sum_ptr + out, row_sum, mask=row_ok)

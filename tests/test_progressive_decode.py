@@ -113,6 +113,52 @@ def test_under_a_round_policy_each_layer_chooses_among_what_it_may_see(model):
             assert set(step.chosen[layer, head, :6].tolist()) <= allowed
 
 
+def test_layers_that_see_fewer_slots_than_the_budget_keep_all_they_see(model):
+    m, cfg = model.model, model.config
+    cache, logits, n = prefilled(model)
+    attend = SplitAttend(4, torch.arange(5, 20))  # layers from 4 see 15 history slots and the 10 of the prompt
+    step = ProgressiveDecode(m, cache, n - 10, 200, budget=30, interval=2, warmup=2, attend=attend, capture=False)
+    decode(step, logits, 2)
+    assert step.selections == 1 and n > 30
+    assert step.base[:4].tolist() == [30] * 4 and step.base[4:].tolist() == [25] * (cfg.n_layers - 4)
+    for layer in range(4, cfg.n_layers):
+        for head in range(cfg.n_kv_heads):
+            assert sorted(step.chosen[layer, head, :25].tolist()) == list(range(5, 20)) + list(range(n - 10, n))
+
+
+def test_the_choice_is_the_same_whatever_the_grouping_of_layers(model, monkeypatch):
+    """Without the kernel the choice scores groups of layers at once, as many as SCORE_BYTES holds: one group of
+    every layer here, or (SCORE_BYTES = 1) one layer at a time, and the same slots either way."""
+    runs = []
+    for score_bytes in (ProgressiveDecode.SCORE_BYTES, 1):
+        monkeypatch.setattr(ProgressiveDecode, "SCORE_BYTES", score_bytes)
+        cache, logits, n = prefilled(model)
+        step = ProgressiveDecode(model.model, cache, 0, 200, budget=8, interval=4, warmup=4, capture=False)
+        decode(step, logits, 4)
+        runs.append((len(step._groups), step.chosen[:, :, :8].sort(-1).values))
+    assert runs[0][0] == 1 and runs[1][0] == model.config.n_layers
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+def test_on_gemma_the_global_layers_choose_and_rings_change_nothing(models):
+    """Gemma 3's sliding-window layers keep their window; the global layers choose. With the window layers in rings
+    (apart from the global layers' keys) the choice and the reply are those of a cache of every slot."""
+    from kvchat.engine.synthetic import REFERENCE_MODELS
+
+    engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
+    m, prompt = engine.model, engine.encode_prompt(QUESTION)
+    runs = []
+    for ring in (False, True):
+        cache = m.new_cache(256, ring=ring)
+        logits = m(torch.tensor(prompt), cache)[-1]
+        step = ProgressiveDecode(m, cache, 0, 200, budget=6, interval=4, warmup=4, capture=False)
+        tokens, rows = decode(step, logits, 8)
+        assert step.layers == [i for i in range(engine.config.n_layers) if not engine.config.window(i)]
+        runs.append((tokens, rows, step.chosen[step.layers, :, :6].sort(-1).values))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][2], runs[1][2])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-5, atol=1e-5)
+
+
 def test_the_policies_take_their_options_and_refuse_bad_ones(model):
     policy = make_policy("loopserve", model, budget=64, interval=8)
     assert policy.budget == 64 and policy.interval == 8 and policy.pool == 7

@@ -18,6 +18,7 @@ for part in "$@"; do
   case "$part" in
     tests)
       python3 -m pytest -q -rA -p no:cacheprovider tests/test_sparse_prefill.py tests/test_progressive_decode.py \
+        tests/test_slot_mass.py \
         -k "gpu" 2>&1 | tail -25 | tee "$OUT/pytest-loopserve-gpu.txt" ;;
     8b)
       kvchat bench loopserve --shape llama-3.1-8b --context 8192,32768,65536 --cache-dir /tmp/bench-models \
