@@ -344,7 +344,9 @@ class ChatSession:
             finish = lambda header, raw: staging.copy(raw)  # noqa: E731
         else:
             finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
-        fetcher = self._prefetcher(loads, finish)
+        # While this thread queues a recompute, the decoding leaves it cores (SegmentPrefetcher's note on why).
+        threads = SegmentPrefetcher.decode_threads_beside_compute() if any(plan.prefix) else None
+        fetcher = self._prefetcher(loads, finish, decode_threads=threads)
         self._bounds_fetcher = self._start_bounds_fetch(bounds, finish)
         try:
             restored = self._run_plan(plan, loads, fetcher, stats, started, progress, cancel)

@@ -339,7 +339,7 @@ def _staging_gb_s(device: torch.device, decoded: list[bytes]) -> float | None:
     return sum(len(r) for r in decoded) / (time.perf_counter() - t0) / 1e9
 
 
-def _load(engine, files: list[Path], fingerprint: str) -> float:
+def _load(engine, files: list[Path], fingerprint: str, decode_threads: int | None = None) -> float:
     """Seconds to bring `files` to the device as a restore does (read ahead, verify, decompress, stage, merge)."""
     device = engine.device
     if device.type == "cuda":
@@ -348,7 +348,7 @@ def _load(engine, files: list[Path], fingerprint: str) -> float:
     else:
         finish = lambda header, raw: tensor_on(header, raw, "cpu")  # noqa: E731
     fetcher = SegmentPrefetcher(files[0].parent, fingerprint, [[f.name] for f in files],
-                                [f.stat().st_size for f in files], finish=finish)
+                                [f.stat().st_size for f in files], finish=finish, decode_threads=decode_threads)
     t0 = time.perf_counter()
     try:
         for i in range(len(files)):
@@ -393,7 +393,9 @@ def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint:
     compute_s = recompute().run().busy_s
     both = recompute()
     took: list[float] = []
-    loader = threading.Thread(target=lambda: took.append(_load(engine, files, fingerprint)))
+    # Beside a recompute a restore decodes on fewer threads: the load's slowdown includes that.
+    threads = SegmentPrefetcher.decode_threads_beside_compute()
+    loader = threading.Thread(target=lambda: took.append(_load(engine, files, fingerprint, threads)))
     _sync(engine.device)
     loader.start()
     both.launch()

@@ -5,11 +5,12 @@ Every `interval` tokens the progressive decode (engine/progressive_decode.py) ke
 input slots that the last T decoded tokens attended to most. That needs, for every input slot, the softmax
 probabilities over all keys (input and reply so far, causal) summed over the T tokens and the n_rep query heads
 sharing the KV head. In torch that is a [G, Hkv, n_rep * T, S] float32 score tensor read and written half a dozen
-times (a quarter of a gigabyte per layer at 64k keys); the kernel never materializes it, and does all layers of a
+times (134 MB per layer at 64k keys for the 8B shape); the kernel never materializes it, and does all layers of a
 group in one launch. `slot_mass_ref` below is the plain-torch definition it is tested against.
 
 Shapes: G layers, T query tokens (the reply's last T, at slots S - T .. S - 1), H query heads, Hkv KV heads
-(H = Hkv * n_rep), S keys (slots [0, S)), D head size, N input slots (the mass is wanted for slots [0, N), N <= S - T).
+(H = Hkv * n_rep), S keys (slots [0, S)), D head size, N input slots (the mass is wanted for slots [0, N),
+N <= S - T).
 
 Layout (as kernels/round_scores.py, whose tile helpers it shares): query rows grouped by KV head (row r is token
 r // n_rep, query head g * n_rep + r % n_rep), so one key tile serves all of them; the grid is (row blocks,

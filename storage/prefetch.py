@@ -25,14 +25,15 @@ class SegmentPrefetcher:
     WINDOW_BYTES = 1 << 30
 
     def __init__(self, folder: Path, fingerprint: str, groups: list[list[str]], sizes: list[int],
-                 finish: Finish | None = None, window_bytes: int | None = None):
+                 finish: Finish | None = None, window_bytes: int | None = None, decode_threads: int | None = None):
         """`groups[i]`: the files of item i (e.g. one round's segments), `sizes[i]`: their decoded bytes;
-        `window_bytes`: how far ahead of the consumer to read (default WINDOW_BYTES)."""
+        `window_bytes`: how far ahead of the consumer to read (default WINDOW_BYTES); `decode_threads`: how many
+        segments are decoded at once (default `decode_threads()`, one per core)."""
         self.folder, self.fingerprint, self.finish = Path(folder), fingerprint, finish
         self.groups, self.sizes = groups, sizes
         self.window = self.WINDOW_BYTES if window_bytes is None else window_bytes
         self._readers = ThreadPoolExecutor(self.READERS, thread_name_prefix="kv-read", initializer=_yielding)
-        self._decoders = ThreadPoolExecutor(self.decode_threads(), thread_name_prefix="kv-decode",
+        self._decoders = ThreadPoolExecutor(decode_threads or self.decode_threads(), thread_name_prefix="kv-decode",
                                             initializer=_yielding)
         self._futures: list[Future] = []
         # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
@@ -53,6 +54,15 @@ class SegmentPrefetcher:
     def decode_threads() -> int:
         """How many segments are verified and decompressed at once."""
         return os.cpu_count() or 1
+
+    @staticmethod
+    def decode_threads_beside_compute() -> int:
+        """The same while another thread queues work for the device (a restore's recompute stream): a quarter of
+        the cores, at most 4, are left to it. With a decoding thread on every core the host queued the recompute
+        too slowly and the device idled: on the H100 (16 cores) 25-48% of the recompute stream's span at 8k and 32k,
+        and 5-7% with 12 decoding threads (docs/benchmarks.md, docs/probes/restore_trace.py)."""
+        n = os.cpu_count() or 1
+        return max(1, n - min(4, n // 4))
 
     def get(self, i: int) -> list[tuple[SegmentHeader, object]] | str:
         """Item i's segments as (header, finished bytes), or why they cannot be used. Items are taken in order."""

@@ -4,6 +4,7 @@ compaction of what every plan recomputes; and the planner itself on made-up mach
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayou
                                         fixed_plan, load_everything, plan_groups, plan_restore, synthetic_rounds)
 from kvchat.storage.db import Store
 from kvchat.storage.failpoints import COMPACT_POINTS
+from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.fingerprint import model_fingerprint
 
 SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
@@ -114,6 +116,33 @@ def test_split_restores_exactly(engine, kvchat_home, split):
     session.close()
     assert {s["file"] for s in store.segments(sid)} == files  # what the plan recomputed is not written back
     assert stats.compute_ms > 0 if planned else stats.compute_ms == 0
+
+
+@pytest.mark.parametrize("cores, threads", [(64, 60), (16, 12), (8, 6), (4, 3), (2, 2), (1, 1)])
+def test_decoding_beside_a_recompute_leaves_cores_to_it(monkeypatch, cores, threads):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert SegmentPrefetcher.decode_threads() == cores
+    assert SegmentPrefetcher.decode_threads_beside_compute() == threads
+
+
+def test_a_split_restore_decodes_on_fewer_threads(engine, kvchat_home, monkeypatch):
+    """While the restoring thread queues a recompute the segments decode on fewer threads; a restore that only
+    loads decodes on one per core."""
+    store, sid = chat_of(engine)
+    made = []
+
+    class Recording(SegmentPrefetcher):
+        def __init__(self, *args, decode_threads=None, **kwargs):
+            made.append(decode_threads)
+            super().__init__(*args, decode_threads=decode_threads, **kwargs)
+            assert self._decoders._max_workers == (decode_threads or 16)
+
+    monkeypatch.setattr(chat_session_module, "SegmentPrefetcher", Recording)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    ChatSession(store, engine, sid).restore()
+    ChatSession(store, engine, sid, planner=fixed(lambda rounds, groups: (0,) * groups)).restore()
+    ChatSession(store, engine, sid, planner=fixed(lambda rounds, groups: (1,) * groups)).restore()
+    assert made == [None, None, 12]
 
 
 @pytest.fixture

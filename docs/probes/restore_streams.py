@@ -33,6 +33,38 @@ def median_of(runs: int, fn) -> dict:
     return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
+def bench_chats(home: str, model: str, device: str) -> tuple[Engine, Store, list[dict]]:
+    """The engine, the store in `home` and the chats `kvchat bench` stored there, shortest first."""
+    store = Store(Path(home))
+    chats = sorted((s for s in store.sessions() if s["title"].startswith("bench ")), key=lambda s: s["n_rounds"])
+    return Engine(model, device=device), store, chats
+
+
+def bench_chat_runs(engine: Engine, store: Store, info: dict):
+    """For a chat `kvchat bench` stored: (recompute_alone(k), restore(k)): the first k rounds recomputed alone on
+    the recompute stream, and the chat restored with its first k rounds recomputed (k None: everything loaded);
+    each returns its figures in ms."""
+    sid, rounds = info["id"], store.rounds(info["id"])
+    layers = range(engine.config.n_layers)
+
+    def recompute_alone(k: int) -> dict:
+        conv = Conversation([Round(r.user_text, r.assistant_text) for r in rounds[:k]], info["system_prompt"])
+        tokens = engine.chat.conversation_tokens(conv)
+        cache = engine.new_cache(len(tokens) + 8)
+        run = PrefixRecompute(engine.model, tokens, [PyramidStep(layers, len(tokens), cache)]).run()
+        return {"busy_ms": 1000 * run.busy_s, "launched_ms": 1000 * run.launched_s}
+
+    def restore(k: int | None) -> dict:
+        planner = None if k is None else (lambda r, g, b: fixed_plan(r, g, (k,) * len(g)))
+        session = ChatSession(store, engine, sid, planner=planner)
+        st = session.restore()
+        session.close()
+        return {"restore_ms": st.restore_ms, "compute_ms": st.compute_ms, "launch_ms": st.compute_launch_ms,
+                "load_ms": st.load_ms, "gap_ms": st.gap_ms}
+
+    return recompute_alone, restore
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--home", required=True)
@@ -40,27 +72,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    engine = Engine(args.model, device=args.device)
-    store = Store(Path(args.home))
-    sessions = [s for s in store.sessions() if s["title"].startswith("bench ")]
-    for info in sorted(sessions, key=lambda s: s["n_rounds"]):
-        sid, rounds = info["id"], store.rounds(info["id"])
-        n, L = len(rounds), engine.config.n_layers
+    engine, store, chats = bench_chats(args.home, args.model, args.device)
+    for info in chats:
+        rounds = store.rounds(info["id"])
+        n = len(rounds)
 
-        def recompute_alone(k: int) -> dict:
-            conv = Conversation([Round(r.user_text, r.assistant_text) for r in rounds[:k]], info["system_prompt"])
-            tokens = engine.chat.conversation_tokens(conv)
-            cache = engine.new_cache(len(tokens) + 8)
-            run = PrefixRecompute(engine.model, tokens, [PyramidStep(range(L), len(tokens), cache)]).run()
-            return {"busy_ms": 1000 * run.busy_s, "launched_ms": 1000 * run.launched_s}
-
-        def restore(k: int | None) -> dict:
-            planner = None if k is None else (lambda r, g, b: fixed_plan(r, g, (k,) * len(g)))
-            session = ChatSession(store, engine, sid, planner=planner)
-            st = session.restore()
-            session.close()
-            return {"restore_ms": st.restore_ms, "compute_ms": st.compute_ms, "launch_ms": st.compute_launch_ms,
-                    "load_ms": st.load_ms, "gap_ms": st.gap_ms}
+        recompute_alone, restore = bench_chat_runs(engine, store, info)
 
         restore(None), restore(n // 2), recompute_alone(n // 2)  # warm-up
         out = {"tokens": rounds[-1].token_end, "rounds": n, "kv_load": median_of(args.runs, lambda: restore(None))}
