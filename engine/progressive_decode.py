@@ -151,13 +151,14 @@ class ProgressiveDecode:
         window = self.queries[ring].transpose(0, 1)  # [L, n_win, H, D]
         for layers, at in self._groups:
             g = len(layers)
-            candidates = self.candidates[at]  # [G, first]
+            candidates = None if self._every_slot else self.candidates[at]  # [G, first]: what each layer sees
             keys = self.cache.keys_of(layers, end)  # [G, Hkv, end, D], a view in the cache's dtype
-            mass = slot_mass(window[at], keys, first, None if self._every_slot else candidates, cfg.softmax_scale)
+            mass = slot_mass(window[at], keys, first, candidates, cfg.softmax_scale)
             if self.pool > 1:
                 pooled = F.max_pool1d(mass.flatten(0, 1)[:, None], self.pool, stride=1, padding=self.pool // 2)
                 mass = pooled[:, 0, :first].view(g, cfg.n_kv_heads, first)
-            mass = mass.masked_fill(~candidates[:, None], -1.0)
+            if candidates is not None:
+                mass = mass.masked_fill(~candidates[:, None], -1.0)
             n_keep = [min(self.budget, self.n_candidates[layer]) for layer in layers]
             top = mass.topk(max(n_keep), dim=2).indices.to(torch.int32)  # [G, Hkv, k], largest first
             if len(set(n_keep)) == 1:

@@ -264,16 +264,24 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _keys_per_split(n_rows: int, n_kv_heads: int, n_keys: int, device: torch.device) -> int:
-    """Split the keys until the grid has a few programs per SM (assuming 64-row tiles), each split a multiple of
-    KEY_SPLIT_QUANTUM keys and at least that long."""
+def _keys_per_split(n_programs: int, n_keys: int, device: torch.device) -> int:
+    """Split the keys until the grid (`n_programs` per split: row tiles x heads) has a few programs per SM, each
+    split a multiple of KEY_SPLIT_QUANTUM keys and at least that long."""
     most_splits = math.ceil(n_keys / KEY_SPLIT_QUANTUM)
     if device.type == "cuda":
         target_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        n_splits = min(most_splits, math.ceil(target_programs / (math.ceil(n_rows / 64) * n_kv_heads)))
+        n_splits = min(most_splits, math.ceil(target_programs / n_programs))
     else:  # the interpreter runs programs one by one: the splitting costs nothing, and the tests cross splits
         n_splits = most_splits
     return math.ceil(math.ceil(n_keys / n_splits) / KEY_SPLIT_QUANTUM) * KEY_SPLIT_QUANTUM
+
+
+def _merge_splits(row_max: Tensor, row_sum: Tensor) -> Tensor:
+    """The splits' statistics ([heads, n_splits, n_rows], log2 domain) merged into one log2-sum-exp2 per row:
+    [heads, n_rows]."""
+    overall_max = row_max.amax(dim=1, keepdim=True)
+    row_lse = overall_max + torch.log2((row_sum * torch.exp2(row_max - overall_max)).sum(dim=1, keepdim=True))
+    return row_lse.squeeze(1).contiguous()
 
 
 def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
@@ -283,7 +291,7 @@ def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
     n_rep = n_heads // n_kv_heads
     n_rows = n_tokens * n_rep
     if keys_per_split is None:
-        keys_per_split = _keys_per_split(n_rows, n_kv_heads, n_keys, q.device)
+        keys_per_split = _keys_per_split(math.ceil(n_rows / 64) * n_kv_heads, n_keys, q.device)  # 64-row tiles
     n_splits = math.ceil(n_keys / keys_per_split)
     common = dict(
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
@@ -306,10 +314,7 @@ def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
     row_max = torch.empty(n_kv_heads, n_splits, n_rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     _row_stats_kernel[grid](q, k, row_max, row_sum, **common)
-    # Merge the splits' statistics into one log2-sum-exp2 per row: [Hkv, n_rows].
-    overall_max = row_max.amax(dim=1, keepdim=True)
-    row_lse = (overall_max + torch.log2((row_sum * torch.exp2(row_max - overall_max)).sum(dim=1, keepdim=True)))
-    row_lse = row_lse.squeeze(1).contiguous()
+    row_lse = _merge_splits(row_max, row_sum)  # [Hkv, n_rows]
 
     key_mass = torch.zeros(n_keys, dtype=torch.float32, device=q.device)
     _key_mass_kernel[grid](q, k, row_lse, key_mass, **common)

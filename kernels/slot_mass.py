@@ -27,14 +27,13 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.kernels.round_scores import INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, triton, triton_kernel_runs_on
+from kvchat.kernels.round_scores import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, _keys_per_split, _merge_splits,
+                                        _next_power_of_2, triton, triton_kernel_runs_on)
 
 if triton is not None:
     import triton.language as tl
 
     from kvchat.kernels.round_scores import _load_query_rows, _online_softmax_step, _scores_log2
-
-KEY_SPLIT_QUANTUM = 256  # splits are multiples of this (>= BLOCK_N), so no split ends inside a key block but at S
 
 
 def slot_mass_ref(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None = None,
@@ -165,25 +164,14 @@ def _check_inputs(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None, sc
         raise ValueError(f"scale must be a finite positive number, got {scale!r}")
 
 
-def _keys_per_split(n_programs: int, n_keys: int, device: torch.device) -> int:
-    """Split the keys until the grid has a few programs per SM, each split a multiple of KEY_SPLIT_QUANTUM."""
-    most = max(1, math.ceil(n_keys / KEY_SPLIT_QUANTUM))
-    if device.type == "cuda":
-        n_splits = min(most, math.ceil(4 * torch.cuda.get_device_properties(device).multi_processor_count
-                                       / n_programs))
-    else:  # the interpreter runs programs one by one: the tests cross splits
-        n_splits = most
-    return math.ceil(math.ceil(n_keys / max(n_splits, 1)) / KEY_SPLIT_QUANTUM) * KEY_SPLIT_QUANTUM
-
-
 def _slot_mass_triton(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None, scale: float) -> Tensor:
     n_layers, n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, n_keys = k.shape[1], k.shape[2]
     n_rep = n_heads // n_kv_heads
     n_rows = n_tokens * n_rep
-    block_m = 32 if INTERPRET else min(128, max(16, 1 << (n_rows - 1).bit_length()))
-    block_n = 64
-    block_d = max(16, 1 << (head_dim - 1).bit_length())  # tl.dot needs every side >= 16
+    block_m = 32 if INTERPRET else min(128, max(16, _next_power_of_2(n_rows)))
+    block_n = 64  # <= round_scores.KEY_SPLIT_QUANTUM: no split ends inside a key block but at the last key
+    block_d = max(16, _next_power_of_2(head_dim))  # tl.dot needs every side >= 16
     n_row_blocks = math.ceil(n_rows / block_m)
     heads = n_layers * n_kv_heads
     vis = visible.to(torch.uint8) if visible is not None else q.new_empty(1, 1, dtype=torch.uint8)
@@ -206,10 +194,7 @@ def _slot_mass_triton(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None
     _row_stats_kernel[(n_row_blocks, heads, n_splits)](
         q, k, vis, row_max, row_sum, n_tokens=n_tokens, n_keys=n_keys, n_input=n_input, keys_per_split=split,
         **common)
-    # Every row sees at least its own key, so each row's overall max is finite.
-    overall = row_max.amax(dim=1, keepdim=True)
-    row_lse = (overall + torch.log2((row_sum * torch.exp2(row_max - overall)).sum(dim=1, keepdim=True)))
-    row_lse = row_lse.squeeze(1).contiguous()  # [G * Hkv, n_rows]
+    row_lse = _merge_splits(row_max, row_sum)  # [G * Hkv, n_rows]; every row sees its own key: finite
     mass = torch.zeros(n_layers, n_kv_heads, n_input, dtype=torch.float32, device=q.device)
     if n_input:
         split = _keys_per_split(n_row_blocks * heads, n_input, q.device)
