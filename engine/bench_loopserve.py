@@ -21,11 +21,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvchat.engine.engine import Engine
 from kvchat.engine.floor import timed_runs
 from kvchat.engine.generate import decoder_step
+from kvchat.engine.model import BottomRightCausal, bottom_right_causal_attention
 from kvchat.engine.policies.loopserve import POOL
 from kvchat.engine.progressive_decode import ProgressiveDecode
 from kvchat.engine.sparse_prefill import SparsePrefill
@@ -66,12 +66,10 @@ def attention_figures(n_heads: int, n_kv_heads: int, head_dim: int, context: int
     scale = 1 / math.sqrt(head_dim)
     chunks = [(s, min(context, s + CHUNK)) for s in range(0, context, CHUNK)]
 
-    def dense():
-        from torch.nn.attention.bias import causal_lower_right
-
+    def dense():  # as the engine's prefill attends
         for s, e in chunks:
-            F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kv[0, :, :e][None], kv[1, :, :e][None],
-                                           attn_mask=causal_lower_right(e - s, e), scale=scale, enable_gqa=True)
+            bottom_right_causal_attention(q[s:e].transpose(0, 1)[None], kv[0, :, :e][None], kv[1, :, :e][None],
+                                          BottomRightCausal(e - s, e), scale=scale, enable_gqa=True)
 
     out = {"context": context, "dense": _summary(_timed(dense, device, repeats)), "sparse": []}
     for density in densities:

@@ -25,6 +25,7 @@ from kvchat.kernels.decode_attention import decode_attention, unsupported_reason
 from kvchat.kernels.gemv import gemv
 from kvchat.kernels.rms_norm import add_rms_norm
 from kvchat.kernels.rope_kv import rope_kv
+from kvchat.kernels.round_scores import SUPPORTED_DTYPES, triton_kernel_runs_on
 from kvchat.kernels.silu_mul import silu_mul
 
 
@@ -521,8 +522,35 @@ class DecoderLayer(nn.Module):
         over slots [0, step.length), SwiGLU, and the matrix products as GEMVs. ~10 kernels instead of ~26, so a
         captured step spends its time reading weights rather than between small kernels. forward()'s numbers
         within the dtype's rounding."""
-        cfg = self.cfg
+        return self._fused(h, pending, lambda x: self._decode_attention(x, layer, cache, step, queries), gemv)
+
+    def fused_prefill(self, h: Tensor, pending: Tensor | None, layer: int, rot: Rotations, cache: KVCache,
+                      start: int, attend: Tensor | None, queries: list | None) -> tuple[Tensor, Tensor]:
+        """forward() for T new tokens on the GPU with the norms fused with their residual adds and SwiGLU in one
+        kernel, (h, pending) as in fused_decode: a third fewer kernels, which a short prefill (a message over a
+        chat, a restore's recomputed rounds) spends its time queuing."""
+        return self._fused(h, pending, lambda x: self._attention(x, layer, rot, cache, start, attend, None, queries),
+                           F.linear)
+
+    def _fused(self, h: Tensor, pending: Tensor | None, attention: Callable[[Tensor], Tensor],
+               linear: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
         h, x = add_rms_norm(h, pending, self.attn_norm.weight, self.attn_norm.eps)
+        out = attention(x)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        h, x = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps)
+        gate_up = linear(self.round_gate_up(x), self.w_gate_up)
+        if self.cfg.gelu_ffn:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.gelu(gate) * up
+        else:
+            act = silu_mul(gate_up)
+        out = linear(self.round_down(act), self.w_down)
+        return h, out if self.post_ffn_norm is None else self.post_ffn_norm(out)
+
+    def _decode_attention(self, x: Tensor, layer: int, cache: KVCache, step: "DecodeStep",
+                          queries: list | None) -> Tensor:
+        cfg = self.cfg
         qkv = gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
         if self.q_norm is not None:
             n_qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
@@ -546,18 +574,7 @@ class DecoderLayer(nn.Module):
         else:
             attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale,
                                         window=self.window).view(1, -1)
-        out = gemv(self.round_wo(attended), self.wo)
-        if self.post_attn_norm is not None:
-            out = self.post_attn_norm(out)
-        h, x = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps)
-        gate_up = gemv(self.round_gate_up(x), self.w_gate_up)
-        if cfg.gelu_ffn:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = self.gelu(gate) * up
-        else:
-            act = silu_mul(gate_up)
-        out = gemv(self.round_down(act), self.w_down)
-        return h, out if self.post_ffn_norm is None else self.post_ffn_norm(out)
+        return gemv(self.round_wo(attended), self.wo)
 
     def _masked_decode(self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
         """One token's attention q [H, D] over keys/values [Hkv, C, D] where `visible` [C] (bool) -> [1, H * D], in
@@ -580,11 +597,44 @@ class DecoderLayer(nn.Module):
             m = None if mask is None else mask.reshape(1, -1, 1, mask.shape[-1])  # one mask, or one per KV head
             out = F.scaled_dot_product_attention(grouped, keys[None], values[None], attn_mask=m, scale=scale)
             return out.reshape(1, cfg.n_heads * cfg.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=cfg.n_rep > 1,
-        )  # [1, H, T, D]
+        args = (q.transpose(0, 1)[None], keys[None], values[None])
+        if isinstance(mask, BottomRightCausal):
+            out = bottom_right_causal_attention(*args, mask, scale=scale, enable_gqa=cfg.n_rep > 1)
+        else:
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask, is_causal=causal, scale=scale,
+                                                 enable_gqa=cfg.n_rep > 1)  # [1, H, T, D]
         return out[0].transpose(0, 1).reshape(n_new, cfg.n_heads * cfg.head_dim)
+
+
+@dataclass(frozen=True)
+class BottomRightCausal:
+    """The mask of T new tokens after S - T cached ones: new token i sees every cached slot and new tokens 0..i."""
+
+    n_new: int  # T
+    n_keys: int  # S
+
+    def materialize(self, device: torch.device) -> Tensor:
+        cols = torch.arange(self.n_keys, device=device)
+        rows = torch.arange(self.n_new, device=device)
+        return cols[None, :] <= (self.n_keys - self.n_new + rows)[:, None]  # [T, S]
+
+
+def bottom_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: BottomRightCausal, *, scale: float,
+                                  enable_gqa: bool) -> Tensor:
+    """SDPA of q [1, H, T, D] over k/v [1, Hkv, S, D] under `mask` -> [1, H, T, D]; by flash attention, whose
+    causal mask is bottom-right aligned, where it applies, else through the materialized mask.
+
+    What torch.nn.attention.bias.causal_lower_right does, without importing it: that module pulls in torch._dynamo,
+    1-5 s paid inside the first long resume of every process (the benchmark's cold runs took 5.7-7.4 s for it)."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    if mask.n_new == mask.n_keys:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    if q.shape[-1] % 8 == 0 and can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, enable_gqa)):
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.materialize(q.device), scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
 def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int = 0):
@@ -612,17 +662,10 @@ def _attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Ten
         if n_new == 1:
             return keys, values, None, False
     if cache.kv.device.type == "cuda":
-        # Bottom-right causal as a bias SDPA understands: flash attention runs it without a [T, S] mask (a chunked
-        # prefill's later chunks, a message over a long chat), where a boolean mask costs a slower kernel.
-        # Imported here, not at the top: torch.nn.attention.bias pulls in torch._dynamo (~1 s), which a CPU run or a
-        # CLI command that fails early never needs.
-        from torch.nn.attention.bias import causal_lower_right
-
-        return keys, values, causal_lower_right(n_new, n_prev + n_new), False
-    # Bottom-right causal: new token i sees every earlier slot and new tokens 0..i.
-    cols = torch.arange(n_prev + n_new, device=cache.kv.device)
-    rows = torch.arange(n_new, device=cache.kv.device)
-    return keys, values, cols[None, :] <= (n_prev + rows)[:, None], False
+        # Run by flash attention without a [T, S] mask where it applies (a chunked prefill's later chunks, a message
+        # over a long chat); a boolean mask costs a slower kernel.
+        return keys, values, BottomRightCausal(n_new, n_prev + n_new), False
+    return keys, values, BottomRightCausal(n_new, n_prev + n_new).materialize(cache.kv.device), False
 
 
 def _step_visible(cache: KVCache, step: "DecodeStep", window: int) -> Tensor:
@@ -757,6 +800,12 @@ def decode_kernel_runs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     return _KERNEL_CHECKED[key]
 
 
+def fused_prefill_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a prefill runs DecoderLayer.fused_prefill: its two kernels take any shape, in Triton (the GPU, or
+    triton's interpreter)."""
+    return dtype in SUPPORTED_DTYPES and triton_kernel_runs_on(device)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, tok_embeddings: Tensor, layers: list[LayerWeights], output_norm: Tensor,
                  output: Tensor | None, freq_factors: Tensor | None,
@@ -845,6 +894,12 @@ class Transformer(nn.Module):
             pending = None
             for i in layers:
                 h, pending = self.layers[i].fused_decode(h, pending, i, cache, step, queries)
+            return h + pending
+        if step is None and h.shape[0] and fused_prefill_runs(h.dtype, h.device):
+            pending = None
+            for i in layers:
+                h, pending = self.layers[i].fused_prefill(h, pending, i, rot, cache, start, attend_at(attend, i),
+                                                          queries)
             return h + pending
         for i in layers:
             h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step, queries)

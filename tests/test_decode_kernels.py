@@ -106,10 +106,39 @@ def test_interpreted_kernels_match_references(dtype):
     check_gemv(dtype, "cpu", 64, 128)
 
 
+def fused_and_plain_prefill(engine, monkeypatch, chunk: int):
+    """Logits and K/V of a prompt in chunks and a message over it: through the fused prefill, then plainly."""
+    from kvchat.engine import model as model_module
+    from kvchat.engine.generate import prefill
+    from kvchat.engine.synthetic import REFERENCE_PROMPT
+
+    tokens = engine.encode_prompt(REFERENCE_PROMPT)
+    out = []
+    for fused in (True, False):
+        monkeypatch.setattr(model_module, "fused_prefill_runs", lambda *args, fused=fused: fused)
+        cache = engine.new_cache(len(tokens) + 8)
+        prefill(engine.model, cache, tokens[:-5], chunk=chunk)
+        logits = prefill(engine.model, cache, tokens[-5:])
+        out.append((logits.float(), cache.kv[:, :, :, : len(tokens)].float()))
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("spec", [dict(n_layers=2), dict(arch="qwen2", style="chatml", n_layers=2)], ids=str)
+def test_interpreted_fused_prefill_matches_the_plain_one(models, monkeypatch, spec):
+    """Norms fused with their residual adds and SwiGLU in one kernel: the same model in fp32."""
+    from kvchat.engine.engine import Engine
+
+    (fused, fused_kv), (plain, plain_kv) = fused_and_plain_prefill(
+        Engine(models.get(**spec), device="cpu"), monkeypatch, chunk=9)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_kv, plain_kv, rtol=1e-4, atol=1e-4)
+
+
 def test_the_kernels_in_triton_s_interpreter():
     if INTERPRET:
         pytest.skip("already in the interpreter")
-    assert passed_in_interpreter(__file__) == len(DTYPES)
+    assert passed_in_interpreter(__file__) == len(DTYPES) + 2
 
 
 @pytest.mark.gpu

@@ -80,6 +80,62 @@ def test_chunked_prefill_on_cuda_equals_one_pass(models, spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (8, 8), (14, 2)])
+def test_bottom_right_causal_attention_by_flash_on_cuda(dtype, heads, kv_heads):
+    """The flash path (no mask in memory) against SDPA under the materialized mask, grouped-query heads included."""
+    import torch.nn.functional as F
+
+    from kvchat.engine.model import BottomRightCausal, bottom_right_causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, 300, 128, device="cuda", dtype=dtype, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, 1000, 128, device="cuda", dtype=dtype, generator=gen)
+    mask = BottomRightCausal(300, 1000)
+    rep = heads // kv_heads
+    expected = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(rep, 1),
+                                              v.float().repeat_interleave(rep, 1),
+                                              attn_mask=mask.materialize(q.device), scale=0.09)
+    got = bottom_right_causal_attention(q, k, v, mask, scale=0.09, enable_gqa=rep > 1)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("spec", [dict(), dict(arch="qwen2", style="chatml", n_kv_heads=1),
+                                  REFERENCE_MODELS["qwen3-f32"], REFERENCE_MODELS["gemma3-f32-swa"]], ids=str)
+def test_fused_prefill_on_cuda_matches_the_plain_one(models, monkeypatch, spec, dtype):
+    """The prefill's norms fused with their residual adds and SwiGLU in one kernel: the plain forward's logits and
+    K/V within the dtype's rounding."""
+    from test_decode_kernels import fused_and_plain_prefill
+
+    engine = Engine(models.get(**spec), device="cuda", dtype=dtype)
+    (fused, fused_kv), (plain, plain_kv) = fused_and_plain_prefill(engine, monkeypatch, chunk=7)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert relative_error(fused.cpu().numpy(), plain.cpu().numpy()) < tol
+    assert (fused_kv - plain_kv).abs().max() <= tol * plain_kv.abs().max()
+
+
+def test_chunked_prefill_on_cuda_imports_no_dynamo(models, tmp_path):
+    """A chat's later chunks attend without torch.nn.attention.bias, whose import of torch._dynamo cost seconds
+    inside the first long resume of every process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from kvchat.engine.engine import Engine\n"
+        "from kvchat.engine.generate import prefill\n"
+        f"engine = Engine({str(models.get())!r}, device='cuda', dtype=torch.bfloat16)\n"
+        "tokens = engine.encode_prompt('The quick brown fox. ' * 40)\n"
+        "prefill(engine.model, engine.new_cache(len(tokens) + 8), tokens, chunk=16)\n"
+        "torch.cuda.synchronize()\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_merged_layers_on_cuda_round_trip(dtype):
     from kvchat.engine.cross_layer import approximate_pair, merge_pair, unmerge_pair
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvchat.engine.engine import Engine
 
@@ -107,3 +108,22 @@ def test_kv_read_rejects_bad_spans(engine):
         cache.read(range(0, 9), 0, 1)
     with pytest.raises(ValueError):
         cache.read(range(0, 1), 4, 100)
+
+
+@pytest.mark.parametrize("n_new, n_keys, heads, kv_heads, head_dim", [
+    (5, 12, 4, 2, 16), (12, 12, 4, 4, 16), (1, 9, 2, 1, 8), (7, 30, 6, 2, 20)])
+def test_bottom_right_causal_attention_is_sdpa_under_its_mask(n_new, n_keys, heads, kv_heads, head_dim):
+    """New token i sees every cached slot and new tokens 0..i (the mask as a table), whichever kernel runs it."""
+    from kvchat.engine.model import BottomRightCausal, bottom_right_causal_attention
+
+    gen = torch.Generator().manual_seed(n_keys)
+    q = torch.randn(1, heads, n_new, head_dim, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, n_keys, head_dim, generator=gen)
+    mask = BottomRightCausal(n_new, n_keys)
+    table = torch.tensor([[c <= n_keys - n_new + r for c in range(n_keys)] for r in range(n_new)])
+    assert torch.equal(mask.materialize(torch.device("cpu")), table)
+    rep = heads // kv_heads
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              attn_mask=table, scale=0.3)
+    got = bottom_right_causal_attention(q, k, v, mask, scale=0.3, enable_gqa=rep > 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
