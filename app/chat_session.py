@@ -122,6 +122,12 @@ class RestoreStats:
     # Recomputed by plan only because nothing was stored for them (compacted where loading is slower); loading
     # them is faster here, so they are stored now.
     kept_rounds: list[int] = field(default_factory=list)
+    # When each step of the restore ended, ms after it began (planned, cache, tokenized, queued, loaded, computed,
+    # joined, synced): where a restore's fixed costs go.
+    phases_ms: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str, started: float) -> None:
+        self.phases_ms[phase] = 1000 * (time.perf_counter() - started)
 
 
 class KVWriter:
@@ -329,10 +335,12 @@ class ChatSession:
             self._upper_fetcher.close()
             self._upper_fetcher = None
         plan = self._plan(by_round, upper_only)
+        stats.mark("planned", started)
         stats.plan = plan.summary(ends)
         if plan.predicted is not None:
             stats.predicted_ms = 1000 * plan.predicted.total_s
         self.cache, self._ring_fork = self._new_cache(total + 512), None
+        stats.mark("cache", started)
         # What the plan loads: per round, the segments holding any layer it does not recompute (the upper tier of
         # a tiered chat comes later, in the background, unless it came in one segment with the lower layers).
         loads = {i: self._to_load(by_round.get(i, []), plan.recomputed_layers(i).stop) for i in range(len(ends))}
@@ -397,14 +405,18 @@ class ChatSession:
         round as its segments arrive; rounds that could not be loaded are recomputed once both are done."""
         ends = [r.token_end for r in self.rounds]
         total = ends[-1] if ends else 0
-        loading = _Loading(time.perf_counter())
-        fetcher.start()  # reading starts while the prefix is tokenized
+        # The prefix is rendered and tokenized before any reader thread runs: beside a dozen decoding threads it
+        # took longer, and the recompute, which needs it, started later (its first kernel came 40-170 ms after the
+        # restore's first device work on the H100, 8B shape).
         tokens = self._prefix_tokens(plan.prefix[0] if ends else 0, stats)
         if tokens is None:  # the stored spans no longer match the text's tokens: nothing stored can be trusted
             return self._recompute_all(self.engine.chat.round_spans(self.conversation()), stats, started)
         stats.tokens_planned = len(tokens)
         stop = threading.Event()
         recompute = PrefixRecompute(self.engine.model, tokens, self._pyramid_steps(plan, ends), stop)
+        stats.mark("tokenized", started)
+        loading = _Loading(time.perf_counter())
+        fetcher.start()
         reported, reporting = [None], threading.Lock()
 
         def report() -> None:  # after each loaded round (helper thread) and while waiting (this one)
@@ -422,6 +434,8 @@ class ChatSession:
         placer.start()
         try:
             recompute.launch()
+            stats.mark("queued", started)
+            plan.store_from  # noqa: B018 - worked out (several plans, a 32k chat) while this thread would only wait
             while placer.is_alive():  # the recompute is queued (on the CPU: done); the loads may still come in
                 if cancel is not None and cancel.is_set():
                     raise RestoreCancelled("restore cancelled")
@@ -430,6 +444,7 @@ class ChatSession:
             if cancel is not None and cancel.is_set():  # the helper stopped early for it
                 raise RestoreCancelled("restore cancelled")
             recompute.finish()
+            stats.mark("computed", started)
         except RecomputeCancelled:
             raise RestoreCancelled("restore cancelled") from None
         finally:
@@ -442,6 +457,8 @@ class ChatSession:
         stats.compute_ms = 1000 * recompute.busy_s
         stats.compute_launch_ms = 1000 * recompute.launched_s
         stats.load_ms = 1000 * (loading.ended - loading.started) if loading.ended is not None else 0.0
+        if loading.ended is not None:
+            stats.phases_ms["loaded"] = 1000 * (loading.ended - started)
         if recompute.busy_s and loading.ended is not None:
             stats.gap_ms = 1000 * abs(recompute.ended_at - loading.ended)
             observe = getattr(self.planner, "observe", None)
@@ -467,6 +484,7 @@ class ChatSession:
             self._register_tiered_rounds(plan, tokens, spans, stats.kept_rounds)
         stats.wait_ms = 1000 * self._waited
         report()
+        stats.mark("joined", started)
         return self._restored(stats, started)
 
     def _place_loaded(self, plan: RestorePlan, loads: dict[int, list[dict]], fetcher: SegmentPrefetcher,
@@ -636,7 +654,8 @@ class ChatSession:
         """Close a restore: time it (once the device is done), keep its stats, store again what was recomputed."""
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
-        stats.restore_ms = 1000 * (time.perf_counter() - started)
+        stats.mark("synced", started)
+        stats.restore_ms = stats.phases_ms["synced"]
         self.restored = stats
         if self.policy is not None:
             self.cache.upper_source, self.cache.token_source = self._fetch_upper, self._round_tokens

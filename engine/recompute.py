@@ -69,6 +69,13 @@ class PrefixRecompute:
         self.started_at = self.ended_at = 0.0
         self._stream = None
         self._done_event = None
+        self._caches_ready = None
+        if model.device.type == "cuda" and side_stream:
+            # The caches were made on the caller's stream: the recompute starts after that, and after nothing queued
+            # there later (a restore's loaded rounds, placed from another thread while this one tokenized, once held
+            # it back).
+            self._caches_ready = torch.cuda.Event()
+            self._caches_ready.record(torch.cuda.current_stream(model.device))
 
     @property
     def work(self) -> int:
@@ -82,10 +89,9 @@ class PrefixRecompute:
         if not self.steps:
             self.ended_at = self.started_at
             return self
-        if device.type == "cuda" and self.side_stream:
-            # The caches were made on the caller's stream: the recompute stream starts after that.
+        if self._caches_ready is not None:
             self._stream = _recompute_stream(device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._stream.wait_event(self._caches_ready)
         on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with on_stream:
             self._pyramid()

@@ -16,7 +16,9 @@ Pure arithmetic on sizes and rates: no I/O, no torch. The app measures the profi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from itertools import accumulate
 
 PROFILE_VERSION = 2
@@ -140,13 +142,19 @@ class RestorePlan:
     predicted: Prediction | None = None
     background: tuple[int, ...] = ()  # groups loaded off the restore's critical path (Round Attention's upper tier)
     # Per group: rounds from here up to prefix[g] are recomputed only because nothing is stored for them (compacted
-    # on a machine that recomputes more); loading them would be faster here, so the restore stores them.
-    store_from: tuple[int, ...] | None = None
+    # on a machine that recomputes more); loading them would be faster here, so the restore stores them. Given as
+    # a tuple, or as the function that works it out, called once it is asked for: only after the restore, whose
+    # critical path it would lengthen by several plans (a 32k chat: tens of ms).
+    store_back: tuple[int, ...] | Callable[[], tuple[int, ...]] | None = field(default=None, repr=False,
+                                                                             compare=False)
 
     def __post_init__(self):
         check_pyramid(self.groups, self.prefix)
-        if self.store_from is None:
-            object.__setattr__(self, "store_from", self.prefix)
+
+    @cached_property
+    def store_from(self) -> tuple[int, ...]:
+        back = self.store_back
+        return self.prefix if back is None else back() if callable(back) else tuple(back)
 
     def recomputed_layers(self, round_idx: int) -> range:
         """The layers at which round `round_idx` is recomputed by plan: a bottom range (possibly empty)."""
@@ -317,22 +325,27 @@ def plan_restore(rounds: list[RoundLayout], groups: tuple[range, ...], profile: 
     chosen = best_flat
     if best_step is not None and best_step[0] < best_flat[0] * (1 - worth):
         chosen = best_step
-    store_from = chosen[2]
+    store_back = None
     if any(costs.forced) and profile.kv_bytes_per_token:
-        # Rounds recomputed only because nothing is stored for them: were they stored, would this machine keep
-        # them? By compaction's own rule (what its warm and its cold plans both recompute need not be kept), and
-        # only for a large gain now: a chat compacted on this machine must never be stored back here (estimates
-        # of a chat's sizes differ by some percent from its real ones; once, on the H100, that was enough), while
-        # one compacted where loading is much slower gains far more.
-        def filled(resident: float | None) -> list[RoundLayout]:
-            return [_filled(r, groups, profile, resident) for r in rounds]
+        store_back = lambda: _store_back(rounds, groups, profile, background, worth, costs, chosen[2])  # noqa: E731
+    return RestorePlan(groups, chosen[2], costs.predict(chosen[2]), tuple(background), store_back)
 
-        now = plan_restore(filled(None), groups, profile, background, worth)
-        if now.predicted.total_s < (1 - STORE_BACK_GAIN) * costs.predict(chosen[2]).total_s:
-            wanted = compactable([plan_restore(filled(res), groups, profile, background, worth)
-                                  for res in (0.0, 1.0)])
-            store_from = tuple(min(k, w) for k, w in zip(chosen[2], wanted))
-    return RestorePlan(groups, chosen[2], costs.predict(chosen[2]), tuple(background), store_from)
+
+def _store_back(rounds: list[RoundLayout], groups: tuple[range, ...], profile: HardwareProfile,
+                background: tuple[int, ...], worth: float, costs: _Costs, prefix: tuple[int, ...]) -> tuple[int, ...]:
+    """Rounds recomputed only because nothing is stored for them: were they stored, would this machine keep them?
+    By compaction's own rule (what its warm and its cold plans both recompute need not be kept), and only for a
+    large gain now: a chat compacted on this machine must never be stored back here (estimates of a chat's sizes
+    differ by some percent from its real ones; once, on the H100, that was enough), while one compacted where
+    loading is much slower gains far more."""
+    def filled(resident: float | None) -> list[RoundLayout]:
+        return [_filled(r, groups, profile, resident) for r in rounds]
+
+    now = plan_restore(filled(None), groups, profile, background, worth)
+    if now.predicted.total_s >= (1 - STORE_BACK_GAIN) * costs.predict(prefix).total_s:
+        return prefix
+    wanted = compactable([plan_restore(filled(res), groups, profile, background, worth) for res in (0.0, 1.0)])
+    return tuple(min(k, w) for k, w in zip(prefix, wanted))
 
 
 def _filled(r: RoundLayout, groups: tuple[range, ...], profile: HardwareProfile,
@@ -373,6 +386,19 @@ def load_everything(rounds: list[RoundLayout], groups: tuple[range, ...], backgr
 def compactable(plans: list[RestorePlan]) -> tuple[int, ...]:
     """Per layer group, the rounds every one of `plans` recomputes (the pointwise minimum: still a pyramid)."""
     return tuple(min(k) for k in zip(*(p.prefix for p in plans)))
+
+
+def best_overlap_seconds(recompute_all_s: float, load_all_s: float, linear_share: float) -> float:
+    """The shortest restore any split of a chat can take, whatever the planner: the two streams overlapping
+    perfectly and neither slowing the other, nothing else costing time. Recomputing the first x of the chat costs
+    recompute_all_s (linear_share x + (1 - linear_share) x^2) (attention is quadratic, so a prefix costs less than
+    its share), loading the rest load_all_s (1 - x); the best split makes them equal."""
+    r, load, a = recompute_all_s, load_all_s, min(1.0, max(0.0, linear_share))
+    if r <= 0 or load <= 0:
+        return 0.0
+    quad, lin = r * (1 - a), r * a + load
+    x = load / lin if quad < 1e-12 else (-lin + math.sqrt(lin * lin + 4 * quad * load)) / (2 * quad)
+    return load * (1 - x)
 
 
 def synthetic_rounds(profile: HardwareProfile, tokens: int, round_tokens: int = 640,

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 _PAGE = mmap.PAGESIZE
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
+SAMPLES, WINDOW_PAGES = 8, 32
 _libc = None
 
 
@@ -29,9 +31,11 @@ def _mincore():
     return _libc.mincore if _libc else None
 
 
-def resident_fraction(path: Path) -> float:
+def resident_fraction(path: Path, samples: int = SAMPLES, window: int = WINDOW_PAGES) -> float:
     """The share (0..1) of the file's pages in the page cache; 0.0 when it cannot be told (or the file is gone:
-    the restore finds that out for itself)."""
+    the restore finds that out for itself). A large file is judged by `samples` evenly spaced windows of `window`
+    pages: the kernel looks each page up (~16 ns), and a 32k chat's ~200 files, looked at whole, took the restore
+    30-50 ms before anything else could start."""
     mincore = _mincore()
     if mincore is None:
         return 0.0
@@ -45,14 +49,28 @@ def resident_fraction(path: Path) -> float:
             with mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
                 pages = (size + _PAGE - 1) // _PAGE
-                vec = (ctypes.c_ubyte * pages)()
                 # The temporary ctypes view is dropped at once (an exported buffer would keep the mapping open).
                 addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-                if mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-                    return 0.0
-                return sum(b & 1 for b in bytes(vec)) / pages
+                return _resident_pages(mincore, addr, pages, size, samples, window)
     except (OSError, ValueError, BufferError):
         return 0.0
+
+
+def _resident_pages(mincore, addr: int, pages: int, size: int, samples: int, window: int) -> float:
+    if pages <= samples * window:
+        spans = [(0, pages)]
+    else:
+        step = (pages - window) / (samples - 1)
+        spans = [(round(i * step), window) for i in range(samples)]
+    vec = (ctypes.c_ubyte * max(n for _, n in spans))()
+    resident = looked = 0
+    for first, n in spans:
+        length = min(n * _PAGE, size - first * _PAGE)
+        if mincore(ctypes.c_void_p(addr + first * _PAGE), ctypes.c_size_t(length), vec) != 0:
+            return 0.0
+        resident += bytes(vec)[:n].translate(_LOW_BIT).count(1)
+        looked += n
+    return resident / looked
 
 
 def evict(paths: list[Path]) -> bool:

@@ -3,6 +3,7 @@ the host-to-GPU staging ring bit-exact."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -153,3 +154,23 @@ def test_staging_ring_copies_bit_exact(size):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert all(bytes(g.wait().cpu().numpy()) == d for g, d in zip(got, data))
+
+
+@pytest.mark.parametrize("samples, window", [(8, 32), (1, 1 << 30)])
+def test_resident_fraction_sees_what_the_page_cache_holds(tmp_path, samples, window):
+    """A file just read is resident, one pushed out is not, one half read again is about half resident, whether
+    all its pages are looked up or a few windows of them."""
+    from kvchat.storage.pagecache import evict, resident_fraction
+
+    path = tmp_path / "seg.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    path.read_bytes()
+    assert resident_fraction(path, samples, window) == 1.0
+    if not evict([path]) or resident_fraction(path, samples, window) > 0.0:
+        pytest.skip("this filesystem keeps its pages whatever it is advised")
+    with open(path, "rb") as f:
+        f.read(2 << 20)
+    assert 0.3 <= resident_fraction(path, samples, window) <= 0.7
+    assert resident_fraction(tmp_path / "gone.bin") == 0.0
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert resident_fraction(tmp_path / "empty.bin") == 1.0

@@ -20,8 +20,9 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
 from kvchat.engine.recompute import PrefixRecompute, PyramidStep
-from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayout, check_pyramid,
-                                        fixed_plan, load_everything, plan_groups, plan_restore, synthetic_rounds)
+from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayout, best_overlap_seconds,
+                                        check_pyramid, fixed_plan, load_everything, plan_groups, plan_restore,
+                                        synthetic_rounds)
 from kvchat.storage.db import Store
 from kvchat.storage.failpoints import COMPACT_POINTS
 from kvchat.storage.prefetch import SegmentPrefetcher
@@ -243,6 +244,29 @@ def test_the_planner_balances_the_streams_on_a_gpu():
     assert est.total_s < 0.6 * best_single
     # no flat split does better (the search is exhaustive over round boundaries)
     assert all(predicted(rounds, groups, p, k) >= est.total_s - 1e-12 for k in range(len(rounds) + 1))
+
+
+@pytest.mark.parametrize("recompute, load, linear", [(1.0, 1.0, 1.0), (2.0, 1.0, 0.7), (0.3, 0.9, 0.9),
+                                                       (1.5, 0.5, 0.0)])
+def test_no_split_beats_perfect_overlap(recompute, load, linear):
+    """The bound the benchmark reports: where the two streams finish together, and no split below it."""
+    best = best_overlap_seconds(recompute, load, linear)
+    cost = lambda x: max(recompute * (linear * x + (1 - linear) * x * x), load * (1 - x))  # noqa: E731
+    assert min(cost(i / 1000) for i in range(1001)) == pytest.approx(best, rel=1e-3)
+    assert best <= min(recompute, load)
+    if linear == 1.0:
+        assert best == pytest.approx(recompute * load / (recompute + load))
+
+
+def test_the_planner_never_predicts_below_perfect_overlap():
+    p = replace(gpu_profile(), compute_slowdown=1.0, load_slowdown=1.0)
+    for tokens in (2048, 8192, 32768):
+        rounds, groups = chat_layout(p, tokens)
+        plan = plan_restore(rounds, groups, p)
+        everything = predicted(rounds, groups, p, len(rounds))
+        linear = p.prefill_a * tokens / p.prefill_seconds(tokens)
+        bound = best_overlap_seconds(everything, predicted(rounds, groups, p, 0), linear)
+        assert bound - 1e-9 <= plan.predicted.total_s <= 1.1 * bound + 0.01
 
 
 def test_the_planner_recomputes_nothing_where_the_streams_share_a_cpu():
