@@ -19,12 +19,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 
-# llama-cpp-python comes as source only, and pip builds it for the CPU at hand (-march=native). On an x86-64 CPU with
-# AMX that build crashed inside llama.cpp (gemma-3-270m, the tests' Q4 models: a segfault; an illegal instruction where the
-# wheel was carried to another CPU, 2026-11-26), and which SIMD paths it takes decides how llama.cpp rounds, which the
-# parity tests see. So on x86-64 it is built for AVX2, which every such CPU of the last decade has: the same code on
-# each. pip reuses a built wheel by the source's name, not its build flags: this build has a cache of its own.
-if [ "$(uname -m)" = x86_64 ] && [ -z "${CMAKE_ARGS:-}" ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+# llama-cpp-python comes as source only, and pip builds it for the CPU at hand (-march=native). On an x86-64 CPU
+# with AMX that build crashed inside llama.cpp (gemma-3-270m, the tests' Q4 models: a segfault; an illegal
+# instruction where the wheel was carried to another CPU, 2026-11-26), and which SIMD paths it takes decides how
+# llama.cpp rounds, which the parity tests see. So on x86-64 it is built for AVX2, which every such CPU of the last
+# decade has: the same code on each. pip reuses a built wheel by the source's name, not its build flags: this build
+# has a cache of its own.
+if [ "$(uname -m)" = x86_64 ] && [ -z "${CMAKE_ARGS:-}" ] \
+    && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   llama=$(grep -o '"llama-cpp-python[^"]*"' pyproject.toml | tr -d '"')
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
     PIP_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/kvchat/pip-llama-avx2" "${pip[@]}" install -q "$llama"

@@ -17,8 +17,9 @@ model already loaded and warmed up:
 
 The first timed run follows an untimed one (the process's first use of the chat's shapes, kept apart as
 `ttft_first_use_s`) and a page-cache drop of the chat's files (cold, where the OS allows it); the warm figure is the
-median of the repeats after it. Time to first token runs from the start of the method to the first token of the reply. The floor
-probes (disk read bandwidth with a cold cache, host-to-device bandwidth, matmul FLOP/s) run in the same command.
+median of the repeats after it. Time to first token runs from the start of the method to the first token of the
+reply. The floor probes (disk read bandwidth with a cold cache, host-to-device bandwidth, matmul FLOP/s) run in the
+same command.
 """
 
 from __future__ import annotations
@@ -331,7 +332,8 @@ def _pipeline_table(entry: dict) -> list[str]:
             rows.append(f"| {row['workload']} ({row['tokens']:,} tok) | {key} | {figures['split_plan']} | "
                         f"{figures['split_compute_ms']:,.0f} ms | {figures['split_load_ms']:,.0f} ms | "
                         f"{figures['split_gap_ms']:,.0f} ms | {figures['split_predicted_ms']:,.0f} ms | "
-                        f"{figures['split_restore_ms']:,.0f} ms | {ratio} | {'' if bound is None else f'{bound:.2f}'} |")
+                        f"{figures['split_restore_ms']:,.0f} ms | {ratio} | "
+                        f"{'' if bound is None else f'{bound:.2f}'} |")
     if not rows:
         return []
     return ["*kv-split: the restore pipeline*", "",
@@ -473,15 +475,11 @@ def _sync(device) -> None:
 
 
 def _warm_up(engine) -> None:
-    """A short chat's every path once (a prefill in two chunks, a message over it, a decode), so that kernels,
-    allocator and (on CUDA) graph capture are ready before timing: the cold run measures the chat's files."""
-    from kvchat.engine.generate import generate, prefill
+    """One short prefill and decode: kernels, allocator and (on CUDA) graph capture paths are ready before timing."""
+    from kvchat.engine.generate import generate
 
-    prompt = engine.encode_prompt("Hello there, how are you today? " * 8)
-    history, message = prompt[:-8], prompt[-8:]
-    cache = engine.new_cache(len(prompt) + 8)
-    prefill(engine.model, cache, history, chunk=(len(history) + 1) // 2)
-    generate(engine.model, cache, message, decoder=engine.tokenizer.stream_decoder(), max_tokens=4)
+    prompt = engine.encode_prompt("Hello there, how are you today?")
+    generate(engine.model, engine.new_cache(64), prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=4)
     _sync(engine.device)
 
 

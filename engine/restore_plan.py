@@ -142,19 +142,17 @@ class RestorePlan:
     predicted: Prediction | None = None
     background: tuple[int, ...] = ()  # groups loaded off the restore's critical path (Round Attention's upper tier)
     # Per group: rounds from here up to prefix[g] are recomputed only because nothing is stored for them (compacted
-    # on a machine that recomputes more); loading them would be faster here, so the restore stores them. Given as
-    # a tuple, or as the function that works it out, called once it is asked for: only after the restore, whose
-    # critical path it would lengthen by several plans (a 32k chat: tens of ms).
-    store_back: tuple[int, ...] | Callable[[], tuple[int, ...]] | None = field(default=None, repr=False,
-                                                                             compare=False)
+    # on a machine that recomputes more); loading them would be faster here, so the restore stores them. Worked out
+    # by `store_back` (None: none such) once asked for, after the restore has queued its work: on its critical path
+    # those plans would cost a 32k chat tens of ms.
+    store_back: Callable[[], tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         check_pyramid(self.groups, self.prefix)
 
     @cached_property
     def store_from(self) -> tuple[int, ...]:
-        back = self.store_back
-        return self.prefix if back is None else back() if callable(back) else tuple(back)
+        return self.prefix if self.store_back is None else self.store_back()
 
     def recomputed_layers(self, round_idx: int) -> range:
         """The layers at which round `round_idx` is recomputed by plan: a bottom range (possibly empty)."""
