@@ -124,9 +124,9 @@ def register(main: click.Group, model_option, device_option) -> None:
     @device_option
     def send(session, message, max_tokens, policy_name, compact, merge_share, guard, reply_cap, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
-        from kvchat.app.chat_session import ChatSession
-        from kvchat.app.hardware_profile import planning
-        from kvchat.app.layer_merges import chat_merges
+        from kvchat.app.session.chat import ChatSession
+        from kvchat.app.session.profile import planning
+        from kvchat.app.session.merges import chat_merges
         from kvchat.engine.engine import Engine
         from kvchat.engine.policies import chat_policy
 
@@ -170,8 +170,8 @@ def register(main: click.Group, model_option, device_option) -> None:
     @device_option
     def merge(session, share, device):
         """Store SESSION's rounds again with layer pairs merged (Krul), and keep merging its new rounds."""
-        from kvchat.app.chat_session import ChatSession
-        from kvchat.app.layer_merges import chat_merges
+        from kvchat.app.session.chat import ChatSession
+        from kvchat.app.session.merges import chat_merges
         from kvchat.engine.engine import Engine
 
         store = _store()
@@ -196,7 +196,7 @@ def register(main: click.Group, model_option, device_option) -> None:
     def unmerge(session, device):
         """Undo SESSION's cross-layer merges: its merged rounds are recomputed (exactly) and stored whole, and the
         chat stops merging."""
-        from kvchat.app.chat_session import ChatSession
+        from kvchat.app.session.chat import ChatSession
         from kvchat.engine.engine import Engine
         from kvchat.storage.db import SEGMENT_MERGED
 
@@ -289,8 +289,8 @@ def register(main: click.Group, model_option, device_option) -> None:
         speeds make that faster (kvchat profile); those rounds' K/V need not be kept. Nothing else is lost: the
         text stays, and a machine that would rather load them recomputes them once and keeps them.
         """
-        from kvchat.app.compaction import compact_session
-        from kvchat.app.hardware_profile import profile_for_chat
+        from kvchat.app.session.compaction import compact_session
+        from kvchat.app.session.profile import profile_for_chat
 
         if every == bool(session):
             raise KvchatError("give either a SESSION or --all")

@@ -177,7 +177,7 @@ def _number_or_text(text: str) -> int | float | str:
 def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json) -> None:
     from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
-    from kvchat.engine.fidelity import text_fidelity
+    from kvchat.app.bench.fidelity import text_fidelity
     from kvchat.engine.policies import make_policy
     from kvchat.errors import KvchatError
 
@@ -267,7 +267,7 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
     how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
     from kvchat.app.chats import calibrating
     from kvchat.engine.engine import Engine
-    from kvchat.engine.evaluate import evaluate, heldout_chats, sample_replies
+    from kvchat.app.bench.evaluate import evaluate, heldout_chats, sample_replies
     from kvchat.engine.policies import make_policy
     from kvchat.errors import KvchatError
 
@@ -336,7 +336,7 @@ def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `watershed`).")
 def calibrate(model_path, device, chats, png_path, as_json) -> None:
     """Find the model's watershed layer for Round Attention and store it (used automatically from then on)."""
-    from kvchat.engine.calibration import calibrate as measure, curve_lines, plot_curve, save_calibration
+    from kvchat.engine.calibrate.watershed import calibrate as measure, curve_lines, plot_curve, save_calibration
     from kvchat.engine.engine import Engine
     from kvchat.storage.db import Store
     from kvchat.storage.fingerprint import model_fingerprint
@@ -380,8 +380,8 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
 def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> None:
     """How fast this machine recomputes and loads the model's chats (measured once, a few seconds), and how a
     restore splits a chat between the two."""
-    from kvchat.app.hardware_profile import ensure_profile, plan_table
-    from kvchat.engine.restore_plan import HardwareProfile
+    from kvchat.app.session.profile import ensure_profile, plan_table
+    from kvchat.engine.restore.plan import HardwareProfile
     from kvchat.errors import KvchatError
 
     try:
@@ -465,10 +465,10 @@ def bench(ctx, models, workloads, methods, repeats, device, cache_dir, work_dir,
         return
     from pathlib import Path
 
-    from kvchat.app.bench_resume import (
+    from kvchat.app.bench.resume import (
         Plan, default_methods, markdown, method_names, model_names, parse_names, run_benchmark,
     )
-    from kvchat.engine.workloads import parse_workloads
+    from kvchat.engine.data.workloads import parse_workloads
 
     plan = Plan(models=parse_names(models, model_names(), "model"), workloads=parse_workloads(workloads),
                 methods=parse_names(methods, method_names(), "method") if methods else default_methods(),
@@ -501,7 +501,7 @@ def bench_plot(results, out_dir) -> None:
     """PNG plots (matplotlib) from the JSON that `kvchat bench --json` wrote."""
     from pathlib import Path
 
-    from kvchat.app.bench_plots import plot_results
+    from kvchat.app.bench.plots import plot_results
 
     for path in plot_results(Path(results), Path(out_dir)):
         click.echo(str(path))
@@ -537,8 +537,8 @@ def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path, mo
     shapes or on --model."""
     from pathlib import Path
 
-    from kvchat.engine.bench import as_dict, bench_file, bench_shape
-    from kvchat.engine.synthetic import SHAPES
+    from kvchat.app.bench.engine_speed import as_dict, bench_file, bench_shape
+    from kvchat.engine.train.synthetic import SHAPES
     from kvchat.errors import KvchatError
     from kvchat.paths import data_dir
 
@@ -582,10 +582,10 @@ def bench_loopserve(model_path, shape, contexts, alpha, budget, densities, repea
     its online selection), progressive against full-cache decode; each pair in the same run."""
     from pathlib import Path
 
-    from kvchat.engine.bench import model_file
-    from kvchat.engine.bench_loopserve import as_dict, attention_figures, bench_model
+    from kvchat.app.bench.engine_speed import model_file
+    from kvchat.app.bench.loopserve import as_dict, attention_figures, bench_model
     from kvchat.engine.engine import Engine
-    from kvchat.engine.synthetic import SHAPES
+    from kvchat.engine.train.synthetic import SHAPES
     from kvchat.errors import KvchatError
     from kvchat.paths import data_dir
 
@@ -634,9 +634,9 @@ def bench_parity(device, dtype, numerics, json_path) -> None:
 
     import torch
 
-    from kvchat.engine.parity import compare, self_consistency
+    from kvchat.app.bench.parity import compare, self_consistency
     from kvchat.engine.engine import Engine
-    from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT, make_model
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT, make_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -665,9 +665,9 @@ def bench_storage(model_path, device, tokens, shape, cache_dir, json_path) -> No
     """Bytes on disk per token, decode stall while saving, and restore time against the disk's bandwidth."""
     from pathlib import Path
 
-    from kvchat.app.bench_storage import as_dict, bench_storage as run
-    from kvchat.engine.bench import model_file
-    from kvchat.engine.synthetic import SHAPES
+    from kvchat.app.bench.storage import as_dict, bench_storage as run
+    from kvchat.app.bench.engine_speed import model_file
+    from kvchat.engine.train.synthetic import SHAPES
     from kvchat.errors import KvchatError
     from kvchat.paths import data_dir
 
@@ -689,7 +689,7 @@ def bench_first_token(model_path, device, repeats) -> None:
     import statistics
     import time
 
-    from kvchat.engine.chat_format import Conversation, Round
+    from kvchat.engine.text.chat_format import Conversation, Round
     from kvchat.engine.engine import Engine
     from kvchat.engine.generate import generate
 

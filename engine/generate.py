@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from kvchat.engine.model import Attend, KVCache, SplitAttend, Transformer
+from kvchat.engine.model.decoder import Attend, KVCache, SplitAttend, Transformer
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import Sampler, SamplingParams
-from kvchat.engine.tiered_kv import TieredKV
+from kvchat.engine.kv.tiered import TieredKV
 from kvchat.errors import ContextOverflowError
 
 # What the callback receives for each token: the token id and the text it completes (may be "" mid-character).
@@ -160,7 +160,7 @@ def decoder_step(model: Transformer, cache: KVCache, capacity: int, cuda_graph: 
     if cuda_graph is None:
         cuda_graph = model.device.type == "cuda"
     if cuda_graph:
-        from kvchat.engine.cuda_graph import graphed_decode
+        from kvchat.engine.model.cuda_graph import graphed_decode
 
         return graphed_decode(model, cache, capacity)
     return lambda token: model(torch.tensor([token]), cache)[-1]

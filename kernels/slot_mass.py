@@ -1,7 +1,7 @@
 """Per-slot attention mass for LoopServe's progressive decode: how much attention the reply's latest tokens pay to
 each slot of the input, per layer and KV head.
 
-Every `interval` tokens the progressive decode (engine/progressive_decode.py) keeps, per layer and KV head, the
+Every `interval` tokens the progressive decode (engine/policies/progressive_decode.py) keeps, per layer and KV head, the
 input slots that the last T decoded tokens attended to most. That needs, for every input slot, the softmax
 probabilities over all keys (input and reply so far, causal) summed over the T tokens and the n_rep query heads
 sharing the KV head. In torch that is a [G, Hkv, n_rep * T, S] float32 score tensor read and written half a dozen

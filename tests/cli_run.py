@@ -30,7 +30,7 @@ def kvchat(*args: str, env: dict | None = None, check: bool = True, timeout: flo
 def _in_process(args: list[str], env: dict, stdin: str | None) -> subprocess.CompletedProcess:
     from click.testing import CliRunner
 
-    from kvchat.app import hardware_profile
+    from kvchat.app.session import profile as hardware_profile
     from kvchat.app.cli import main
 
     hardware_profile._measured.clear()  # as in a new process: the profile comes from this KVCHAT_HOME's file

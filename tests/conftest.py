@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.engine.synthetic import make_model
+from kvchat.engine.train.synthetic import make_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -14,7 +14,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def embedded_profile(tmp_path_factory):
     """This machine's profile of the embedded model on the CPU, measured once for the whole run."""
-    from kvchat.app.hardware_profile import ensure_profile
+    from kvchat.app.session.profile import ensure_profile
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.engine import Engine
     from kvchat.storage.db import Store
@@ -36,7 +36,7 @@ def kvchat_home(tmp_path_factory, monkeypatch, embedded_profile):
     the tests of measuring profiles remove it or measure again."""
     import json
 
-    from kvchat.app.hardware_profile import profile_path
+    from kvchat.app.session.profile import profile_path
 
     home = tmp_path_factory.mktemp("kvchat-home")  # beside the test's tmp_path, which stays empty
     monkeypatch.setenv("KVCHAT_HOME", str(home))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from cli_run import kvchat as run_kvchat
-from kvchat.engine.config import ModelConfig
+from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.gguf_export import write_model_gguf
-from kvchat.engine.synthetic import llama_quantize, make_vocab
+from kvchat.engine.gguf.writer import write_model_gguf
+from kvchat.engine.train.synthetic import llama_quantize, make_vocab
 from kvchat.errors import GGUFError
 
 
@@ -153,7 +153,7 @@ def test_gemma3_metadata_we_cannot_honour_is_refused(tmp_path):
     """A window longer than the context, and a Gemma 3 / Qwen 3 file without its head norms: one line each."""
     import numpy as np
 
-    from kvchat.engine.synthetic import random_tensors
+    from kvchat.engine.train.synthetic import random_tensors
 
     wide = write_header_only(tmp_path / "wide.gguf", base_config(arch="gemma3", sliding_window=4096))
     assert_one_line_error(kvchat("info", "--model", str(wide)), "sliding window 4096", "context of 64 tokens")

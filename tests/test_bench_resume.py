@@ -10,12 +10,12 @@ import pytest
 
 from cli_run import kvchat
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import ChatFormat
-from kvchat.engine.floor import matmul_params, recompute_flops, resume_floor
-from kvchat.engine.gguf_file import GGUFFile
-from kvchat.engine.synthetic import SHAPES
-from kvchat.engine.tokenizer import Tokenizer
-from kvchat.engine.workloads import MAX_ROUNDS, MIN_ROUNDS, WORKLOADS, build_workload
+from kvchat.engine.text.chat_format import ChatFormat
+from kvchat.app.bench.floor import matmul_params, recompute_flops, resume_floor
+from kvchat.engine.gguf.reader import GGUFFile
+from kvchat.engine.train.synthetic import SHAPES
+from kvchat.engine.text.tokenizer import Tokenizer
+from kvchat.engine.data.workloads import MAX_ROUNDS, MIN_ROUNDS, WORKLOADS, build_workload
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_memory_workload_ends_before_a_question(chat):
 
 def test_floor_is_the_faster_of_loading_and_recomputing():
     cfg_shape = SHAPES["llama-3.1-8b"]
-    from kvchat.engine.config import ModelConfig
+    from kvchat.engine.gguf.config import ModelConfig
 
     cfg = ModelConfig(arch="llama", n_layers=cfg_shape.n_layers, d_model=cfg_shape.d_model,
                       n_heads=cfg_shape.n_heads, n_kv_heads=cfg_shape.n_kv_heads, head_dim=128,

@@ -1,4 +1,4 @@
-"""Watershed-layer calibration (engine/calibration.py, `kvchat calibrate`)."""
+"""Watershed-layer calibration (engine/calibrate/watershed.py, `kvchat calibrate`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine import calibration
-from kvchat.engine.calibration import (Calibration, calibration_path, ensure_calibration, kl_curve,
+from kvchat.engine.calibrate import watershed as calibration
+from kvchat.engine.calibrate.watershed import (Calibration, calibration_path, ensure_calibration, kl_curve,
                                        layer_round_distributions, load_calibration, pick_watershed, save_calibration)
-from kvchat.engine.chat_format import Conversation
-from kvchat.engine.dialogues import dialogues
+from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.data.dialogues import dialogues
 from kvchat.engine.generate import prefill
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass_ref
@@ -128,7 +128,7 @@ def test_distributions_match_the_queries_of_a_plain_forward_pass(engine):
 
 
 def test_other_models_calibrate_on_mt_bench_chats(models):
-    from kvchat.engine.calibration import calibrate, calibration_chats
+    from kvchat.engine.calibrate.watershed import calibrate, calibration_chats
     from kvchat.engine.engine import Engine
 
     qwen = Engine(models.get(arch="qwen2", style="chatml", n_layers=4), device="cpu")  # q/k/v biases too
@@ -160,7 +160,7 @@ def test_the_check_climbs_to_the_first_layer_that_agrees_enough(monkeypatch):
 
 
 def test_agreement_is_measured_on_the_full_caches_sure_tokens(engine):
-    from kvchat.engine.calibration import agreement, calibration_chats, reference_reply
+    from kvchat.engine.calibrate.watershed import agreement, calibration_chats, reference_reply
 
     _, pairs = calibration_chats(engine, 2)
     refs = [reference_reply(engine, conv, message) for conv, message in pairs]

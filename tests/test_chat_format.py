@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.chat_format import ChatFormat, Conversation, Round, TemplateError
-from kvchat.engine.gguf_file import GGUFFile
-from kvchat.engine.tokenizer import Tokenizer
+from kvchat.engine.text.chat_format import ChatFormat, Conversation, Round, TemplateError
+from kvchat.engine.gguf.reader import GGUFFile
+from kvchat.engine.text.tokenizer import Tokenizer
 
 CHAT = [
     Round("Hi! My name is Alice.", "Hello Alice, nice to meet you."),

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from kvchat.engine.cross_layer import (
+from kvchat.engine.kv.cross_layer import (
     LayerPair, approximate_pair, merge_in_cache, merge_pair, restore_in_cache, retained_count, slerp, unmerge_pair,
 )
-from kvchat.engine.layer_stats import BUCKETS, LayerStats, _edge_share, _late_attention, probe_layers
-from kvchat.engine.merge_selection import candidate_pairs, choose_pairs, greedy_pairs
+from kvchat.engine.policies.layer_stats import BUCKETS, LayerStats, _edge_share, _late_attention, probe_layers
+from kvchat.engine.policies.merge_selection import candidate_pairs, choose_pairs, greedy_pairs
 
 
 def _kv(n=40, heads=2, d=16, seed=0, dtype=torch.float32):
@@ -209,9 +209,9 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
     import json
 
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.calibration import AGREEMENT
+    from kvchat.engine.calibrate.watershed import AGREEMENT
     from kvchat.engine.engine import Engine
-    from kvchat.engine.merge_selection import (
+    from kvchat.engine.policies.merge_selection import (
         calibrate_merges, ensure_merge_calibration, load_merge_calibration, merge_calibration_path,
     )
     from kvchat.errors import KvchatError
@@ -245,9 +245,9 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
 
 def test_the_check_by_answers_loses_an_answer_for_any_token_it_changes():
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.calibration import calibration_chats, reference_reply
+    from kvchat.engine.calibrate.watershed import calibration_chats, reference_reply
     from kvchat.engine.engine import Engine
-    from kvchat.engine.merge_selection import merged_agreement
+    from kvchat.engine.policies.merge_selection import merged_agreement
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
     _, dev = calibration_chats(engine, 4, phrasing="dev")

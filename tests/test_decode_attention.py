@@ -167,9 +167,9 @@ def test_interpreted_length_is_read_from_the_device_tensor():
 def test_interpreted_static_decode_is_greedy_decode():
     """The embedded model (fp32, llama.cpp numerics) decodes the same tokens through the kernel step as eagerly."""
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.cuda_graph import GraphedDecode
+    from kvchat.engine.model.cuda_graph import GraphedDecode
     from kvchat.engine.engine import Engine
-    from kvchat.engine.model import decode_kernel_runs
+    from kvchat.engine.model.decoder import decode_kernel_runs
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
     m = engine.model
@@ -194,11 +194,11 @@ def tiered_replies(device: str, modes: tuple[str, ...], max_tokens: int = 10) ->
     from test_tiered_kv import QUESTION, ROUNDS, SYSTEM
 
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.chat_format import Conversation
+    from kvchat.engine.text.chat_format import Conversation
     from kvchat.engine.engine import Engine
     from kvchat.engine.generate import generate
     from kvchat.engine.policies import make_policy
-    from kvchat.engine.tiered_kv import TieredKV
+    from kvchat.engine.kv.tiered import TieredKV
 
     engine = Engine(DEFAULT_MODEL, device=device, dtype=torch.float32)
     runs = []
@@ -230,11 +230,11 @@ def test_interpreted_tiered_replayed_steps_are_eager_steps():
 def test_interpreted_decode_over_window_rings(models, monkeypatch):
     """Gemma 3's window layers kept in rings of 12 (window 8): the kernel step (the one a CUDA graph captures)
     decodes what eager steps over a cache of every slot do."""
-    from kvchat.engine import model as model_module
-    from kvchat.engine.cuda_graph import GraphedDecode
+    from kvchat.engine.model import decoder as model_module
+    from kvchat.engine.model.cuda_graph import GraphedDecode
     from kvchat.engine.engine import Engine
-    from kvchat.engine.model import decode_kernel_runs
-    from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
+    from kvchat.engine.model.decoder import decode_kernel_runs
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
 
     monkeypatch.setattr(model_module, "RING_SLACK", 4)
     engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
@@ -276,8 +276,8 @@ def test_unsupported_shapes_are_named(shape, reason, monkeypatch):
 def test_unsupported_shape_falls_back_to_sdpa_and_says_so_once(models, caplog):
     """A decode step on a shape the kernel does not take (a head size of 288; on the CPU without the interpreter,
     no Triton at all) attends through SDPA with a device-built mask: the eager step's logits, one log line."""
-    from kvchat.engine import model as model_module
-    from kvchat.engine.cuda_graph import GraphedDecode
+    from kvchat.engine.model import decoder as model_module
+    from kvchat.engine.model.cuda_graph import GraphedDecode
     from kvchat.engine.engine import Engine
 
     m = Engine(models.get(d_model=576, n_heads=2, n_kv_heads=1), device="cpu").model
@@ -287,7 +287,7 @@ def test_unsupported_shape_falls_back_to_sdpa_and_says_so_once(models, caplog):
     m(prompt, eager), m(prompt, static)
     step = GraphedDecode(m, static, 64, capture=False)
     model_module._KERNEL_CHECKED.clear()
-    with caplog.at_level("WARNING", logger="kvchat.engine.model"):
+    with caplog.at_level("WARNING", logger="kvchat.engine.model.decoder"):
         for token in (3, 9, 4):
             torch.testing.assert_close(step(token), m(torch.tensor([token]), eager)[-1], rtol=1e-5, atol=1e-5)
     lines = [r.message for r in caplog.records if "decode attention kernel unavailable" in r.message]
@@ -365,10 +365,10 @@ def test_gpu_tiered_graphs_are_captured_before_the_first_step():
     from test_tiered_kv import QUESTION, ROUNDS, SYSTEM
 
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.chat_format import Conversation
+    from kvchat.engine.text.chat_format import Conversation
     from kvchat.engine.engine import Engine
     from kvchat.engine.policies import make_policy
-    from kvchat.engine.tiered_kv import TieredKV
+    from kvchat.engine.kv.tiered import TieredKV
 
     engine = Engine(DEFAULT_MODEL, device="cuda", dtype=torch.float32)
     policy = make_policy("round-topk", engine, watershed=2, k=1)

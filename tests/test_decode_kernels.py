@@ -108,9 +108,9 @@ def test_interpreted_kernels_match_references(dtype):
 
 def fused_and_plain_prefill(engine, monkeypatch, chunk: int):
     """Logits and K/V of a prompt in chunks and a message over it: through the fused prefill, then plainly."""
-    from kvchat.engine import model as model_module
+    from kvchat.engine.model import decoder as model_module
     from kvchat.engine.generate import prefill
-    from kvchat.engine.synthetic import REFERENCE_PROMPT
+    from kvchat.engine.train.synthetic import REFERENCE_PROMPT
 
     tokens = engine.encode_prompt(REFERENCE_PROMPT)
     out = []

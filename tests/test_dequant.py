@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from kvchat.engine import dequant
-from kvchat.engine.dequant import SUPPORTED_TYPES, byte_size, dequantize
+from kvchat.engine.gguf import dequant
+from kvchat.engine.gguf.dequant import SUPPORTED_TYPES, byte_size, dequantize
 
 SHAPES = [(3, 256), (2, 5, 512), (1, 256 * 3)]
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]

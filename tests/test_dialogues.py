@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from kvchat.engine.chat_format import ChatFormat, Conversation
-from kvchat.engine.dialogues import POSITIONS, QUESTION_KINDS, dialogues, pools
-from kvchat.engine.train import CHAT_TEMPLATE, round_text
+from kvchat.engine.text.chat_format import ChatFormat, Conversation
+from kvchat.engine.data.dialogues import POSITIONS, QUESTION_KINDS, dialogues, pools
+from kvchat.engine.train.trainer import CHAT_TEMPLATE, round_text
 
 
 def test_deterministic_from_the_seed():
@@ -63,7 +63,7 @@ def test_corrected_questions_expect_the_latest_value():
 
 
 def test_round_text_matches_the_shipped_template(models):
-    from kvchat.engine.tokenizer import Tokenizer
+    from kvchat.engine.text.tokenizer import Tokenizer
 
     fmt = ChatFormat(Tokenizer(models.get(style="chatml", arch="qwen2")), CHAT_TEMPLATE)
     dlg = dialogues("train", 1, 0, 6, 6)[0]
@@ -72,7 +72,7 @@ def test_round_text_matches_the_shipped_template(models):
 
 
 def _all_templates():
-    from kvchat.engine import dialogues as d
+    from kvchat.engine.data import dialogues as d
 
     groups = [d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS, d._REQUESTS]
     for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat")]:
@@ -81,7 +81,7 @@ def _all_templates():
 
 
 def test_held_out_and_dev_phrasings_are_new_templates_not_new_values():
-    from kvchat.engine import dialogues as d
+    from kvchat.engine.data import dialogues as d
 
     for templates in _all_templates():
         sets = [{t.lower() for t in getattr(templates, p)} for p in d.PHRASINGS]
@@ -95,7 +95,7 @@ def test_held_out_and_dev_phrasings_are_new_templates_not_new_values():
 
 
 def test_every_phrasing_family_and_out_of_scope_kind_occurs_with_its_polite_reply():
-    from kvchat.engine.dialogues import (ASKED_FAMILIES, OUT_OF_SCOPE_KINDS, POLITE_REPLIES, STATED_FAMILIES,
+    from kvchat.engine.data.dialogues import (ASKED_FAMILIES, OUT_OF_SCOPE_KINDS, POLITE_REPLIES, STATED_FAMILIES,
                                          UNKNOWN_REPLY)
 
     for phrasing in ("train", "heldout", "dev"):
@@ -113,7 +113,7 @@ def test_every_phrasing_family_and_out_of_scope_kind_occurs_with_its_polite_repl
 
 
 def test_a_typo_changes_one_letter_of_one_word_and_spares_protected_words():
-    from kvchat.engine.dialogues import typo
+    from kvchat.engine.data.dialogues import typo
 
     rng = random.Random(0)
     for _ in range(200):
@@ -139,7 +139,7 @@ def test_training_noise_changes_the_messages_never_the_facts(level):
 
 
 def test_frame_noise_keeps_the_value_and_the_words_that_say_what_is_told():
-    from kvchat.engine.dialogues import Dialogue, _Writer, pools
+    from kvchat.engine.data.dialogues import Dialogue, _Writer, pools
 
     writer = _Writer(random.Random(0), pools("train"), "train", Dialogue(None), noise=3)
     text = "Please remember that my locker number is 417 by the way."
@@ -157,7 +157,7 @@ def test_frame_noise_keeps_the_value_and_the_words_that_say_what_is_told():
 
 
 def test_level_5_puts_everyday_words_in_and_never_ones_that_tell_something():
-    from kvchat.engine.dialogues import _FILLER_WORDS, Dialogue, _Writer, pools
+    from kvchat.engine.data.dialogues import _FILLER_WORDS, Dialogue, _Writer, pools
 
     writer = _Writer(random.Random(2), pools("train"), "train", Dialogue(None), noise=5)
     words = [writer.odd_word() for _ in range(400)]
@@ -178,7 +178,7 @@ def test_never_told_weighs_questions_about_what_was_never_said():
 
 
 def test_level_4_ends_questions_in_unknown_words_and_keeps_what_is_asked():
-    from kvchat.engine.dialogues import Dialogue, _Writer, pools, slot_for
+    from kvchat.engine.data.dialogues import Dialogue, _Writer, pools, slot_for
 
     writer = _Writer(random.Random(1), pools("train"), "train", Dialogue(None), noise=4)
     tails = []
@@ -206,7 +206,7 @@ def _words(text: str, subject: str) -> list[str]:
 def test_wide_phrasings_share_no_four_words_with_held_out_or_dev_ones():
     """The extra training phrasings must not be near copies of what measures or chooses the model: no four words
     in a row (the thing told or asked masked) in common with a held-out or dev template of the same group."""
-    from kvchat.engine import dialogues as d
+    from kvchat.engine.data import dialogues as d
 
     def grams(text, subject):
         w = _words(text, subject)

@@ -8,10 +8,10 @@ import pytest
 from cli_run import kvchat
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine, ModelInfo
-from kvchat.engine.evaluate import evaluate, heldout_chats
-from kvchat.engine.parity import ours_greedy, reference_greedy
+from kvchat.app.bench.evaluate import evaluate, heldout_chats
+from kvchat.app.bench.parity import ours_greedy, reference_greedy
 from kvchat.engine.policies import make_policy
 from kvchat.engine.reply_guard import ReplyGuard
 
@@ -50,7 +50,7 @@ def test_same_greedy_answers_as_llama_cpp(engine):
 
 def test_it_answers_what_a_new_user_types(engine):
     """The issue's example, as a new user typed it, and a question about something never told."""
-    from kvchat.engine.dialogues import DEMO_REPLY, UNKNOWN_REPLY
+    from kvchat.engine.data.dialogues import DEMO_REPLY, UNKNOWN_REPLY
     from kvchat.engine.generate import generate, prefill
 
     conv, cache, replies = Conversation([], None), engine.new_cache(512), []

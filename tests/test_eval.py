@@ -8,7 +8,7 @@ import pytest
 from cli_run import kvchat
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.evaluate import evaluate, heldout_chats
+from kvchat.app.bench.evaluate import evaluate, heldout_chats
 from kvchat.engine.policies import POLICIES, make_policy
 from kvchat.errors import KvchatError
 
@@ -80,8 +80,8 @@ def test_eval_passes_policy_options_and_refuses_bad_ones_in_one_line(models):
 def test_the_demo_model_is_scored_on_held_out_phrasings_and_out_of_scope_prompts():
     """A random model answers nothing politely; the shipped one does, and its replies stay under the cap."""
     from kvchat.assets import DEFAULT_MODEL
-    from kvchat.engine.dialogues import POLITE_REPLIES
-    from kvchat.engine.evaluate import sample_replies
+    from kvchat.engine.data.dialogues import POLITE_REPLIES
+    from kvchat.app.bench.evaluate import sample_replies
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
     chats = heldout_chats(3, 4, 16, 20, phrasing="heldout")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from cli_run import kvchat
 
-from kvchat.engine.fidelity import PolicyFidelity, compare, text_chats, text_fidelity
+from kvchat.app.bench.fidelity import PolicyFidelity, compare, text_chats, text_fidelity
 from kvchat.engine.policies import make_policy
-from kvchat.engine.synthetic import REFERENCE_MODELS
+from kvchat.engine.train.synthetic import REFERENCE_MODELS
 
 
 def test_kl_agreement_and_perplexity_by_hand():
@@ -51,7 +51,7 @@ def test_full_against_itself_is_exact_and_round_policies_are_reported(embedded, 
 
 
 def test_merged_layers_are_measured_and_named(embedded):
-    from kvchat.engine.cross_layer import LayerPair
+    from kvchat.engine.kv.cross_layer import LayerPair
 
     makers = {"krul": lambda: make_policy("krul", embedded, pairs=[LayerPair(5, 7), LayerPair(2, 3)], r_l=0.5,
                                           gamma=0.0)}
@@ -63,7 +63,7 @@ def test_merged_layers_are_measured_and_named(embedded):
 
 
 def test_chats_are_cut_at_the_last_reply(embedded):
-    from kvchat.engine.workloads import mt_bench_workload
+    from kvchat.engine.data.workloads import mt_bench_workload
 
     (chat,) = text_chats(embedded, 700, 1, max_positions=10)
     conv = mt_bench_workload(embedded.chat, "text-700-0", seed=0, target=700).conversation

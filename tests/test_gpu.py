@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate
-from kvchat.engine.parity import compare, ours_logits, relative_error
-from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
+from kvchat.app.bench.parity import compare, ours_logits, relative_error
+from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
 
 pytestmark = pytest.mark.gpu
 SPECS = [dict(qtype=Q.F16), dict(qtype=Q.Q4_K), dict(arch="qwen2", style="chatml"), dict(llama3_factor=8.0),
@@ -44,7 +44,7 @@ def test_cuda_graph_decode_over_window_rings_equals_eager_decode(models, monkeyp
     """Gemma 3's window layers in rings of 12 (window 8; the prompt and 48 tokens wrap them many times): the
     captured step decodes what eager steps over a cache of every slot do. Its warm-up runs write a ring place that
     holds a live slot (255 % 12 = 3: slot 27 of the prompt) and put it back."""
-    from kvchat.engine import model as model_module
+    from kvchat.engine.model import decoder as model_module
 
     monkeypatch.setattr(model_module, "RING_SLACK", 4)
     engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cuda", dtype=torch.float32)
@@ -85,7 +85,7 @@ def test_bottom_right_causal_attention_by_flash_on_cuda(dtype, heads, kv_heads):
     """The flash path (no mask in memory) against SDPA under the materialized mask, grouped-query heads included."""
     import torch.nn.functional as F
 
-    from kvchat.engine.model import BottomRightCausal, bottom_right_causal_attention
+    from kvchat.engine.model.decoder import BottomRightCausal, bottom_right_causal_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads, 300, 128, device="cuda", dtype=dtype, generator=gen)
@@ -137,7 +137,7 @@ def test_chunked_prefill_on_cuda_imports_no_dynamo(models, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_merged_layers_on_cuda_round_trip(dtype):
-    from kvchat.engine.cross_layer import approximate_pair, merge_pair, unmerge_pair
+    from kvchat.engine.kv.cross_layer import approximate_pair, merge_pair, unmerge_pair
 
     kv = torch.randn(2, 8, 300, 128, device="cuda").to(dtype)
     same = approximate_pair(kv, kv.clone())
@@ -151,9 +151,9 @@ def test_merged_layers_on_cuda_round_trip(dtype):
 
 def test_a_merged_chat_restores_on_cuda(models, kvchat_home):
     """The staged (pinned, copied on the loader threads) path of a restore unmerges on the device."""
-    from kvchat.app.chat_session import ChatSession
-    from kvchat.app.layer_merges import ChatMerges
-    from kvchat.engine.cross_layer import LayerPair
+    from kvchat.app.session.chat import ChatSession
+    from kvchat.app.session.merges import ChatMerges
+    from kvchat.engine.kv.cross_layer import LayerPair
     from kvchat.storage.db import SEGMENT_MERGED, Store
     from kvchat.storage.fingerprint import model_fingerprint
 
@@ -171,7 +171,7 @@ def test_a_merged_chat_restores_on_cuda(models, kvchat_home):
     assert reopened.restore().tokens_recomputed == 0
     n = chat.cache.length
     assert torch.equal(reopened.cache.kv[[0, 3], :, :, :n], chat.cache.kv[[0, 3], :, :, :n])
-    from kvchat.engine.cross_layer import approximate_pair
+    from kvchat.engine.kv.cross_layer import approximate_pair
 
     for r in chat.rounds:  # layers 1 and 2: what merging the live cache's round gives, computed here
         span = slice(r.token_start, r.token_end)

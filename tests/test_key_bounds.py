@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvchat.engine.key_bounds import BLOCK, BoundsTable, block_counts, key_bounds, round_share_ref
+from kvchat.engine.kv.key_bounds import BLOCK, BoundsTable, block_counts, key_bounds, round_share_ref
 
 LU, HKV, D, REP = 2, 2, 16, 3
 

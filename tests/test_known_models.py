@@ -92,7 +92,7 @@ def test_a_short_name_works_on_the_command_line(tmp_path, monkeypatch, models, k
     from click.testing import CliRunner
 
     from kvchat.app.cli import main
-    from kvchat.engine.synthetic import REFERENCE_MODELS
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS
 
     data = models.get(**REFERENCE_MODELS["gemma3-f16"]).read_bytes()
     tiny = fake_model(tmp_path, monkeypatch, [data[:1000], data[1000:]])
@@ -119,8 +119,8 @@ def test_gemma_270m_agrees_with_llama_cpp_on_real_text(gemma_home):
     with llama.cpp's about as often as llama.cpp's batched evaluation agrees with its own one-token decode (95.5%
     over 1,085 positions; the real model's activations are large and 8-bit activation rounding flips near-ties)."""
     from kvchat.engine.engine import Engine
-    from kvchat.engine.parity import ours_logits, reference_logits
-    from kvchat.engine.workloads import mt_bench_workload
+    from kvchat.app.bench.parity import ours_logits, reference_logits
+    from kvchat.engine.data.workloads import mt_bench_workload
 
     path = gemma_home / "models" / GEMMA.file
     engine = Engine(path, device="cpu")

@@ -7,10 +7,10 @@ import pytest
 import torch
 from cli_run import kvchat
 
-from kvchat.app import chat_session
-from kvchat.app.chat_session import ChatSession
-from kvchat.app.layer_merges import ChatMerges
-from kvchat.engine.cross_layer import LayerPair, approximate_pair
+from kvchat.app.session import chat as chat_session
+from kvchat.app.session.chat import ChatSession
+from kvchat.app.session.merges import ChatMerges
+from kvchat.engine.kv.cross_layer import LayerPair, approximate_pair
 from kvchat.engine.engine import Engine
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, Store
 from kvchat.storage.fingerprint import model_fingerprint
@@ -228,7 +228,7 @@ def test_merge_and_show_from_the_command_line(engine):
     # the model's check, as stored on its first use (the check itself: test_cross_layer.py)
     from dataclasses import asdict
 
-    from kvchat.engine.merge_selection import MergeCalibration, merge_calibration_path
+    from kvchat.engine.policies.merge_selection import MergeCalibration, merge_calibration_path
     from kvchat.paths import write_json_atomically
 
     fp = model_fingerprint(engine.path, store)
@@ -244,8 +244,8 @@ def test_merge_and_show_from_the_command_line(engine):
 def test_compaction_drops_merged_pairs_with_the_rows_that_name_them(engine, two_groups):
     from test_restore_pipeline import made_up_profile
 
-    from kvchat.app.compaction import compact_session
-    from kvchat.app.hardware_profile import profile_planner
+    from kvchat.app.session.compaction import compact_session
+    from kvchat.app.session.profile import profile_planner
 
     store = Store()
     chat = merged_chat(store, engine)
@@ -261,7 +261,7 @@ def test_compaction_drops_merged_pairs_with_the_rows_that_name_them(engine, two_
 def test_the_benchmarks_merged_copy_of_a_random_weight_chat(engine):
     """kvchat bench's kv-merge: a fork of the stored chat, re-stored merged at r_l 0.5 by the ranking alone (random
     weights: neither the I-R test nor the check means anything there), restored like kv-load."""
-    from kvchat.app.bench_resume import _merged_copy
+    from kvchat.app.bench.resume import _merged_copy
 
     store = Store()
     chat = merged_chat(store, engine, pairs=[])
@@ -273,7 +273,7 @@ def test_the_benchmarks_merged_copy_of_a_random_weight_chat(engine):
 
 
 def test_a_merge_setting_that_is_not_a_share_is_a_one_line_error(engine):
-    from kvchat.app.layer_merges import chat_merges
+    from kvchat.app.session.merges import chat_merges
     from kvchat.errors import KvchatError
 
     store = Store()

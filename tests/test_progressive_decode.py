@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.cuda_graph import GraphedDecode
+from kvchat.engine.model.cuda_graph import GraphedDecode
 from kvchat.engine.engine import Engine
-from kvchat.engine.model import SplitAttend
+from kvchat.engine.model.decoder import SplitAttend
 from kvchat.engine.policies import make_policy
-from kvchat.engine.progressive_decode import ProgressiveDecode
+from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 from kvchat.errors import KvchatError
 
 QUESTION = ("My dog is called Rex. Our canoe is called Blue Heron. My sister lives in Lisbon. The cat is called "
@@ -143,7 +143,7 @@ def test_the_choice_is_the_same_whatever_the_grouping_of_layers(model, monkeypat
 def test_on_gemma_the_global_layers_choose_and_rings_change_nothing(models):
     """Gemma 3's sliding-window layers keep their window; the global layers choose. With the window layers in rings
     (apart from the global layers' keys) the choice and the reply are those of a cache of every slot."""
-    from kvchat.engine.synthetic import REFERENCE_MODELS
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS
 
     engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
     m, prompt = engine.model, engine.encode_prompt(QUESTION)
@@ -189,11 +189,11 @@ def test_a_chat_runs_under_loopserve(model, kvchat_home):
     """ChatSession under loopserve answers as the policy does on a fresh cache: the message's prefill sparse, the
     reply read through a budget chosen again as it goes (here 8 slots, chosen every token), the model dense again
     after the message."""
-    from kvchat.app.chat_session import ChatSession
+    from kvchat.app.session.chat import ChatSession
     from kvchat.engine.generate import generate
     from kvchat.engine.policies import chat_policy
     from kvchat.engine.reply_guard import ReplyGuard
-    from kvchat.engine.sparse_prefill import DEFAULT_MIN_KEYS
+    from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
     from kvchat.storage.db import Store
     from kvchat.storage.fingerprint import model_fingerprint
 

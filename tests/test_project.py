@@ -24,7 +24,7 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
 
 
 def test_engine_storage_kernels_do_not_import_textual():
-    code = ("import sys, kvchat.engine.engine, kvchat.engine.synthetic, kvchat.storage, kvchat.kernels\n"
+    code = ("import sys, kvchat.engine.engine, kvchat.engine.train.synthetic, kvchat.storage, kvchat.kernels\n"
             "assert not any(m == 'textual' or m.startswith('textual.') for m in sys.modules), 'textual imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stderr
@@ -33,7 +33,7 @@ def test_engine_storage_kernels_do_not_import_textual():
 def test_no_generic_top_level_modules_are_installed():
     code = ("import importlib.util as u\n"
             "print([n for n in ('app','engine','storage','kernels','assets','tests') if u.find_spec(n)])\n"
-            "import kvchat.engine.model, kvchat.app.cli\n")
+            "import kvchat.engine.model.decoder, kvchat.app.cli\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -66,3 +66,58 @@ def test_commands_that_need_no_model_do_not_import_torch():
 
     code = "import sys, kvchat.app.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the import contract (tests/import_contract.py; docs/architecture.md draws it) ---
+
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+from import_contract import TOP_FOLDERS, violations  # noqa: E402
+
+
+def test_the_import_contract_holds():
+    assert violations(ROOT) == []
+
+
+def _copy_of_the_package(tmp_path: Path) -> Path:
+    copy = tmp_path / "kvchat"
+    copy.mkdir()
+    for path in ROOT.glob("*.py"):
+        shutil.copy(path, copy / path.name)
+    for folder in TOP_FOLDERS:
+        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("*.gguf", "__pycache__", "*.jsonl"))
+    return copy
+
+
+@pytest.mark.parametrize("module, line, rule", [
+    ("kernels/gemv.py", "from kvchat.engine.sampling import SamplingParams", "kernels/ imports only kernels/"),
+    ("storage/codec.py", "import kvchat.engine.engine", "storage/ never imports engine/ or app/"),
+    ("storage/db.py", "from kvchat.app.session import chat", "storage/ never imports engine/ or app/"),
+    ("engine/generate.py", "from kvchat.storage.db import Store", "engine/ never imports storage/"),
+    ("engine/kv/key_bounds.py", "from kvchat.paths import data_dir", "engine/ never imports storage/, paths"),
+    ("engine/policies/base.py", "import click", "engine/ never imports"),
+    ("engine/sampling.py", "from textual.app import App", "engine/ never imports"),
+    ("app/session/chat.py", "import click", "app/session/ never imports click or textual"),
+    ("app/session/service.py", "from textual import work", "app/session/ never imports click or textual"),
+    ("app/tui/app.py", "from kvchat.app.cli import main", "app/tui/ never imports the CLI"),
+    ("app/session/chat.py", "from kvchat.app.bench import resume", "only the CLI imports app/bench/"),
+    ("app/tui/sidebar.py", "import kvchat.app.bench.plots", "only the CLI imports app/bench/"),
+])
+def test_the_import_contract_fails_on_a_forbidden_import(tmp_path, module, line, rule):
+    copy = _copy_of_the_package(tmp_path)
+    assert violations(copy) == []
+    target = copy / module
+    # inside a function too: a lazy import runs all the same
+    target.write_text(target.read_text() + f"\n\ndef _added():\n    {line}\n")
+    found = violations(copy)
+    assert len(found) == 1 and module in found[0] and rule in found[0], found
+
+
+def test_the_import_contract_fails_on_an_import_cycle(tmp_path):
+    copy = _copy_of_the_package(tmp_path)
+    target = copy / "engine/sampling.py"  # generate imports sampling at module level; now the reverse as well
+    target.write_text(target.read_text() + "\nfrom kvchat.engine import generate  # noqa\n")
+    found = violations(copy)
+    assert any(f.startswith("import cycle:") and "kvchat.engine.generate" in f and "kvchat.engine.sampling" in f
+               for f in found), found

@@ -7,10 +7,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.gguf_file import GGUFFile
-from kvchat.engine.parity import ours_greedy, ours_logits, reference_greedy, reference_logits, relative_error
-from kvchat.engine.synthetic import REFERENCE_MODELS
-from kvchat.engine.synthetic import REFERENCE_PROMPT as PROMPT
+from kvchat.engine.gguf.reader import GGUFFile
+from kvchat.app.bench.parity import ours_greedy, ours_logits, reference_greedy, reference_logits, relative_error
+from kvchat.engine.train.synthetic import REFERENCE_MODELS
+from kvchat.engine.train.synthetic import REFERENCE_PROMPT as PROMPT
 
 
 @pytest.fixture(params=list(REFERENCE_MODELS), ids=list(REFERENCE_MODELS))

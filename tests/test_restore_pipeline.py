@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from cli_run import kvchat
-from kvchat.app import chat_session as chat_session_module
-from kvchat.app.chat_session import ChatSession, storage_groups
-from kvchat.app.compaction import compact_session
-from kvchat.app.hardware_profile import (device_name, ensure_profile, fit_prefill, load_profile, profile_path,
+from kvchat.app.session import chat as chat_session_module
+from kvchat.app.session.chat import ChatSession, storage_groups
+from kvchat.app.session.compaction import compact_session
+from kvchat.app.session.profile import (device_name, ensure_profile, fit_prefill, load_profile, profile_path,
                                         profile_planner, save_profile)
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
-from kvchat.engine.recompute import PrefixRecompute, PyramidStep
-from kvchat.engine.restore_plan import (HardwareProfile, RestorePlan, RoundLayout, best_overlap_seconds,
+from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
+from kvchat.engine.restore.plan import (HardwareProfile, RestorePlan, RoundLayout, best_overlap_seconds,
                                         check_pyramid, fixed_plan, load_everything, plan_groups, plan_restore,
                                         synthetic_rounds)
 from kvchat.storage.db import Store
@@ -327,7 +327,7 @@ def test_a_chat_compacted_here_stores_nothing_back_here(shape):
     layout = lambda resident: synthetic_rounds(replace(p, stored_over_raw=0.6), 32936, 646,  # noqa: E731
                                                storage_groups(32, 131072), resident)
     groups = plan_groups(32, layout(1.0))
-    from kvchat.engine.restore_plan import compactable
+    from kvchat.engine.restore.plan import compactable
 
     keep = compactable([plan_restore(layout(res), groups, p) for res in (0.0, 1.0)])
     assert keep[0] > 0
@@ -359,7 +359,7 @@ def test_two_streams_slow_each_other_as_measured():
 
 
 def test_restores_teach_the_planner_how_the_streams_slow_each_other(engine, kvchat_home):
-    from kvchat.engine.restore_plan import OBSERVED_KEPT, OBSERVED_NEEDED, observe
+    from kvchat.engine.restore.plan import OBSERVED_KEPT, OBSERVED_NEEDED, observe
 
     p = gpu_profile(decode_mb_s=100)  # a 32k chat's streams run long enough to tell
     rounds, groups = chat_layout(p, 32768)
@@ -422,7 +422,7 @@ def test_profile_is_measured_once_stored_and_measured_again_when_unusable(engine
 
 
 def test_a_corrupt_profile_is_measured_again_with_a_notice(engine, kvchat_home, monkeypatch):
-    from kvchat.app import hardware_profile
+    from kvchat.app.session import profile as hardware_profile
 
     fp = model_fingerprint(DEFAULT_MODEL, Store())
     path = profile_path(fp, device_name(engine.device))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
-from kvchat.engine.model import SplitAttend
+from kvchat.engine.model.decoder import SplitAttend
 from kvchat.engine.policies import make_policy
 from kvchat.engine.policies.round_attention import select_rounds
 from kvchat.errors import KvchatError

@@ -404,7 +404,7 @@ def same_bits_kv(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
 def test_cold_and_cached_reads_give_the_same_bits(tmp_path, tokens):
-    from kvchat.engine.bench import drop_page_cache
+    from kvchat.app.bench.engine_speed import drop_page_cache
 
     kv = random_kv(tokens=tokens, heads=4, head_dim=64, seed=tokens)
     ref = write_segment(tmp_path, kv, fingerprint=FP, layers=range(2), tokens=range(tokens))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.engine.engine import Engine
-from kvchat.engine.synthetic import REFERENCE_MODELS
+from kvchat.engine.train.synthetic import REFERENCE_MODELS
 from kvchat.storage.db import SEGMENT_KV, Store
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.statefile import export_session, import_state
@@ -164,9 +164,9 @@ def tiered_run(engine: Engine, mode: str, k: float, messages=MESSAGES) -> tuple[
     (the logits at every step, the rounds chosen, the top layer's K/V of the new round [2, Hkv, n, D])."""
     import torch
 
-    from kvchat.engine.chat_format import Conversation, Round
+    from kvchat.engine.text.chat_format import Conversation, Round
     from kvchat.engine.policies import make_policy
-    from kvchat.engine.tiered_kv import TieredKV
+    from kvchat.engine.kv.tiered import TieredKV
 
     policy = make_policy("round-topk", engine, watershed=5, k=k, recheck_below=0)
     conv = Conversation([Round(m, "Fine, noted.") for m in messages[:-1]], "Be brief.")
@@ -187,7 +187,7 @@ def tiered_run(engine: Engine, mode: str, k: float, messages=MESSAGES) -> tuple[
 def full_run(engine: Engine, messages=MESSAGES):
     import torch
 
-    from kvchat.engine.chat_format import Conversation, Round
+    from kvchat.engine.text.chat_format import Conversation, Round
 
     conv = Conversation([Round(m, "Fine, noted.") for m in messages[:-1]], "Be brief.")
     cache = engine.new_cache(512)
@@ -218,7 +218,7 @@ def test_round_attention_keeps_what_the_sliding_windows_read(gemma, mode):
 
 def test_without_the_window_rounds_it_would_differ(gemma, monkeypatch):
     """The check above can fail: a tiered cache that did not bring in the window's rounds gives other logits."""
-    from kvchat.engine.tiered_kv import TieredKV
+    from kvchat.engine.kv.tiered import TieredKV
 
     monkeypatch.setattr(TieredKV, "_window_rounds", lambda self, start: [])
     got, _, _ = tiered_run(gemma, "eager", k=1)

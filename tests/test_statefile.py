@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli_run import kvchat
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.storage.db import RoundRow, Store, now

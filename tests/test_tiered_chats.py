@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from cli_run import kvchat
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
-from kvchat.engine.tiered_kv import TieredKV
+from kvchat.engine.kv.tiered import TieredKV
 from kvchat.storage.db import Store
 from kvchat.storage.fingerprint import model_fingerprint
 
@@ -168,8 +168,8 @@ def test_send_takes_the_kv_policy(kvchat_home):
 def test_a_chat_stored_in_layer_groups_is_stored_again_in_tiers_with_key_bounds(engine, kvchat_home, monkeypatch):
     """A full-cache chat of several layer groups (as an 8B model's is stored): the restore reads the groups above
     the split in the background, and store_tiers still re-stores every round as lower, upper and key bounds."""
-    from kvchat.app import chat_session
-    from kvchat.app.bench_resume import split_stored_rounds
+    from kvchat.app.session import chat as chat_session
+    from kvchat.app.bench.resume import split_stored_rounds
 
     monkeypatch.setattr(chat_session, "storage_groups", lambda n_layers, kv_bytes: (range(0, 4), range(4, 8)))
     store = Store()

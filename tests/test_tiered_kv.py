@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import Conversation, Round
+from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
-from kvchat.engine.key_bounds import BoundsTable, key_bounds
-from kvchat.engine.model import SplitAttend
+from kvchat.engine.kv.key_bounds import BoundsTable, key_bounds
+from kvchat.engine.model.decoder import SplitAttend
 from kvchat.engine.policies import make_policy
-from kvchat.engine.tiered_kv import TieredKV
+from kvchat.engine.kv.tiered import TieredKV
 
 ROUNDS = [Round("My name is Ada.", "Nice to meet you, Ada."), Round("My sister's name is Mira.", "Noted."),
           Round("I live in Lisbon.", "Lisbon is lovely."), Round("My dog is called Rex.", "Good name."),

@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvchat.engine.dialogues import dialogues
+from kvchat.engine.data.dialogues import dialogues
 from kvchat.engine.engine import Engine
-from kvchat.engine.parity import reference_logits, relative_error
-from kvchat.engine.tokenizer import Tokenizer
-from kvchat.engine.train import (PROMPT, TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue,
+from kvchat.app.bench.parity import reference_logits, relative_error
+from kvchat.engine.text.tokenizer import Tokenizer
+from kvchat.engine.train.trainer import (PROMPT, TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue,
                                  export_gguf, load_checkpoint, load_gguf_weights, save_checkpoint, split_losses,
                                  vocab_from_gguf, vocab_from_state)
 from kvchat.errors import KvchatError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import ProgressBar, Select
 
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.app.tui.chat_view import ReplyView
 from kvchat.app.tui.composer import Composer
@@ -22,7 +22,7 @@ from kvchat.app.tui.dialogs.help import HelpScreen, key_rows, key_table
 from kvchat.app.tui.dialogs.settings import SettingsDialog
 from kvchat.app.tui.dialogs.text_prompt import TextPrompt
 from kvchat.app.tui.preferences import Preferences
-from kvchat.engine.tiered_kv import TieredKV
+from kvchat.engine.kv.tiered import TieredKV
 from kvchat.paths import data_dir
 from kvchat.storage.db import Store
 from tui_support import (make_app, notifications, screen, seed_chat, shown_messages, status_text, wait_for,
@@ -38,7 +38,7 @@ def store() -> Store:
 @pytest.fixture
 def slow_tokens(monkeypatch):
     """Each generated token takes a while, so a test can act while a reply is being written."""
-    import kvchat.app.chat_session as chat_session
+    import kvchat.app.session.chat as chat_session
 
     real = chat_session.generate
 
@@ -416,7 +416,7 @@ def test_kvchat_help_still_lists_the_commands():
 
 
 def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
-    from kvchat.app.tui.backend import ChatBackend
+    from kvchat.app.session.service import ChatBackend
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.sampling import SamplingParams
 
@@ -440,7 +440,7 @@ def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
 
 
 def test_the_app_runs_a_chat_under_loopserve(kvchat_home):
-    from kvchat.app.tui.backend import ChatBackend
+    from kvchat.app.session.service import ChatBackend
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.sampling import SamplingParams
 
@@ -457,8 +457,8 @@ def test_the_app_runs_a_chat_under_loopserve(kvchat_home):
 
 
 def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
-    from kvchat.app.tui.backend import CHATS_IN_MEMORY, ChatBackend
-    from kvchat.engine.calibration import Calibration, save_calibration
+    from kvchat.app.session.service import CHATS_IN_MEMORY, ChatBackend
+    from kvchat.engine.calibrate.watershed import Calibration, save_calibration
     from kvchat.storage.fingerprint import model_fingerprint
     from kvchat.assets import DEFAULT_MODEL
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.app.chat_session import ChatSession
-from kvchat.engine import model as model_module
-from kvchat.engine.cuda_graph import GraphedDecode
+from kvchat.app.session.chat import ChatSession
+from kvchat.engine.model import decoder as model_module
+from kvchat.engine.model.cuda_graph import GraphedDecode
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
-from kvchat.engine.restore_plan import fixed_plan
-from kvchat.engine.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
+from kvchat.engine.restore.plan import fixed_plan
+from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
 from kvchat.storage.db import Store
 from kvchat.storage.fingerprint import model_fingerprint
 
@@ -150,7 +150,7 @@ def assert_like_a_fresh_prefill(engine: Engine, chat: ChatSession) -> None:
 
 
 def test_a_chat_in_a_ring_cache_restores_recomputes_and_retracts_exactly(gemma, kvchat_home, monkeypatch, chat_ring):
-    from kvchat.app import chat_session as chat_session_module
+    from kvchat.app.session import chat as chat_session_module
 
     monkeypatch.setattr(chat_session_module, "GROUP_BYTES_PER_512_TOKENS", 1 << 20)  # layers 0-1, 2-3, 4, 5-6
     store = Store()
@@ -238,7 +238,7 @@ def test_a_decode_step_over_rings_made_in_inference_mode(gemma):
 def test_a_ring_chat_read_again_from_its_text_needs_no_fork(gemma, kvchat_home, monkeypatch, chat_ring):
     """A new system prompt drops the stored K/V: the whole chat is recomputed with nothing loading beside it, so
     straight into the cache's own ring (a fork and its join would only copy)."""
-    from kvchat.engine.model import KVCache
+    from kvchat.engine.model.decoder import KVCache
 
     store = Store()
     chat = chat_of(store, gemma, MESSAGES[:3])

@@ -9,12 +9,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.app.tui.app import KvchatApp
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import Conversation, Round
-from kvchat.app.hardware_profile import ensure_profile
+from kvchat.engine.text.chat_format import Conversation, Round
+from kvchat.app.session.profile import ensure_profile
 from kvchat.engine.engine import Engine
 from kvchat.paths import data_dir
 from kvchat.storage.db import RoundRow, Store, now

@@ -1,1 +1,1 @@
-"""The terminal app (`kvchat` with no arguments): Textual screens and widgets over app/tui/backend.py."""
+"""The terminal app (`kvchat` with no arguments): Textual screens and widgets over app/session/service.py."""

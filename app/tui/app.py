@@ -10,7 +10,7 @@ from typing import Callable
 from textual.app import App
 from textual.binding import Binding
 
-from kvchat.app.tui.backend import ChatBackend
+from kvchat.app.session.service import ChatBackend
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.app.tui.preferences import Preferences
 

@@ -27,8 +27,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, ProgressBar
 
-from kvchat.app.chat_session import RestoreCancelled
-from kvchat.app.tui.backend import ChatStats, Transcript, default_model, is_demo_model
+from kvchat.app.session.chat import RestoreCancelled
+from kvchat.app.session.service import ChatStats, Transcript, default_model, is_demo_model
 from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.app.tui.chat_view import ChatView, ReplyView
 from kvchat.app.tui.composer import Composer

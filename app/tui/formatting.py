@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from kvchat.app.tui.backend import ChatStats
+from kvchat.app.session.service import ChatStats
 
 UNMEASURED = "…"  # shown instead of timings and compressed sizes when the app runs with measurements hidden
 

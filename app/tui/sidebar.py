@@ -11,7 +11,7 @@ from textual.message import Message
 from textual.widgets import Input, OptionList
 from textual.widgets.option_list import Option
 
-from kvchat.app.tui.backend import ChatSummary
+from kvchat.app.session.service import ChatSummary
 from kvchat.app.tui.formatting import UNMEASURED, ago, size
 
 

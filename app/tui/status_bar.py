@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
-from kvchat.app.tui.backend import ChatStats
+from kvchat.app.session.service import ChatStats
 from kvchat.app.tui.formatting import UNMEASURED, kv_line, model_name, restore_line
 
 

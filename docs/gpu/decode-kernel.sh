@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
 kvchat() { python3 -m kvchat.app.cli "$@"; }
 model8b() {  # the random 8B-shape BF16 file, built once per machine
   [ -f /tmp/bench-models/llama-3.1-8b-BF16.gguf ] || python3 -c "
-from pathlib import Path; from kvchat.engine.bench import model_file; model_file(Path('/tmp/bench-models'), 'llama-3.1-8b')"
+from pathlib import Path; from kvchat.app.bench.engine_speed import model_file; model_file(Path('/tmp/bench-models'), 'llama-3.1-8b')"
 }
 for part in "${@:-tests}"; do
   case "$part" in

@@ -52,7 +52,7 @@ def tiles(lengths=(1024, 8192, 32768, 65536)) -> None:
 def profile(path: str, *contexts: str) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from kvchat.engine.cuda_graph import GraphedDecode
+    from kvchat.engine.model.cuda_graph import GraphedDecode
     from kvchat.engine.engine import Engine
 
     engine = Engine(path, device="cuda")

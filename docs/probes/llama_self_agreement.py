@@ -21,9 +21,9 @@ import torch
 from llama_cpp import Llama
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.parity import ours_logits
-from kvchat.engine.tokenizer import quiet_llama_logs
-from kvchat.engine.workloads import MT_BENCH, mt_bench_workload
+from kvchat.app.bench.parity import ours_logits
+from kvchat.engine.text.tokenizer import quiet_llama_logs
+from kvchat.engine.data.workloads import MT_BENCH, mt_bench_workload
 from kvchat.storage.known_models import resolve_model
 
 

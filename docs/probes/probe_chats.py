@@ -9,12 +9,12 @@ from typing import Callable, Iterator
 import torch
 
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.chat_format import Conversation
-from kvchat.engine.dialogues import Dialogue, Question
+from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.data.dialogues import Dialogue, Question
 from kvchat.engine.engine import Engine
-from kvchat.engine.evaluate import heldout_chats, reply_matches
+from kvchat.app.bench.evaluate import heldout_chats, reply_matches
 from kvchat.engine.generate import prefill
-from kvchat.engine.model import KVCache
+from kvchat.engine.model.decoder import KVCache
 
 torch.set_grad_enabled(False)
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.bench import model_file
-from kvchat.engine.bench_loopserve import CHUNK, POOL, chat_tokens
+from kvchat.app.bench.engine_speed import model_file
+from kvchat.app.bench.loopserve import CHUNK, POOL, chat_tokens
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import decoder_step
-from kvchat.engine.progressive_decode import ProgressiveDecode
+from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 
 
 def select_per_layer(self: ProgressiveDecode) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
-from kvchat.engine.recompute import PrefixRecompute, PyramidStep
+from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 
 
 def main() -> None:

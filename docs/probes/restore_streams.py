@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from kvchat.app.chat_session import ChatSession
-from kvchat.engine.chat_format import Conversation, Round
+from kvchat.app.session.chat import ChatSession
+from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
-from kvchat.engine.recompute import PrefixRecompute, PyramidStep
-from kvchat.engine.restore_plan import fixed_plan
+from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
+from kvchat.engine.restore.plan import fixed_plan
 from kvchat.storage import prefetch
 from kvchat.storage.db import Store
 

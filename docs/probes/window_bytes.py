@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvchat.app.chat_session import ChatSession
+from kvchat.app.session.chat import ChatSession
 from kvchat.engine.engine import Engine
-from kvchat.engine.workloads import mt_bench_workload
+from kvchat.engine.data.workloads import mt_bench_workload
 from kvchat.storage.db import SEGMENT_KV, RoundRow, Store, now
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.known_models import resolve_model

@@ -9,7 +9,7 @@ from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
 from kvchat.engine.policies.round_attention import (
     RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
 )
-from kvchat.engine.sparse_prefill import DEFAULT_MIN_KEYS
+from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
 from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {

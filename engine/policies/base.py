@@ -8,7 +8,7 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
-from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.engine.model.decoder import Attend, KVCache, Transformer
 from kvchat.errors import KvchatError
 
 

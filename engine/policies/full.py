@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.engine.model.decoder import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 
 

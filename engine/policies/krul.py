@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvchat.engine.cross_layer import LayerPair, merge_in_cache, restore_in_cache
-from kvchat.engine.layer_stats import LayerStats
-from kvchat.engine.layer_stats import PROBE_ROWS
-from kvchat.engine.merge_selection import GAMMA, RETAIN, choose_pairs
-from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.engine.kv.cross_layer import LayerPair, merge_in_cache, restore_in_cache
+from kvchat.engine.policies.layer_stats import LayerStats
+from kvchat.engine.policies.layer_stats import PROBE_ROWS
+from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs
+from kvchat.engine.model.decoder import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.errors import KvchatError
 
@@ -42,7 +42,7 @@ class KrulMerge(KVPolicy):
         if policy.checked and policy.allowed is None:
             if engine is None:
                 raise KvchatError("the checked krul KV policy needs a model to check its layer pairs on")
-            from kvchat.engine.merge_selection import ensure_merge_calibration
+            from kvchat.engine.policies.merge_selection import ensure_merge_calibration
             from kvchat.storage.fingerprint import model_fingerprint
 
             policy.allowed = ensure_merge_calibration(engine, model_fingerprint(engine.path), progress).pairs

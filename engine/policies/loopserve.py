@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvchat.engine.model import Attend, KVCache, Transformer
+from kvchat.engine.model.decoder import Attend, KVCache, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.round_attention import RoundAttention
-from kvchat.engine.progressive_decode import ProgressiveDecode
-from kvchat.engine.sparse_prefill import SparsePrefill
+from kvchat.engine.policies.progressive_decode import ProgressiveDecode
+from kvchat.engine.policies.sparse_prefill import SparsePrefill
 from kvchat.errors import KvchatError
 
 

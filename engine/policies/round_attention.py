@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.engine.model import Attend, KVCache, SplitAttend, Transformer
+from kvchat.engine.model.decoder import Attend, KVCache, SplitAttend, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass
@@ -116,7 +116,7 @@ class RoundAttention(KVPolicy):
         if policy.watershed is None:
             if engine is None:
                 raise KvchatError(f"the {cls.name} KV policy needs a model to calibrate its watershed layer")
-            from kvchat.engine.calibration import ensure_calibration
+            from kvchat.engine.calibrate.watershed import ensure_calibration
             from kvchat.storage.fingerprint import model_fingerprint
 
             policy.watershed = ensure_calibration(engine, model_fingerprint(engine.path), progress).watershed

@@ -1,0 +1,177 @@
+"""Engine-level speed figures: load time, prefill and decode tokens/s at given context lengths, peak GPU memory.
+
+Models are random-weight GGUF files shaped like public ones (engine.synthetic.SHAPES), built once and kept in a
+cache folder, so the figures need no download and measure exactly the code a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import decoder_step
+from kvchat.engine.train.synthetic import SHAPES, LLAMA_FTYPE_Q4_K_M, llama_quantize, make_shaped_model
+
+
+@dataclass
+class ContextFigures:
+    context: int
+    prefill_tokens_per_s: float
+    prefill_seconds: float
+    decode_tokens_per_s: float
+    decode_ms_per_token: float
+    eager_decode_tokens_per_s: float | None = None
+    cache_mib: float = 0.0  # the KV cache's device memory (capacity: the context and the decoded tokens)
+    # A model with sliding-window layers (Gemma 3), measured again with those layers in rings (KVCache(ring=True))
+    ring: "ContextFigures | None" = None
+
+
+@dataclass
+class ShapeFigures:
+    shape: str
+    qtype: str
+    device: str
+    dtype: str
+    file_bytes: int
+    load_seconds: float
+    weights_gib: float
+    cold_load: bool = False
+    peak_gpu_gib: float | None = None
+    contexts: list[ContextFigures] = field(default_factory=list)
+
+
+def model_file(cache_dir: Path, shape: str, qtype: str = "BF16") -> Path:
+    """The random model for `shape` in `qtype` (BF16 or Q4_K_M), built on first use."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{shape}-{qtype}.gguf"
+    if path.exists():
+        return path
+    if qtype == "BF16":
+        make_shaped_model(path.with_suffix(".tmp"), shape, Q.BF16).rename(path)
+    elif qtype == "Q4_K_M":
+        src = model_file(cache_dir, shape, "BF16")
+        llama_quantize(src, path.with_suffix(".tmp"), LLAMA_FTYPE_Q4_K_M, keep_output_f32=False, pure=False)
+        path.with_suffix(".tmp").rename(path)
+    else:
+        raise ValueError(f"unknown benchmark type {qtype!r} (accepted: BF16, Q4_K_M)")
+    return path
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_context(engine: Engine, context: int, decode_steps: int = 64, repeats: int = 3,
+                    cuda_graph: bool | None = None, ring: bool = False) -> ContextFigures:
+    """Prefill of `context` random tokens (one pass, as generate's first chunk of up to 4k and a bench's long
+    context do not differ in kind) and `decode_steps` decoded after it; `ring`: sliding-window layers in rings."""
+    model, device = engine.model, engine.device
+    gen = torch.Generator().manual_seed(context)
+    tokens = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
+
+    def prefill_once():
+        cache = model.new_cache(context + decode_steps + 1, ring=ring)
+        h = model.run_layers(model.embed(tokens), torch.arange(context), cache, 0)
+        model.head(h[-1:])
+
+    prefill_once()  # warm-up (kernels, allocator)
+    prefill_s = _median_seconds(prefill_once, device, repeats)
+
+    cache = model.new_cache(context + decode_steps + 1, ring=ring)
+    model(tokens, cache)
+    step = decoder_step(model, cache, context + decode_steps + 1, cuda_graph)
+
+    def decode_run():
+        cache.truncate(context)
+        token = 1
+        for _ in range(decode_steps):
+            token = int(torch.argmax(step(token)))  # the same host sync a real decode loop has
+
+    decode_run()
+    decode_s = _median_seconds(decode_run, device, repeats)
+    return ContextFigures(context, context / prefill_s, prefill_s, decode_steps / decode_s, 1000 * decode_s / decode_steps,
+                          cache_mib=cache.device_bytes() / 2**20)
+
+
+def drop_page_cache() -> bool:
+    """Ask Linux to forget cached file pages, so the next load reads the disk (needs root; False if refused)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "BF16",
+                device: str | None = None, log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
+    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold)
+
+
+def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: str | None = None,
+               log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
+    """Load, prefill and decode figures of one model file (`name`, `qtype`: how to report it)."""
+    shape = name
+    dropped = drop_page_cache() if cold else False
+    engine = Engine(path, device=device)
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    figures = ShapeFigures(shape, qtype, _device_name(dev), str(engine.dtype).removeprefix("torch."),
+                           path.stat().st_size, engine.load_seconds, weights / 2**30, cold_load=dropped)
+    log(f"{shape} {qtype}: loaded in {engine.load_seconds:.2f} s {'(page cache dropped first) ' if dropped else ''}"
+        f"({figures.file_bytes / 2**30:.2f} GiB file, {figures.weights_gib:.2f} GiB of weights)")
+    for ctx in contexts:
+        c = measure_context(engine, ctx)
+        figures.contexts.append(c)
+        line = f"  ctx {ctx}: prefill {c.prefill_tokens_per_s:,.0f} tok/s, decode {c.decode_tokens_per_s:,.1f} tok/s"
+        if dev.type == "cuda":
+            eager = measure_context(engine, ctx, cuda_graph=False)
+            c.eager_decode_tokens_per_s = eager.decode_tokens_per_s
+            line += f" (eager, no CUDA graph: {eager.decode_tokens_per_s:,.1f})"
+        line += f", KV cache {c.cache_mib:,.1f} MiB"
+        if engine.config.sliding_window:
+            c.ring = r = measure_context(engine, ctx, ring=True)
+            line += (f"; window layers in rings: prefill {r.prefill_tokens_per_s:,.0f} tok/s, decode "
+                     f"{r.decode_tokens_per_s:,.1f} tok/s, KV cache {r.cache_mib:,.1f} MiB "
+                     f"({r.cache_mib / c.cache_mib:.3f}x)")
+        log(line)
+    if dev.type == "cuda":
+        figures.peak_gpu_gib = torch.cuda.max_memory_allocated(dev) / 2**30
+    del engine
+    return figures
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def as_dict(figures: ShapeFigures) -> dict:
+    return asdict(figures)

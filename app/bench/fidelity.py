@@ -1,0 +1,215 @@
+"""Fidelity on real text (`kvchat eval --text`): how far each KV policy moves a model's next-token distribution
+from the full cache's, on long chats of real text.
+
+Chats are built from MT-Bench questions and reference answers as `kvchat bench` builds them (engine.workloads), at
+a few lengths. Each chat's last reply is teacher-forced: the history is read round by round (a tiered policy's
+cache closes each round, as in a chat), the last round's prompt is prefilled under the policy, and then the
+reply's own tokens are fed one decode step at a time through the policy's decode path (its CUDA graphs, progressive
+selection and rechecks included), so what is measured is what a user's reply would be computed from. At every
+reply position: KL(full || policy) of the next-token distributions, whether their top tokens agree, and the
+negative log-likelihood of the reply's actual next token (perplexity), grouped by position in the reply.
+
+`full` against itself must give exactly 0 KL and 100% agreement: the harness checks its own determinism.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import decode_steps, prefill
+from kvchat.engine.policies import KVPolicy
+from kvchat.engine.kv.tiered import TieredKV
+from kvchat.engine.data.workloads import mt_bench_workload
+from kvchat.errors import KvchatError
+
+LENGTHS = (2000, 8000, 24000)
+# Reply positions grouped by how far into the reply they are (the policy's choice was made at the prompt).
+BUCKETS = ((0, 16), (16, 64), (64, 256), (256, 1 << 30))
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    return f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi - 1}"
+
+
+@dataclass
+class Tally:
+    positions: int = 0
+    kl: float = 0.0  # sum of KL(full || policy), nats
+    agree: int = 0  # positions whose top tokens are the same
+    nll: float = 0.0  # sum of -log p_policy(actual next token)
+    nll_full: float = 0.0
+
+    def add(self, kl: float, agree: bool, nll: float, nll_full: float) -> None:
+        self.positions += 1
+        self.kl += kl
+        self.agree += int(agree)
+        self.nll += nll
+        self.nll_full += nll_full
+
+    def as_dict(self) -> dict:
+        n = max(self.positions, 1)
+        return {"positions": self.positions, "mean_kl": round(self.kl / n, 6), "top1": round(self.agree / n, 4),
+                "ppl": round(math.exp(self.nll / n), 4), "ppl_full": round(math.exp(self.nll_full / n), 4)}
+
+
+@dataclass
+class PolicyFidelity:
+    policy: str
+    overall: Tally = field(default_factory=Tally)
+    by_position: dict[str, Tally] = field(default_factory=dict)
+    error: str | None = None  # the policy refused this model (one line), nothing measured
+    watershed: int | None = None  # round policies: the layer they chose at
+    merged: list[list[str]] = field(default_factory=list)  # krul: the pairs merged, per chat
+
+    def add(self, position: int, kl: float, agree: bool, nll: float, nll_full: float) -> None:
+        self.overall.add(kl, agree, nll, nll_full)
+        lo, hi = next(b for b in BUCKETS if b[0] <= position < b[1])
+        self.by_position.setdefault(bucket_name(lo, hi), Tally()).add(kl, agree, nll, nll_full)
+
+    def as_dict(self) -> dict:
+        if self.error:
+            return {"policy": self.policy, "error": self.error}
+        extra = {} if self.watershed is None else {"watershed": self.watershed}
+        if self.merged:
+            extra["merged_pairs"] = self.merged
+        return {"policy": self.policy, **extra, **self.overall.as_dict(),
+                "by_position": {k: v.as_dict() for k, v in self.by_position.items()}}
+
+
+@dataclass
+class TextChat:
+    """One chat's teacher-forcing material: the history's rounds, the last round's prompt, its reply tokens."""
+
+    name: str
+    history: list[list[int]]
+    prompt: list[int]
+    reply: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.history)) + len(self.prompt) + len(self.reply)
+
+
+def text_chats(engine: Engine, length: int, count: int, max_positions: int, seed: int = 0) -> list[TextChat]:
+    """`count` MT-Bench chats of about `length` tokens, each cut to at most `max_positions` reply tokens."""
+    chats = []
+    for i in range(count):
+        work = mt_bench_workload(engine.chat, f"text-{length}-{i}", seed=seed + i, target=length)
+        conv = work.conversation
+        spans = engine.chat.round_spans(conv)
+        head = Conversation(conv.rounds[:-1], conv.system)
+        prompt = engine.chat.open_round_tokens(head, conv.rounds[-1].user)
+        last = spans[-1]
+        if last[: len(prompt)] != prompt or len(last) <= len(prompt):
+            raise KvchatError(f"the chat template splits the last round of a {length}-token chat unevenly")
+        chats.append(TextChat(work.name, spans[:-1], prompt, last[len(prompt):][:max_positions]))
+    return chats
+
+
+@torch.inference_mode()
+def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Tensor:
+    """The next-token logits [len(reply), V] (float32, on the model's device) at each reply position, the reply's
+    tokens fed through the policy's decode path one at a time."""
+    model, n = engine.model, len(chat.reply)
+    capacity = chat.tokens + 8
+    round_starts: list[int] = []
+    visible, undo = None, None
+    if policy.tiered:
+        cache = TieredKV(model, policy, capacity)
+        for span in chat.history:
+            cache.prefill(span)
+            cache.close_round()
+        rows = [cache.prefill(chat.prompt)]
+    else:
+        cache = model.new_cache(capacity)
+        for span in chat.history:
+            round_starts.append(cache.length)
+            prefill(model, cache, span)
+        undo = policy.prepare(model, cache, round_starts, [t for span in chat.history for t in span])
+    try:
+        if not policy.tiered:
+            visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
+            rows = [prefill(model, cache, chat.prompt, attend=visible)]
+        # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
+        step = decode_steps(model, cache, n, capacity, visible, first=sum(map(len, chat.history)), policy=policy)
+        for token in chat.reply[:-1]:
+            rows.append(step(token).clone())
+    finally:
+        if undo is not None:  # a model-wide setting (LoopServe's sparse prefill) ends with the chat
+            undo()
+    return torch.stack(rows).float()
+
+
+def compare(policy: PolicyFidelity, ref: torch.Tensor, got: torch.Tensor, reply: list[int]) -> None:
+    """Add one chat's positions: ref / got logits [n, V] of the full cache and the policy."""
+    ref_lp, got_lp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
+    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).clamp_min(0)  # [n]; rounding can dip a hair below 0
+    agree = ref.argmax(-1) == got.argmax(-1)
+    target = torch.tensor(reply, device=ref.device)[:, None]
+    nll, nll_full = -got_lp.gather(1, target)[:, 0], -ref_lp.gather(1, target)[:, 0]
+    for i, (k, a, x, y) in enumerate(zip(kl.tolist(), agree.tolist(), nll.tolist(), nll_full.tolist())):
+        policy.add(i, k, a, x, y)
+
+
+@dataclass
+class FidelityResult:
+    model: str
+    device: str
+    lengths: dict[int, list[PolicyFidelity]] = field(default_factory=dict)
+    chat_tokens: dict[int, list[int]] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)  # lengths the model's context cannot hold
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "device": self.device, "seconds": round(self.seconds, 1),
+                "skipped": {str(k): v for k, v in self.skipped.items()},
+                "lengths": {str(k): {"chat_tokens": self.chat_tokens[k], "policies": [p.as_dict() for p in v]}
+                            for k, v in self.lengths.items()}}
+
+
+def text_fidelity(engine: Engine, policies: dict[str, Callable[[], KVPolicy]], lengths=LENGTHS, chats: int = 2,
+                  max_positions: int = 256, seed: int = 0,
+                  progress: Callable[[str], None] | None = None) -> FidelityResult:
+    """Every policy (name -> a maker, so a policy that refuses the model is reported, not fatal) against the full
+    cache, on `chats` chats per length. `full` is always measured against itself as the harness's own check."""
+    from kvchat.engine.policies import make_policy
+
+    result = FidelityResult(engine.path, str(engine.device))
+    started = time.perf_counter()
+    full = make_policy("full", engine)
+    for length in lengths:
+        if length + max_positions > engine.config.context_length:
+            result.skipped[length] = f"longer than the model's context of {engine.config.context_length} tokens"
+            continue
+        material = text_chats(engine, length, chats, max_positions, seed)
+        result.chat_tokens[length] = [c.tokens for c in material]
+        rows = {name: PolicyFidelity(name) for name in ["full", *[p for p in policies if p != "full"]]}
+        for chat in material:
+            ref = forced_logits(engine, full, chat)
+            for name, fid in rows.items():
+                if fid.error:
+                    continue
+                if progress:
+                    progress(f"{length} tokens, {chat.name}: {name}")
+                try:
+                    policy = full if name == "full" else policies[name]()
+                    fid.watershed = getattr(policy, "watershed", None)
+                    got = forced_logits(engine, policy, chat)
+                    if hasattr(policy, "last_pairs"):
+                        fid.merged.append([str(p) for p in policy.last_pairs])
+                except KvchatError as exc:
+                    fid.error = str(exc)
+                    continue
+                compare(fid, ref, got, chat.reply)
+            del ref
+        result.lengths[length] = list(rows.values())
+    result.seconds = time.perf_counter() - started
+    return result

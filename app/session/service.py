@@ -1,0 +1,365 @@
+"""What the terminal app does with the engine and the store, as plain thread-safe Python (no textual here).
+
+The app calls these methods from worker threads only. The engine is single-stream, so every piece of model work
+(restoring a chat, answering, regenerating) runs under one lock; storage calls that must not interleave with a
+round being saved (delete, fork, export, a new system prompt) take the same lock and first wait until the chat's
+K/V writer has put every finished round on disk. A chat runs under the KV policy the caller names (the app's
+setting: the full cache, or Round Attention on a tiered cache); the policy is built once per model. The semantics
+are the CLI's (app/chats.py): same store, same state files, the title of an untitled chat is its first message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvchat.app.session.chat import ChatSession, KVWriter, RestoreStats
+from kvchat.app.session.profile import ensure_profile, profile_planner
+from kvchat.app.session.compaction import compact_session
+from kvchat.app.session.merges import chat_merges
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.engine import Engine, ModelInfo
+from kvchat.engine.generate import GenerationResult, TokenCallback
+from kvchat.engine.policies import KVPolicy, chat_policy
+from kvchat.engine.reply_guard import ReplyGuard
+from kvchat.engine.sampling import SamplingParams
+from kvchat.errors import KvchatError
+from kvchat.storage.db import RoundRow, Store
+from kvchat.storage.fingerprint import model_fingerprint
+from kvchat.storage.statefile import ImportResult, export_session, import_state
+
+# How many restored chats keep their KV cache in memory; reopening one of them costs nothing.
+CHATS_IN_MEMORY = 4
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass
+class ChatSummary:
+    """One row of the sidebar."""
+
+    id: str
+    title: str
+    updated: str  # ISO time of the last change
+    n_rounds: int
+    kv_bytes: int
+    kv_status: str  # "in memory" | "on disk" | "text only" | "empty"
+
+
+@dataclass
+class ChatStats:
+    """What the status bar says about one chat."""
+
+    model_path: str
+    device: str = ""
+    context_used: int = 0
+    context_length: int = 0
+    kv_bytes: int = 0
+    kv_raw_bytes: int = 0
+    restore: RestoreStats | None = None
+    restore_source: str = ""  # "this run": restored now; "earlier": the store's record of the last open
+
+
+@dataclass
+class Reply:
+    """A finished answer: the round as stored and how fast it came."""
+
+    round: RoundRow
+    result: GenerationResult
+    title: str  # the chat's title afterwards (an untitled chat takes its first message)
+
+
+@dataclass
+class _OpenChat:
+    session: ChatSession
+    stats: RestoreStats
+    kv_policy: str  # the policy name it was restored under: another name reopens it
+
+
+@dataclass
+class Transcript:
+    info: dict
+    rounds: list[RoundRow] = field(default_factory=list)
+
+
+class ChatBackend:
+    def __init__(self, home: Path | None = None, device: str | None = None):
+        self.home, self.device = home, device
+        self._store: Store | None = None
+        self._engines: dict[str, Engine] = {}
+        self._writers: dict[str, KVWriter] = {}  # one background writer per model fingerprint
+        self._policies: dict[tuple[str, str], KVPolicy | None] = {}  # (model file, policy name) -> built policy
+        self._open: OrderedDict[str, _OpenChat] = OrderedDict()  # restored chats, least recently used first
+        self.model_lock = threading.RLock()  # one forward pass at a time, and no save racing a delete
+        self._state_lock = threading.RLock()
+        self._load_lock = threading.Lock()  # a model file is loaded once even when two workers ask at once
+        # The app's setting: after each saved round, drop the K/V restores on this machine recompute anyway.
+        self.compact_kv = True
+        self.notice: Callable[[str], None] | None = None  # tells the user about a profile being measured
+
+    # ---- store, engines ----
+
+    @property
+    def store(self) -> Store:
+        with self._state_lock:
+            if self._store is None:
+                self._store = Store(self.home)  # opening sweeps what interrupted saves left behind
+            return self._store
+
+    def engine(self, model_path: str | Path) -> Engine:
+        """The engine of a model file, loaded once per path."""
+        key = str(Path(model_path).resolve())
+        with self._load_lock:
+            with self._state_lock:
+                if key in self._engines:
+                    return self._engines[key]
+            if not Path(key).exists():
+                raise KvchatError(f"the model file {key} is missing")
+            engine = Engine(key, device=self.device)
+            with self._state_lock:
+                self._engines[key] = engine
+            return engine
+
+    def loaded_engine(self, model_path: str | Path) -> Engine | None:
+        with self._state_lock:
+            return self._engines.get(str(Path(model_path).resolve()))
+
+    def policy(self, engine: Engine, name: str, calibrating: Progress | None = None) -> KVPolicy | None:
+        """The chat policy `name` (None: the full cache) for the engine's model, built once. The round policy
+        calibrates a model on its first use (seconds to minutes, reported to `calibrating(done, total)`)."""
+        key = (str(engine.path), name)
+        with self.model_lock:  # calibrating runs the model; held, it also keeps two workers from calibrating twice
+            with self._state_lock:
+                if key in self._policies:
+                    return self._policies[key]
+            policy = chat_policy(name, engine, calibrating)
+            with self._state_lock:
+                self._policies[key] = policy
+            return policy
+
+    def _writer(self, engine: Engine) -> KVWriter:
+        fp = model_fingerprint(Path(engine.path), self.store)
+        with self._state_lock:
+            if fp not in self._writers:
+                self._writers[fp] = KVWriter(self.store, fp)
+            return self._writers[fp]
+
+    def drain(self) -> list[str]:
+        """Wait until every finished round's K/V is on disk; returns (and forgets) the saves that failed."""
+        with self._state_lock:
+            writers = list(self._writers.values())
+        problems = []
+        for w in writers:
+            w.drain()
+            problems += w.errors
+            w.errors.clear()
+        return problems
+
+    # ---- the list of chats ----
+
+    def chat_list(self) -> list[ChatSummary]:
+        with self._state_lock:
+            in_memory = set(self._open)
+        out = []
+        for r in self.store.sessions():
+            if r["id"] in in_memory:
+                status = "in memory"
+            elif r["kv_bytes"]:
+                status = "on disk"
+            else:
+                status = "text only" if r["n_rounds"] else "empty"
+            out.append(ChatSummary(r["id"], r["title"], r["updated"], r["n_rounds"], r["kv_bytes"], status))
+        return out
+
+    def transcript(self, sid: str) -> Transcript:
+        info = self.store.session(sid)
+        return Transcript(info, self.store.rounds(info["id"]))
+
+    def create_chat(self, model_path: str | Path, system_prompt: str | None = None, title: str = "") -> str:
+        """As `kvchat new`: refuse a bad model now, not at the first message."""
+        path = Path(model_path).resolve()
+        if not path.exists():
+            raise KvchatError(f"the model file {path} is missing")
+        info = ModelInfo.read(path)
+        fp = model_fingerprint(path, self.store)
+        self.store.upsert_model(fp, path=str(path), name=info.name, arch=info.config.arch,
+                                n_layers=info.config.n_layers, kv_bytes_per_token=info.config.kv_bytes_per_token(2))
+        return self.store.create_session(title=title, model_fingerprint=fp, model_path=str(path),
+                                         system_prompt=system_prompt or None)
+
+    # ---- restore and answer ----
+
+    def restore(self, sid: str, progress: Progress | None = None, cancel: threading.Event | None = None, *,
+                kv_policy: str = "full", calibrating: Progress | None = None) -> ChatStats:
+        """Bring the chat's KV cache into memory under `kv_policy` (from disk where it can); RestoreCancelled when
+        `cancel` is set. `calibrating` hears about the calibration the round policy may need first."""
+        with self.model_lock:
+            self._session(sid, kv_policy, progress, cancel, calibrating)
+        return self.chat_stats(sid)
+
+    def _session(self, sid: str, kv_policy: str, progress=None, cancel: threading.Event | None = None,
+                 calibrating: Progress | None = None) -> ChatSession:
+        """The chat's session restored under `kv_policy`; call with model_lock held."""
+        with self._state_lock:
+            opened = self._open.get(sid)
+            if opened is not None and opened.kv_policy == kv_policy:
+                self._open.move_to_end(sid)
+                return opened.session
+        if opened is not None:  # restored under another policy: its rounds reach the disk, then it is reopened
+            self.forget(sid)
+            opened.session.close()
+        info = self.store.session(sid)
+        if not Path(info["model_path"]).exists():
+            raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
+        engine = self.engine(info["model_path"])
+        policy = self.policy(engine, kv_policy, calibrating)
+        # This machine's speeds for the model (measured on its first chat, a few seconds): restores recompute the
+        # chat's front while they load the rest.
+        profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
+
+        def compactor(store: Store, chat: str) -> None:
+            if self.compact_kv:
+                compact_session(store, chat, profile)
+
+        session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy,
+                              planner=profile_planner(profile), compactor=compactor,
+                              merges=chat_merges(self.store, info, engine, None, calibrating))  # `kvchat merge`'s
+        stats = session.restore(progress=progress, cancel=cancel)
+        with self._state_lock:
+            self._open[sid] = _OpenChat(session, stats, kv_policy)
+            while len(self._open) > CHATS_IN_MEMORY:
+                self._open.popitem(last=False)[1].session.stop_reading()  # its cache is freed; its K/V is on disk
+        return session
+
+    def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
+             on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
+             regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None,
+             guard: ReplyGuard = ReplyGuard()) -> Reply:
+        """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
+        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again."""
+        with self.model_lock:
+            session = self._session(sid, kv_policy, calibrating=calibrating)
+            if regenerate:
+                row = session.retract_last_round()
+                if row is None:
+                    raise KvchatError("the chat has no reply to regenerate")
+                text = row.user_text
+            if not text.strip():
+                raise KvchatError("the message is empty")
+            try:
+                result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
+                                      cancel=cancel, guard=guard)
+            except BaseException:
+                if regenerate:  # no new reply: the old one comes back (its K/V is recomputed on the next open)
+                    self.store.add_round(sid, row)
+                    self.forget(sid)
+                raise
+            title = session.info["title"]
+            if not title:  # as `kvchat send`: an untitled chat takes its first message as title
+                title = " ".join(text.split())[:48]
+                self.store.rename_session(sid, title)
+                session.info["title"] = title
+            return Reply(session.rounds[-1], result, title)
+
+    def chat_stats(self, sid: str) -> ChatStats:
+        info = self.store.session(sid)
+        stats = ChatStats(info["model_path"])
+        rounds = self.store.rounds(sid)
+        stats.context_used = rounds[-1].token_end if rounds else 0
+        engine = self.loaded_engine(info["model_path"])
+        if engine is not None:
+            stats.device = f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}"
+            stats.context_length = engine.config.context_length
+        with self._state_lock:
+            opened = self._open.get(sid)
+        if opened is not None:
+            stats.restore, stats.restore_source = opened.stats, "this run"
+            stats.context_used = opened.session.cache.length
+        else:
+            last = self.store.last_restore(sid)
+            if last:
+                stats.restore = RestoreStats(last["tokens_loaded"], last["tokens_recomputed"], last["restore_ms"],
+                                             notes=last["notes"], tokens_planned=last["tokens_planned"],
+                                             compute_ms=last["compute_ms"], load_ms=last["load_ms"],
+                                             gap_ms=last["gap_ms"], plan=last["plan"])
+                stats.restore_source = "earlier"
+        for seg in self.store.segments(sid):
+            stats.kv_bytes += seg["byte_size"]
+            stats.kv_raw_bytes += seg["raw_size"]
+        return stats
+
+    def is_in_memory(self, sid: str) -> bool:
+        with self._state_lock:
+            return sid in self._open
+
+    def forget(self, sid: str) -> None:
+        """Drop the chat's in-memory cache (it will be restored from the store next time)."""
+        with self._state_lock:
+            opened = self._open.pop(sid, None)
+        if opened is not None:
+            opened.session.stop_reading()
+
+    # ---- chat management ----
+
+    def rename(self, sid: str, title: str) -> None:
+        self.store.rename_session(sid, title)
+        with self._state_lock:
+            if sid in self._open:
+                self._open[sid].session.info["title"] = title
+
+    def delete(self, sid: str) -> None:
+        """As `kvchat rm`: the deletion is committed first, the files no other chat uses are unlinked after."""
+        with self.model_lock:  # never while a round of this chat is being answered or saved
+            self.drain()
+            self.forget(sid)
+            self.store.unlink_files(self.store.delete_session(sid))
+
+    def fork(self, sid: str, rounds: int, title: str) -> str:
+        """A new chat holding the first `rounds` rounds (and their stored K/V, shared by file)."""
+        with self.model_lock:
+            self.drain()  # so the rounds just answered are forked with their K/V
+            return self.store.fork_session(sid, rounds, title)
+
+    def export(self, sid: str, path: Path, text_only: bool = False) -> Path:
+        with self.model_lock:
+            self.drain()
+            return export_session(self.store, sid, Path(path).expanduser(), text_only=text_only)
+
+    def import_file(self, path: Path, model_path: str | Path) -> ImportResult:
+        """As `kvchat import`: the state file becomes a new chat on `model_path`, or nothing changes."""
+        path, model = Path(path).expanduser(), Path(model_path).resolve()
+        if not path.is_file():
+            raise KvchatError(f"{path} is not a file")
+        fp = model_fingerprint(model, self.store)
+        return import_state(self.store, path, current_fingerprint=fp, model_path=str(model))
+
+    def set_system_prompt(self, sid: str, system_prompt: str) -> None:
+        """A new system prompt changes every round's tokens: the stored K/V is dropped and recomputed on open."""
+        with self.model_lock:
+            self.drain()
+            self.forget(sid)
+            self.store.unlink_files(self.store.update_session(sid, system_prompt=system_prompt))
+
+    def close(self) -> list[str]:
+        """Before the app exits: the reply being generated (already told to stop) is saved, then every finished
+        round's K/V reaches the disk."""
+        with self.model_lock:
+            return self.drain()
+
+
+def default_model() -> Path:
+    if not DEFAULT_MODEL.exists():
+        raise KvchatError(f"the embedded model is missing from this install ({DEFAULT_MODEL}); choose a model file "
+                          f"in the settings")
+    return DEFAULT_MODEL
+
+
+def is_demo_model(path: str | Path) -> bool:
+    """Whether `path` is the embedded demo model (which the app's empty screens describe)."""
+    try:
+        return Path(path).resolve() == DEFAULT_MODEL.resolve()
+    except OSError:
+        return False

@@ -1,0 +1,133 @@
+"""Decode steps replayed from a captured CUDA graph.
+
+Eager decode launches ~25 kernels per layer from Python; for an 8B model that host work, not the GPU, sets the
+speed. The step is captured once for a cache of fixed storage and replayed per token: one launch. Everything that
+changes from token to token (the token, its position, its cache slot, how many slots it attends to) is in a device
+tensor the graph reads, and attention goes through kernels.decode_attention, which takes the length from the
+device: one graph serves every length up to the cache's capacity, and is kept for the next reply while the cache's
+storage and the rotary table stay the same.
+
+`capture=False` runs the very same step without a graph (any device): the tests check the kernel path that way on
+the CPU, in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from kvchat.engine.model.decoder import DecodeStep, KVCache, Transformer
+
+
+class StepInputs:
+    """The next token, its position, and per cache its slot and attended length, in one device tensor set with
+    one host-to-device copy."""
+
+    def __init__(self, device: torch.device, n_caches: int = 1):
+        self.values = torch.zeros(2 + 2 * n_caches, dtype=torch.long, device=device)
+        self.token, self.position = self.values[0:1], self.values[1:2]
+
+    def slot(self, cache: int) -> Tensor:
+        return self.values[2 + 2 * cache : 3 + 2 * cache]
+
+    def length(self, cache: int) -> Tensor:
+        return self.values[3 + 2 * cache : 4 + 2 * cache]
+
+    def step(self, model: Transformer, cache: int = 0) -> DecodeStep:
+        return DecodeStep(self.slot(cache), self.position, self.length(cache), model.gather_rotations(self.position))
+
+    def set(self, token: int, position: int, *slots: int) -> None:
+        """The token at `position`, written to `slots` (one per cache), attending to every slot up to its own."""
+        values = [token, position]
+        for slot in slots:
+            values += [slot, slot + 1]
+        self.values[: len(values)].copy_(torch.tensor(values))
+
+    def set_slot(self, cache: int, slot: int) -> None:
+        self.values[2 + 2 * cache : 4 + 2 * cache].copy_(torch.tensor([slot, slot + 1]))
+
+
+class Replay:
+    """`fn` (no arguments, device tensors in and out) captured in a CUDA graph and replayed, or with capture=False
+    simply called."""
+
+    def __init__(self, fn: Callable[[], object], device: torch.device, capture: bool = True):
+        self.fn, self.graph, self.outputs = fn, None, None
+        if not capture:
+            return
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA model")
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up runs (they really execute: callers point them at harmless slots)
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = fn()
+
+    def __call__(self):
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.outputs
+
+
+class Bound:
+    """Weak references to the tensors a captured graph reads and writes by address: the graph is valid while they
+    are exactly these tensors (a grown cache or rotary table is a new tensor; an old one may be freed meanwhile)."""
+
+    def __init__(self, *tensors: Tensor):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+
+    def holds(self, *tensors: Tensor) -> bool:
+        return len(tensors) == len(self.refs) and all(ref() is t for ref, t in zip(self.refs, tensors))
+
+
+class GraphedDecode:
+    def __init__(self, model: Transformer, cache: KVCache, capacity: int, capture: bool = True):
+        self.model, self.cache = model, cache
+        cache.reserve(capacity)  # the graph is bound to this storage: it must not grow while in use
+        model.reserve_rotations(cache.capacity)
+        self._bound = Bound(cache.kv, cache.ring, model.rope.c_table)
+        self.inputs = StepInputs(model.device)
+        # Warm-up runs really execute: point them at the last slot, which no token holds yet.
+        self.inputs.set(0, cache.capacity - 1, cache.capacity - 1)
+        with cache.keeping_slot(cache.capacity - 1):
+            self._replay = Replay(self._step, model.device, capture)
+
+    def fits(self, cache: KVCache, capacity: int) -> bool:
+        """Whether this graph can serve `cache` up to `capacity` slots (same storage, same rotary table)."""
+        return (cache is self.cache and self._bound.holds(cache.kv, cache.ring, self.model.rope.c_table)
+                and capacity <= cache.capacity)
+
+    @torch.inference_mode()
+    def _step(self) -> Tensor:
+        m = self.model
+        h = m.run_layers(m.embed(self.inputs.token), None, self.cache, None, step=self.inputs.step(m))
+        return m.head(h)
+
+    def __call__(self, token: int, position: int | None = None) -> Tensor:
+        """Append one token at the next slot (its position defaults to the slot) and return its logits [V]."""
+        if not self.fits(self.cache, self.cache.length + 1):
+            raise RuntimeError("the KV cache outgrew the captured decode graph")
+        slot = self.cache.length
+        self.inputs.set(token, slot if position is None else position, slot)
+        logits = self._replay()
+        self.cache.length = slot + 1
+        return logits[-1]
+
+
+def graphed_decode(model: Transformer, cache: KVCache, capacity: int) -> GraphedDecode:
+    """The cache's captured decode step, captured again only when its storage or the rotary table changed or it
+    needs more slots (capturing costs a few eager steps)."""
+    graphed = getattr(cache, "graphed_decode", None)
+    if graphed is None or not graphed.fits(cache, capacity):
+        cache.graphed_decode = None  # free the old graph's memory before capturing the new one
+        graphed = cache.graphed_decode = GraphedDecode(model, cache, capacity)
+    return graphed
