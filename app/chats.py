@@ -1,7 +1,8 @@
 """`kvchat new / send / sessions / show / rm / export / import`: the chat store from the command line.
 
 A stable contract that tests and scripts rely on: ids on stdout, replies streamed to stdout, `--json` for machines,
-one-line errors on stderr.
+one-line errors on stderr. What each command does with the store and the engine is app.session.service.ChatService's
+(the terminal app's too): these commands parse, call it once and print.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ def _store():
     from kvchat.storage.db import Store
 
     return Store()  # opening sweeps what interrupted saves left behind
+
+
+def _service(device: str | None = None):
+    """The chat service over $KVCHAT_HOME's store, its models loaded on `device` (default: cuda when available)."""
+    from kvchat.app.session.service import ChatService
+
+    service = ChatService(device=device)
+    service.notice = notice  # a profile being measured is said on stderr
+    return service
 
 
 def kv_stored(store, segments: list[dict]) -> bool:
@@ -92,17 +102,7 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--system", "system_prompt", default=None, help="System prompt for this chat.")
     def new(title, model_path, system_prompt):
         """Start a chat; prints its id."""
-        from kvchat.engine.engine import ModelInfo
-        from kvchat.storage.fingerprint import model_fingerprint
-
-        store = _store()
-        info = ModelInfo.read(model_path)  # refuse a bad model now, not at the first message
-        fp = model_fingerprint(Path(model_path), store)
-        store.upsert_model(fp, path=str(Path(model_path).resolve()), name=info.name, arch=info.config.arch,
-                           n_layers=info.config.n_layers, kv_bytes_per_token=info.config.kv_bytes_per_token(2))
-        sid = store.create_session(title=title or "", model_fingerprint=fp, model_path=str(Path(model_path).resolve()),
-                                   system_prompt=system_prompt)
-        click.echo(sid)
+        click.echo(_service().create_chat(model_path, system_prompt=system_prompt, title=title or ""))
 
     @main.command()
     @click.argument("session")
@@ -124,43 +124,34 @@ def register(main: click.Group, model_option, device_option) -> None:
     @device_option
     def send(session, message, max_tokens, policy_name, compact, merge_share, guard, reply_cap, device):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
-        from kvchat.app.session.chat import ChatSession
-        from kvchat.app.session.profile import planning
-        from kvchat.app.session.merges import chat_merges
-        from kvchat.engine.engine import Engine
-        from kvchat.engine.policies import chat_policy
+        from kvchat.engine.sampling import SamplingParams
 
         if message == "-":
             message = sys.stdin.read()
         if not message.strip():
             raise KvchatError("the message is empty")
         reply_guard = make_guard(guard, reply_cap)
-        store = _store()
-        info = store.session(session)
+        service = _service(device)
+        service.compact_kv = compact
+        info = service.chat_info(session)
         model_path = info["model_path"]
         if not Path(model_path).exists():
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
-        engine = Engine(model_path, device=device)
-        policy = chat_policy(policy_name, engine, calibrating)
-        planner, compactor = planning(engine, info["model_fingerprint"], notice, compact)
-        merges = chat_merges(store, info, engine, merge_share, calibrating)
-        chat = ChatSession(store, engine, info["id"], policy=policy, planner=planner, compactor=compactor,
-                           merges=merges)
-        chat.restore()
 
         def stream(_tok: int, piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
+        # Restored, answered and saved as the app does it (an untitled chat takes the message as its title).
         try:
-            result = chat.send(message, max_tokens=max_tokens, on_token=stream, guard=reply_guard)
+            reply = service.send(info["id"], message, max_tokens=max_tokens, sampling=SamplingParams(),
+                                 on_token=stream, kv_policy=policy_name, calibrating=calibrating, guard=reply_guard,
+                                 merge_share=merge_share)
         finally:
-            chat.close()  # the round's K/V reaches the disk before the process ends
+            problems = service.close()  # the round's K/V reaches the disk before the process ends
         click.echo()
-        report_stop(result.stop_reason)
-        if not info["title"]:
-            store.rename_session(info["id"], " ".join(message.split())[:48])
-        for problem in chat.writer.errors:
+        report_stop(reply.result.stop_reason)
+        for problem in problems:
             click.echo(f"kvchat: warning: {problem}", err=True)
 
     @main.command()
@@ -170,16 +161,13 @@ def register(main: click.Group, model_option, device_option) -> None:
     @device_option
     def merge(session, share, device):
         """Store SESSION's rounds again with layer pairs merged (Krul), and keep merging its new rounds."""
-        from kvchat.app.session.chat import ChatSession
-        from kvchat.app.session.merges import chat_merges
-        from kvchat.engine.engine import Engine
-
-        store = _store()
-        info = store.session(session)
+        service = _service(device)
+        info = service.chat_info(session)
         if not Path(info["model_path"]).exists():
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
-        engine = Engine(info["model_path"], device=device)
-        chat = ChatSession(store, engine, info["id"], merges=chat_merges(store, info, engine, share, calibrating))
+        # Every stored round is loaded (no restore plan) so that each can be stored again merged.
+        chat = service.wire(info, service.engine(info["model_path"]), merge_share=share, calibrating=calibrating,
+                            planned=False)
         chat.restore()
         merged = chat.store_merged()
         chat.close()
@@ -196,16 +184,15 @@ def register(main: click.Group, model_option, device_option) -> None:
     def unmerge(session, device):
         """Undo SESSION's cross-layer merges: its merged rounds are recomputed (exactly) and stored whole, and the
         chat stops merging."""
-        from kvchat.app.session.chat import ChatSession
-        from kvchat.engine.engine import Engine
         from kvchat.storage.db import SEGMENT_MERGED
 
-        store = _store()
-        info = store.session(session)
+        service = _service(device)
+        store = service.store
+        info = service.chat_info(session)
         if not Path(info["model_path"]).exists():
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
-        engine = Engine(info["model_path"], device=device)
-        chat = ChatSession(store, engine, info["id"], ignore_merges=True)
+        # Merged rounds recomputed exactly (no restore plan: every other round is loaded as stored).
+        chat = service.wire(info, service.engine(info["model_path"]), planned=False, ignore_merges=True)
         stats = chat.restore()
         chat.close()
         if chat.writer.errors:
@@ -223,14 +210,14 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--json", "as_json", is_flag=True)
     def sessions(as_json):
         """List chats, most recent first."""
-        rows = _store().sessions()
+        rows = _service().chat_list()
         if as_json:
-            click.echo(json.dumps([{k: r[k] for k in ("id", "title", "created", "updated", "n_rounds", "kv_bytes",
-                                                      "model_path")} for r in rows]))
+            click.echo(json.dumps([{k: getattr(r, k) for k in ("id", "title", "created", "updated", "n_rounds",
+                                                               "kv_bytes", "model_path")} for r in rows]))
             return
         for r in rows:
-            click.echo(f"{r['id']}  {r['updated'][:16].replace('T', ' ')}  {r['n_rounds']:>4} rounds  "
-                       f"{r['kv_bytes'] / 2**20:8.2f} MiB  {r['title'] or '(untitled)'}")
+            click.echo(f"{r.id}  {r.updated[:16].replace('T', ' ')}  {r.n_rounds:>4} rounds  "
+                       f"{r.kv_bytes / 2**20:8.2f} MiB  {r.title or '(untitled)'}")
 
     @main.command()
     @click.argument("session")
@@ -312,9 +299,9 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.argument("session")
     def rm(session):
         """Delete a chat and the KV files only it used."""
-        store = _store()
-        info = store.session(session)
-        store.unlink_files(store.delete_session(info["id"]))  # committed first, files after
+        service = _service()
+        info = service.chat_info(session)
+        service.delete(info["id"])  # committed first, files after
         click.echo(f"deleted {info['id']}")
 
     @main.command("export")
@@ -323,24 +310,15 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.option("--text-only", is_flag=True, help="Leave the KV cache out (smaller; recomputed on import).")
     def export_(session, output, text_only):
         """Write a chat to one state file."""
-        from kvchat.storage.statefile import export_session
-
-        store = _store()
-        info = store.session(session)
-        path = export_session(store, info["id"], Path(output), text_only=text_only)
-        click.echo(str(path))
+        service = _service()
+        click.echo(str(service.export(service.chat_info(session)["id"], Path(output), text_only=text_only)))
 
     @main.command("import")
     @click.argument("file", type=click.Path(dir_okay=False))
     @model_option
     def import_(file, model_path):
         """Import a state file as a new chat; prints its id."""
-        from kvchat.storage.fingerprint import model_fingerprint
-        from kvchat.storage.statefile import import_state
-
-        store = _store()
-        fp = model_fingerprint(Path(model_path), store)
-        result = import_state(store, Path(file), current_fingerprint=fp, model_path=str(Path(model_path).resolve()))
+        result = _service().import_file(Path(file), model_path)
         for notice in result.notices:
             click.echo(f"kvchat: notice: {notice}", err=True)
         click.echo(result.session_id)

@@ -1,7 +1,8 @@
-"""The embedded default model: a small memory-assistant demo trained by engine.train (see docs/embedded-model.md)."""
+"""The embedded default model: a small memory-assistant demo trained by engine.train.trainer (see docs/embedded-model.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).with_name("kvchat-memory-demo.gguf")
+ASSETS = Path(__file__).parent  # the package data: the model, and the MT-Bench questions the benchmarks use
+DEFAULT_MODEL = ASSETS / "kvchat-memory-demo.gguf"

@@ -11,10 +11,11 @@ from typing import Callable
 
 import torch
 
-from kvchat.engine.model.decoder import Attend, KVCache, SplitAttend, Transformer
+from kvchat.engine.kv.base import KVStore
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import Sampler, SamplingParams
-from kvchat.engine.kv.tiered import TieredKV
 from kvchat.errors import ContextOverflowError
 
 # What the callback receives for each token: the token id and the text it completes (may be "" mid-character).
@@ -42,39 +43,26 @@ class GenerationResult:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, tokens: list[int], chunk: int = 4096,
+def prefill(model: Transformer, cache: KVStore, tokens: list[int], chunk: int = 4096,
             attend: Attend = None) -> torch.Tensor:
     """Append tokens to the cache in chunks (bounded activation memory) and return the last token's logits [V].
-    `attend` restricts what the tokens see of the cache as it was before them (they always see each other)."""
-    if not tokens:
-        raise ValueError("prefill needs at least one token")
-    ids = torch.tensor(tokens, dtype=torch.long)
-    first, logits = cache.length, None
-    for i in range(0, len(tokens), chunk):
-        logits = model(ids[i : i + chunk], cache, attend=_with_own_slots(attend, first, cache.length))
-    return logits[-1]
+    `attend` restricts what the tokens see of the cache as it was before them (they always see each other), where
+    the cache takes a view (KVStore.prefill_prompt)."""
+    return cache.prefill_prompt(model, tokens, attend=attend, chunk=chunk)
 
 
-def _with_own_slots(attend: Attend, first: int, end: int) -> Attend:
-    """A restricted view of the old cache plus every slot this generation has added so far."""
-    if attend is None:
-        return None
-    if isinstance(attend, SplitAttend):
-        return SplitAttend(attend.split, _with_own_slots(attend.upper, first, end))
-    return torch.cat([attend.to(torch.long).cpu(), torch.arange(first, end)])
-
-
-def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *, decoder, max_tokens: int,
+def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, max_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_tokens: frozenset[int] = frozenset(),
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
              cuda_graph: bool | None = None, attend: Attend = None, guard: ReplyGuard | None = None,
              reply_cap: int | None = None, policy=None) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
-    StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache then holds the prompt and every
-    generated token but the last (nothing has attended to it yet). A TieredKV cache picks the rounds the prompt's
-    upper layers see itself (`attend` does not apply). `guard` stops a looping reply; `reply_cap` (the model's,
-    from ReplyGuard.cap_for) stops one that runs on. `policy` (a KVPolicy) may bring its own decode step."""
+    StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache (any KVStore) then holds the prompt
+    and every generated token but the last (nothing has attended to it yet). A cache may choose what the prompt sees
+    itself (a TieredKV picks the rounds its upper layers see: `attend` does not apply). `guard` stops a looping
+    reply; `reply_cap` (the model's, from ReplyGuard.cap_for) stops one that runs on. `policy` (a KVPolicy) may
+    bring its own decode step."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     limit = context_length or model.cfg.context_length
@@ -85,8 +73,7 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     result = GenerationResult(prefill_tokens=len(prompt))
     started = time.perf_counter()
     first = cache.length
-    tiered = isinstance(cache, TieredKV)
-    logits = cache.prefill(prompt) if tiered else prefill(model, cache, prompt, attend=attend)
+    logits = cache.prefill_prompt(model, prompt, attend=attend)
     token = sampler(logits)
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
     step = None  # built once the first token is out: capturing decode graphs would delay it
@@ -132,38 +119,14 @@ def generate(model: Transformer, cache: KVCache | TieredKV, prompt: list[int], *
     return result
 
 
-def decode_steps(model: Transformer, cache: KVCache | TieredKV, max_tokens: int, limit: int, attend: Attend = None,
+def decode_steps(model: Transformer, cache: KVStore, max_tokens: int, limit: int, attend: Attend = None,
                  first: int = 0, cuda_graph: bool | None = None, policy=None):
-    """The decode step (token -> logits [V]) for up to `max_tokens` tokens after a prefill: a tiered cache's own
-    step, a policy's own (`policy.decode_step`), the full cache's (graphed on CUDA), or, with `attend` (the view
-    the prefill had of the cache as it was at slot `first`), eager steps that see the chosen slots and everything
-    generated since."""
-    if isinstance(cache, TieredKV):
-        cache.reserve_decode(min(max_tokens, limit - cache.length))
-        return cache.step
-    if policy is not None:
-        own = policy.decode_step(model, cache, first, attend, min(cache.length + max_tokens + 1, limit), cuda_graph)
-        if own is not None:
-            return own
-    if attend is None:
-        return decoder_step(model, cache, min(cache.length + max_tokens + 1, limit), cuda_graph)
-
-    def step(tok: int) -> torch.Tensor:
-        visible = _with_own_slots(attend, first, cache.length)
-        return model(torch.tensor([tok]), cache, attend=visible)[-1]
-
-    return step
-
-
-def decoder_step(model: Transformer, cache: KVCache, capacity: int, cuda_graph: bool | None):
-    """One decode step as a function token -> logits [V]: replayed from a CUDA graph on CUDA, eager otherwise."""
-    if cuda_graph is None:
-        cuda_graph = model.device.type == "cuda"
-    if cuda_graph:
-        from kvchat.engine.model.cuda_graph import graphed_decode
-
-        return graphed_decode(model, cache, capacity)
-    return lambda token: model(torch.tensor([token]), cache)[-1]
+    """The decode step (token -> logits [V]) for up to `max_tokens` tokens after a prefill: the cache's own
+    (KVStore.decode_step), which may be a policy's (`policy.decode_step`) or, with `attend` (the view the prefill
+    had of the cache as it was at slot `first`), eager steps that see the chosen slots and everything generated
+    since."""
+    return cache.decode_step(model, max_tokens, limit, attend=attend, first=first, cuda_graph=cuda_graph,
+                             policy=policy)
 
 
 def _ends_with_stop(pieces: list[str], stops: tuple[str, ...]) -> bool:

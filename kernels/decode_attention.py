@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.kernels.round_scores import INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, triton, triton_kernel_runs_on
+from kvchat.kernels._triton import INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, triton, triton_kernel_runs_on
 
 if triton is not None:
     import triton.language as tl

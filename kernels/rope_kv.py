@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvchat.kernels.round_scores import INTERPRET, triton
+from kvchat.kernels._triton import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl

@@ -24,42 +24,23 @@ Layout of the Triton path (`round_mass`):
   BLOCK_N atomic adds to one address serialize, while adds to distinct keys do not contend within a block.
 * The [S] per-key mass is reduced into rounds in torch by differences of a float64 cumulative sum at the round
   starts: exact enough (53-bit mantissa for sums of at most T * H), deterministic, and O(S) on a tiny vector.
+
+The Triton bootstrap and the tile, split and online-softmax helpers these kernels share with kernels/slot_mass.py
+are in kernels/_triton.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton ships Linux wheels only; elsewhere every call takes the torch path
-    triton = None
-    tl = None
+from kvchat.kernels._triton import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, merge_splits, next_power_of_2,
+                                    split_length, tl, triton, triton_kernel_runs_on)
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
-# Keys are split into chunks of a multiple of this (>= the largest BLOCK_N, so no split ends inside a key block
-# except at S) and never shorter, so that each program walks a few key blocks rather than one.
-KEY_SPLIT_QUANTUM = 256
-
-
-def _interpreting() -> bool:
-    """Whether triton runs kernels in its interpreter. Read once, at import, because that is when `triton.jit`
-    itself decides between compiling and interpreting: setting TRITON_INTERPRET later changes nothing."""
-    if triton is None:
-        return False
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # triton < 3.4 has no knobs module
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-INTERPRET = _interpreting()
+if triton is not None:
+    from kvchat.kernels._triton import load_query_rows, online_softmax_step, scores_log2
 
 
 def round_mass_ref(q: Tensor, k: Tensor, round_starts: Tensor, scale: float | None = None) -> Tensor:
@@ -112,41 +93,6 @@ if triton is not None:
     _AUTOTUNE = dict(configs=_CONFIGS, key=["rows_bucket", "split_bucket", "HEAD_DIM"],
                      prune_configs_by={"early_config_prune": _prune_tiles})
 
-    @triton.jit
-    def _load_query_rows(q_ptr, rows, row_ok, kv_head, n_rep, stride_qt, stride_qh, stride_qd,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Rows r of KV head g are (token r // n_rep, query head g * n_rep + r % n_rep): [BLOCK_M, BLOCK_D]."""
-        dims = tl.arange(0, BLOCK_D)
-        token = rows // n_rep
-        head = kv_head * n_rep + rows % n_rep
-        ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
-        return tl.load(ptrs, mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-
-    @triton.jit
-    def _scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr):
-        """Scores of a [BLOCK_M] x [BLOCK_N] tile in the log2 domain (scale * log2(e) folded in, so exp2 gives
-        the softmax numerators), -inf for keys outside the split: [BLOCK_M, BLOCK_N] float32."""
-        dims = tl.arange(0, BLOCK_D)
-        k_ptrs = k_head_ptr + keys[None, :] * stride_ks + dims[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_ptrs, mask=key_ok[None, :] & (dims[:, None] < HEAD_DIM), other=0.0)
-        if DOT_IN_FP32:
-            q = q.to(tl.float32)
-            k_t = k_t.to(tl.float32)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2
-        return tl.where(key_ok[None, :], scores, float("-inf"))
-
-    @triton.jit
-    def _online_softmax_step(row_max, row_sum, scores):
-        """One key block into each row's running max and sum of exp2 (flash attention's m_i and l_i). A row may see
-        none of the block's keys (all -inf: masked keys): its max is kept finite for the update, so that
-        exp2(-inf - max) gives 0 rather than NaN."""
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(tl.exp2(scores - safe_max[:, None]), axis=1)
-        return new_max, row_sum
-
     @triton.autotune(**_AUTOTUNE)
     @triton.jit
     def _row_stats_kernel(q_ptr, k_ptr, row_max_ptr, row_sum_ptr,
@@ -162,7 +108,7 @@ if triton is not None:
         split = tl.program_id(2)
         rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        q = _load_query_rows(q_ptr, rows, row_ok, kv_head, n_rep, stride_qt, stride_qh, stride_qd,
+        q = load_query_rows(q_ptr, rows, row_ok, kv_head, n_rep, stride_qt, stride_qh, stride_qd,
                              HEAD_DIM, BLOCK_D)
         k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
         split_start = split * keys_per_split
@@ -171,9 +117,9 @@ if triton is not None:
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         for block_start in range(split_start, split_end, BLOCK_N):
             keys = block_start + tl.arange(0, BLOCK_N)
-            scores = _scores_log2(q, k_head_ptr, keys, keys < split_end, stride_ks, stride_kd, qk_scale_log2,
+            scores = scores_log2(q, k_head_ptr, keys, keys < split_end, stride_ks, stride_kd, qk_scale_log2,
                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_IN_FP32)
-            row_max, row_sum = _online_softmax_step(row_max, row_sum, scores)
+            row_max, row_sum = online_softmax_step(row_max, row_sum, scores)
         out = (kv_head * tl.num_programs(2) + split) * n_rows + rows
         tl.store(row_max_ptr + out, row_max, mask=row_ok)
         tl.store(row_sum_ptr + out, row_sum, mask=row_ok)
@@ -193,7 +139,7 @@ if triton is not None:
         split = tl.program_id(2)
         rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        q = _load_query_rows(q_ptr, rows, row_ok, kv_head, n_rep, stride_qt, stride_qh, stride_qd,
+        q = load_query_rows(q_ptr, rows, row_ok, kv_head, n_rep, stride_qt, stride_qh, stride_qd,
                              HEAD_DIM, BLOCK_D)
         # Padding rows get lse = +inf, so their probabilities are exp2(-inf) = 0 without another select.
         row_lse = tl.load(row_lse_ptr + kv_head * n_rows + rows, mask=row_ok, other=float("inf"))
@@ -203,18 +149,10 @@ if triton is not None:
         for block_start in range(split_start, split_end, BLOCK_N):
             keys = block_start + tl.arange(0, BLOCK_N)
             key_ok = keys < split_end
-            scores = _scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
+            scores = scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_IN_FP32)
             probs = tl.exp2(scores - row_lse[:, None])
             tl.atomic_add(key_mass_ptr + keys, tl.sum(probs, axis=0), mask=key_ok, sem="relaxed")
-
-
-def triton_kernel_runs_on(device: torch.device | str) -> bool:
-    """Whether `round_mass` runs the Triton kernel for tensors on this device (else it runs `round_mass_ref`):
-    on CUDA when triton is installed, and on any device in triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    if triton is None:
-        return False
-    return INTERPRET or torch.device(device).type == "cuda"
 
 
 def _check_inputs(q: Tensor, k: Tensor, round_starts: Tensor, scale: float | None) -> list[int]:
@@ -260,30 +198,6 @@ def _check_inputs(q: Tensor, k: Tensor, round_starts: Tensor, scale: float | Non
     return starts
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _keys_per_split(n_programs: int, n_keys: int, device: torch.device) -> int:
-    """Split the keys until the grid (`n_programs` per split: row tiles x heads) has a few programs per SM, each
-    split a multiple of KEY_SPLIT_QUANTUM keys and at least that long."""
-    most_splits = math.ceil(n_keys / KEY_SPLIT_QUANTUM)
-    if device.type == "cuda":
-        target_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-        n_splits = min(most_splits, math.ceil(target_programs / n_programs))
-    else:  # the interpreter runs programs one by one: the splitting costs nothing, and the tests cross splits
-        n_splits = most_splits
-    return math.ceil(math.ceil(n_keys / n_splits) / KEY_SPLIT_QUANTUM) * KEY_SPLIT_QUANTUM
-
-
-def _merge_splits(row_max: Tensor, row_sum: Tensor) -> Tensor:
-    """The splits' statistics ([heads, n_splits, n_rows], log2 domain) merged into one log2-sum-exp2 per row:
-    [heads, n_rows]."""
-    overall_max = row_max.amax(dim=1, keepdim=True)
-    row_lse = overall_max + torch.log2((row_sum * torch.exp2(row_max - overall_max)).sum(dim=1, keepdim=True))
-    return row_lse.squeeze(1).contiguous()
-
-
 def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
                        keys_per_split: int | None = None) -> Tensor:
     n_tokens, n_heads, head_dim = q.shape
@@ -291,15 +205,15 @@ def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
     n_rep = n_heads // n_kv_heads
     n_rows = n_tokens * n_rep
     if keys_per_split is None:
-        keys_per_split = _keys_per_split(math.ceil(n_rows / 64) * n_kv_heads, n_keys, q.device)  # 64-row tiles
+        keys_per_split = split_length(math.ceil(n_rows / 64) * n_kv_heads, n_keys, q.device)  # 64-row tiles
     n_splits = math.ceil(n_keys / keys_per_split)
     common = dict(
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
         stride_kh=k.stride(0), stride_ks=k.stride(1), stride_kd=k.stride(2),
         n_rows=n_rows, n_keys=n_keys, keys_per_split=keys_per_split, n_rep=n_rep,
         qk_scale_log2=scale * math.log2(math.e),
-        rows_bucket=min(_next_power_of_2(n_rows), 256), split_bucket=min(_next_power_of_2(keys_per_split), 4096),
-        HEAD_DIM=head_dim, BLOCK_D=max(16, _next_power_of_2(head_dim)),  # tl.dot needs every side >= 16
+        rows_bucket=min(next_power_of_2(n_rows), 256), split_bucket=min(next_power_of_2(keys_per_split), 4096),
+        HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),  # tl.dot needs every side >= 16
         # fp32 inputs: full-precision products, not TF32 (whose 10-bit mantissa would cost ~1e-3 of the scores).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit integer patterns in tl.dot (seen in
@@ -314,7 +228,7 @@ def _round_mass_triton(q: Tensor, k: Tensor, starts: list[int], scale: float,
     row_max = torch.empty(n_kv_heads, n_splits, n_rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     _row_stats_kernel[grid](q, k, row_max, row_sum, **common)
-    row_lse = _merge_splits(row_max, row_sum)  # [Hkv, n_rows]
+    row_lse = merge_splits(row_max, row_sum)  # [Hkv, n_rows]
 
     key_mass = torch.zeros(n_keys, dtype=torch.float32, device=q.device)
     _key_mass_kernel[grid](q, k, row_lse, key_mass, **common)

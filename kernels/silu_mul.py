@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvchat.kernels.round_scores import INTERPRET, triton
+from kvchat.kernels._triton import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl

@@ -12,12 +12,12 @@ Shapes: G layers, T query tokens (the reply's last T, at slots S - T .. S - 1), 
 (H = Hkv * n_rep), S keys (slots [0, S)), D head size, N input slots (the mass is wanted for slots [0, N),
 N <= S - T).
 
-Layout (as kernels/round_scores.py, whose tile helpers it shares): query rows grouped by KV head (row r is token
-r // n_rep, query head g * n_rep + r % n_rep), so one key tile serves all of them; the grid is (row blocks,
-layer x KV head, key splits). Two passes: `_row_stats_kernel` gives each row's max and sum of exp over its split
-(masked: a row sees key j only if j <= its own slot, and an input slot only if `visible` says so), torch merges
-the splits into one log-sum-exp per row, and `_input_mass_kernel` recomputes the scores of the input slots
-alone, normalizes them and adds each tile's column sums into the [G, Hkv, N] output.
+Layout (as kernels/round_scores.py, whose tile helpers, in kernels/_triton.py, it shares): query rows grouped by
+KV head (row r is token r // n_rep, query head g * n_rep + r % n_rep), so one key tile serves all of them; the grid
+is (row blocks, layer x KV head, key splits). Two passes: `_row_stats_kernel` gives each row's max and sum of exp
+over its split (masked: a row sees key j only if j <= its own slot, and an input slot only if `visible` says so),
+torch merges the splits into one log-sum-exp per row, and `_input_mass_kernel` recomputes the scores of the input
+slots alone, normalizes them and adds each tile's column sums into the [G, Hkv, N] output.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.kernels.round_scores import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, _keys_per_split, _merge_splits,
-                                        _next_power_of_2, triton, triton_kernel_runs_on)
+from kvchat.kernels._triton import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, merge_splits, next_power_of_2,
+                                    split_length, triton, triton_kernel_runs_on)
 
 if triton is not None:
     import triton.language as tl
 
-    from kvchat.kernels.round_scores import _load_query_rows, _online_softmax_step, _scores_log2
+    from kvchat.kernels._triton import load_query_rows, online_softmax_step, scores_log2
 
 
 def slot_mass_ref(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None = None,
@@ -72,7 +72,7 @@ if triton is not None:
         layer, kv_head = layer_head // n_kv_heads, layer_head % n_kv_heads
         rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        q = _load_query_rows(q_ptr + layer.to(tl.int64) * stride_qg, rows, row_ok, kv_head, n_rep,
+        q = load_query_rows(q_ptr + layer.to(tl.int64) * stride_qg, rows, row_ok, kv_head, n_rep,
                              stride_qt, stride_qh, stride_qd, HEAD_DIM, BLOCK_D)
         k_head_ptr = k_ptr + layer.to(tl.int64) * stride_kg + kv_head.to(tl.int64) * stride_kh
         return layer_head, rows, row_ok, q, k_head_ptr, vis_ptr + layer * stride_vg
@@ -101,11 +101,11 @@ if triton is not None:
             if HAS_VISIBLE:
                 shown = tl.load(vis_row_ptr + keys, mask=keys < n_input, other=1)
                 key_ok = key_ok & (shown != 0)
-            scores = _scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
+            scores = scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_IN_FP32)
             # A row may see none of a block's keys (hidden input slots, or reply slots after its own).
             scores = tl.where(keys[None, :] <= row_slot[:, None], scores, float("-inf"))
-            row_max, row_sum = _online_softmax_step(row_max, row_sum, scores)
+            row_max, row_sum = online_softmax_step(row_max, row_sum, scores)
         out = (layer_head * tl.num_programs(2) + split) * n_rows + rows
         tl.store(row_max_ptr + out, row_max, mask=row_ok)
         tl.store(row_sum_ptr + out, row_sum, mask=row_ok)
@@ -135,7 +135,7 @@ if triton is not None:
             if HAS_VISIBLE:
                 shown = tl.load(vis_row_ptr + keys, mask=key_ok, other=0)
                 key_ok = key_ok & (shown != 0)
-            scores = _scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
+            scores = scores_log2(q, k_head_ptr, keys, key_ok, stride_ks, stride_kd, qk_scale_log2,
                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_IN_FP32)
             probs = tl.sum(tl.exp2(scores - row_lse[:, None]), axis=0)
             tl.atomic_add(out_ptr + keys, probs, mask=keys < split_end, sem="relaxed")
@@ -169,9 +169,9 @@ def _slot_mass_triton(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None
     n_kv_heads, n_keys = k.shape[1], k.shape[2]
     n_rep = n_heads // n_kv_heads
     n_rows = n_tokens * n_rep
-    block_m = 32 if INTERPRET else min(128, max(16, _next_power_of_2(n_rows)))
-    block_n = 64  # <= round_scores.KEY_SPLIT_QUANTUM: no split ends inside a key block but at the last key
-    block_d = max(16, _next_power_of_2(head_dim))  # tl.dot needs every side >= 16
+    block_m = 32 if INTERPRET else min(128, max(16, next_power_of_2(n_rows)))
+    block_n = 64  # <= _triton.KEY_SPLIT_QUANTUM: no split ends inside a key block but at the last key
+    block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every side >= 16
     n_row_blocks = math.ceil(n_rows / block_m)
     heads = n_layers * n_kv_heads
     vis = visible.to(torch.uint8) if visible is not None else q.new_empty(1, 1, dtype=torch.uint8)
@@ -187,17 +187,17 @@ def _slot_mass_triton(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None
         DOT_IN_FP32=INTERPRET and q.dtype == torch.bfloat16,  # as round_scores: the interpreter's bf16 dot
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages,
     )
-    split = _keys_per_split(n_row_blocks * heads, n_keys, q.device)
+    split = split_length(n_row_blocks * heads, n_keys, q.device)
     n_splits = math.ceil(n_keys / split)
     row_max = torch.empty(heads, n_splits, n_rows, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
     _row_stats_kernel[(n_row_blocks, heads, n_splits)](
         q, k, vis, row_max, row_sum, n_tokens=n_tokens, n_keys=n_keys, n_input=n_input, keys_per_split=split,
         **common)
-    row_lse = _merge_splits(row_max, row_sum)  # [G * Hkv, n_rows]; every row sees its own key: finite
+    row_lse = merge_splits(row_max, row_sum)  # [G * Hkv, n_rows]; every row sees its own key: finite
     mass = torch.zeros(n_layers, n_kv_heads, n_input, dtype=torch.float32, device=q.device)
     if n_input:
-        split = _keys_per_split(n_row_blocks * heads, n_input, q.device)
+        split = split_length(n_row_blocks * heads, n_input, q.device)
         _input_mass_kernel[(n_row_blocks, heads, math.ceil(n_input / split))](
             q, k, vis, row_lse, mass, n_input=n_input, keys_per_split=split, **common)
     return mass

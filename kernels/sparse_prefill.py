@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from kvchat.kernels.decode_attention import kernel_shape_reason as unsupported_reason
-from kvchat.kernels.round_scores import INTERPRET, triton
+from kvchat.kernels._triton import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl

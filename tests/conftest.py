@@ -36,7 +36,7 @@ def kvchat_home(tmp_path_factory, monkeypatch, embedded_profile):
     the tests of measuring profiles remove it or measure again."""
     import json
 
-    from kvchat.app.session.profile import profile_path
+    from kvchat.app.session.artifacts import profile_path
 
     home = tmp_path_factory.mktemp("kvchat-home")  # beside the test's tmp_path, which stays empty
     monkeypatch.setenv("KVCHAT_HOME", str(home))

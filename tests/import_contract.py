@@ -150,9 +150,11 @@ def violations(root: Path) -> list[str]:
     problems: list[str] = []
     edges: dict[str, set[str]] = {}
     for module, path in files.items():
+        broken: set[tuple[int, str]] = set()  # `from a import b` is two imports on one line: reported once
         for imp in imports_of(module, path, modules):
             rule = rule_broken(imp)
-            if rule:
+            if rule and (imp.line, rule) not in broken:
+                broken.add((imp.line, rule))
                 problems.append(f"{path.relative_to(root)}:{imp.line} imports {imp.target}: {rule}")
             if imp.top_level and imp.target in modules and imp.target != module:
                 edges.setdefault(module, set()).add(imp.target)

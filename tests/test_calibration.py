@@ -1,4 +1,4 @@
-"""Watershed-layer calibration (engine/calibrate/watershed.py, `kvchat calibrate`)."""
+"""Watershed-layer calibration (engine/calibrate/watershed.py; its file: app/session/artifacts.py; `kvchat calibrate`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.calibrate import watershed as calibration
-from kvchat.engine.calibrate.watershed import (Calibration, calibration_path, ensure_calibration, kl_curve,
-                                       layer_round_distributions, load_calibration, pick_watershed, save_calibration)
+from kvchat.app.session.artifacts import calibration_path, load_calibration, save_calibration
+from kvchat.app.session.policies import ensure_calibration
+from kvchat.engine.calibrate.watershed import Calibration, kl_curve, layer_round_distributions, pick_watershed
 from kvchat.engine.text.chat_format import Conversation
 from kvchat.engine.data.dialogues import dialogues
 from kvchat.engine.generate import prefill
@@ -229,7 +230,9 @@ def test_ensure_calibration_calibrates_once_then_reuses(engine, monkeypatch):
     assert str(cal.watershed) in cal.agreement
     assert load_calibration("12" * 32, engine.config.n_layers) == cal
     save_calibration(replace(cal, watershed=5))  # what is stored is what is used, without measuring again
-    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    from kvchat.app.session import policies  # where a model's first use calibrates it
+
+    monkeypatch.setattr(policies, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     assert ensure_calibration(engine, "12" * 32).watershed == 5
 
 

@@ -211,9 +211,9 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.calibrate.watershed import AGREEMENT
     from kvchat.engine.engine import Engine
-    from kvchat.engine.policies.merge_selection import (
-        calibrate_merges, ensure_merge_calibration, load_merge_calibration, merge_calibration_path,
-    )
+    from kvchat.app.session.artifacts import load_merge_calibration, merge_calibration_path
+    from kvchat.app.session.policies import ensure_merge_calibration
+    from kvchat.engine.calibrate.merge_check import calibrate_merges
     from kvchat.errors import KvchatError
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
@@ -247,7 +247,7 @@ def test_the_check_by_answers_loses_an_answer_for_any_token_it_changes():
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.calibrate.watershed import calibration_chats, reference_reply
     from kvchat.engine.engine import Engine
-    from kvchat.engine.policies.merge_selection import merged_agreement
+    from kvchat.engine.calibrate.merge_check import merged_agreement
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
     _, dev = calibration_chats(engine, 4, phrasing="dev")

@@ -17,7 +17,7 @@ from triton_interpreter import passed_in_interpreter
 
 from kvchat.kernels import decode_attention as kernel_module
 from kvchat.kernels.decode_attention import decode_attention, decode_attention_ref, unsupported_reason
-from kvchat.kernels.round_scores import INTERPRET
+from kvchat.kernels._triton import INTERPRET
 
 interpreted = pytest.mark.skipif(not INTERPRET,
                                  reason="run by test_the_kernel_in_triton_s_interpreter with TRITON_INTERPRET=1")
@@ -230,13 +230,13 @@ def test_interpreted_tiered_replayed_steps_are_eager_steps():
 def test_interpreted_decode_over_window_rings(models, monkeypatch):
     """Gemma 3's window layers kept in rings of 12 (window 8): the kernel step (the one a CUDA graph captures)
     decodes what eager steps over a cache of every slot do."""
-    from kvchat.engine.model import decoder as model_module
+    from kvchat.engine.kv import cache as cache_module
     from kvchat.engine.model.cuda_graph import GraphedDecode
     from kvchat.engine.engine import Engine
     from kvchat.engine.model.decoder import decode_kernel_runs
     from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
 
-    monkeypatch.setattr(model_module, "RING_SLACK", 4)
+    monkeypatch.setattr(cache_module, "RING_SLACK", 4)
     engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
     m = engine.model
     assert decode_kernel_runs(engine.config, m.dtype, m.device)

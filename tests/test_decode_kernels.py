@@ -12,7 +12,7 @@ from triton_interpreter import passed_in_interpreter
 from kvchat.kernels.gemv import gemv, gemv_ref
 from kvchat.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from kvchat.kernels.rope_kv import partner_index, rope_kv, rope_kv_ref
-from kvchat.kernels.round_scores import INTERPRET
+from kvchat.kernels._triton import INTERPRET
 from kvchat.kernels.silu_mul import silu_mul, silu_mul_ref
 
 interpreted = pytest.mark.skipif(not INTERPRET,

@@ -44,9 +44,9 @@ def test_cuda_graph_decode_over_window_rings_equals_eager_decode(models, monkeyp
     """Gemma 3's window layers in rings of 12 (window 8; the prompt and 48 tokens wrap them many times): the
     captured step decodes what eager steps over a cache of every slot do. Its warm-up runs write a ring place that
     holds a live slot (255 % 12 = 3: slot 27 of the prompt) and put it back."""
-    from kvchat.engine.model import decoder as model_module
+    from kvchat.engine.kv import cache as cache_module
 
-    monkeypatch.setattr(model_module, "RING_SLACK", 4)
+    monkeypatch.setattr(cache_module, "RING_SLACK", 4)
     engine = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cuda", dtype=torch.float32)
     prompt = engine.encode_prompt(REFERENCE_PROMPT)
     caches = (engine.new_cache(), engine.new_cache(ring=True))
@@ -85,7 +85,7 @@ def test_bottom_right_causal_attention_by_flash_on_cuda(dtype, heads, kv_heads):
     """The flash path (no mask in memory) against SDPA under the materialized mask, grouped-query heads included."""
     import torch.nn.functional as F
 
-    from kvchat.engine.model.decoder import BottomRightCausal, bottom_right_causal_attention
+    from kvchat.engine.model.attention import BottomRightCausal, bottom_right_causal_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads, 300, 128, device="cuda", dtype=dtype, generator=gen)

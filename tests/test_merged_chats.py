@@ -7,7 +7,7 @@ import pytest
 import torch
 from cli_run import kvchat
 
-from kvchat.app.session import chat as chat_session
+from kvchat.app.session import layout
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.merges import ChatMerges
 from kvchat.engine.kv.cross_layer import LayerPair, approximate_pair
@@ -29,7 +29,7 @@ def engine(models):
 @pytest.fixture
 def two_groups(monkeypatch):
     """Each round stored as two files, layers 0-1 and 2-3: the pair (1, 2) crosses them."""
-    monkeypatch.setattr(chat_session, "storage_groups", lambda n_layers, _: (range(0, 2), range(2, n_layers)))
+    monkeypatch.setattr(layout, "storage_groups", lambda n_layers, _: (range(0, 2), range(2, n_layers)))
 
 
 def merged_chat(store: Store, engine: Engine, messages=MESSAGES, pairs=PAIRS, share=0.5) -> ChatSession:
@@ -228,7 +228,8 @@ def test_merge_and_show_from_the_command_line(engine):
     # the model's check, as stored on its first use (the check itself: test_cross_layer.py)
     from dataclasses import asdict
 
-    from kvchat.engine.policies.merge_selection import MergeCalibration, merge_calibration_path
+    from kvchat.app.session.artifacts import merge_calibration_path
+    from kvchat.engine.calibrate.merge_check import MergeCalibration
     from kvchat.paths import write_json_atomically
 
     fp = model_fingerprint(engine.path, store)
@@ -261,7 +262,7 @@ def test_compaction_drops_merged_pairs_with_the_rows_that_name_them(engine, two_
 def test_the_benchmarks_merged_copy_of_a_random_weight_chat(engine):
     """kvchat bench's kv-merge: a fork of the stored chat, re-stored merged at r_l 0.5 by the ranking alone (random
     weights: neither the I-R test nor the check means anything there), restored like kv-load."""
-    from kvchat.app.bench.resume import _merged_copy
+    from kvchat.app.bench.resume_engine import _merged_copy
 
     store = Store()
     chat = merged_chat(store, engine, pairs=[])

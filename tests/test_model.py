@@ -114,7 +114,7 @@ def test_kv_read_rejects_bad_spans(engine):
     (5, 12, 4, 2, 16), (12, 12, 4, 4, 16), (1, 9, 2, 1, 8), (7, 30, 6, 2, 20)])
 def test_bottom_right_causal_attention_is_sdpa_under_its_mask(n_new, n_keys, heads, kv_heads, head_dim):
     """New token i sees every cached slot and new tokens 0..i (the mask as a table), whichever kernel runs it."""
-    from kvchat.engine.model.decoder import BottomRightCausal, bottom_right_causal_attention
+    from kvchat.engine.model.attention import BottomRightCausal, bottom_right_causal_attention
 
     gen = torch.Generator().manual_seed(n_keys)
     q = torch.randn(1, heads, n_new, head_dim, generator=gen)

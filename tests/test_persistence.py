@@ -183,7 +183,7 @@ def test_kv_writer_survives_an_unexpected_failure(engine, kvchat_home, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr("kvchat.app.session.chat.write_segment", broken)
+    monkeypatch.setattr("kvchat.app.session.writer.write_segment", broken)
     chat.send(MESSAGES[0])
     chat.close()  # returns: the failed save does not stop the writer
     monkeypatch.undo()
@@ -242,7 +242,7 @@ def test_new_system_prompt_drops_stored_kv(engine, kvchat_home):
 def test_restore_reports_progress_and_can_be_cancelled(engine, kvchat_home):
     import threading
 
-    from kvchat.app.session.chat import RestoreCancelled
+    from kvchat.app.session.restore import RestoreCancelled
 
     store, chat = saved_chat(engine)
     seen = []

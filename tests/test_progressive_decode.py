@@ -8,7 +8,7 @@ import torch
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.model.cuda_graph import GraphedDecode
 from kvchat.engine.engine import Engine
-from kvchat.engine.model.decoder import SplitAttend
+from kvchat.engine.model.attention import SplitAttend
 from kvchat.engine.policies import make_policy
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 from kvchat.errors import KvchatError
@@ -191,7 +191,7 @@ def test_a_chat_runs_under_loopserve(model, kvchat_home):
     after the message."""
     from kvchat.app.session.chat import ChatSession
     from kvchat.engine.generate import generate
-    from kvchat.engine.policies import chat_policy
+    from kvchat.app.session.policies import chat_policy
     from kvchat.engine.reply_guard import ReplyGuard
     from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
     from kvchat.storage.db import Store

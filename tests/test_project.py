@@ -52,7 +52,8 @@ def test_every_dependency_says_why():
 
 
 def test_the_cli_s_written_out_policy_lists_match_the_engine_s():
-    from kvchat.app.cli import EVAL_POLICIES, main
+    from kvchat.app.bench.eval_command import EVAL_POLICIES
+    from kvchat.app.cli import main
     from kvchat.engine.policies import CHAT_POLICIES, POLICIES
 
     assert EVAL_POLICIES == sorted(POLICIES)

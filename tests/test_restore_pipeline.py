@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from cli_run import kvchat
-from kvchat.app.session import chat as chat_session_module
-from kvchat.app.session.chat import ChatSession, storage_groups
+from kvchat.app.session import layout as session_layout, restore as restore_module
+from kvchat.app.session.chat import ChatSession
+from kvchat.app.session.layout import storage_groups
 from kvchat.app.session.compaction import compact_session
-from kvchat.app.session.profile import (device_name, ensure_profile, fit_prefill, load_profile, profile_path,
-                                        profile_planner, save_profile)
+from kvchat.app.session.artifacts import load_profile, profile_path, save_profile
+from kvchat.app.session.profile import device_name, ensure_profile, fit_prefill, profile_planner
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
@@ -138,7 +139,7 @@ def test_a_split_restore_decodes_on_fewer_threads(engine, kvchat_home, monkeypat
             super().__init__(*args, decode_threads=decode_threads, **kwargs)
             assert self._decoders._max_workers == (decode_threads or 16)
 
-    monkeypatch.setattr(chat_session_module, "SegmentPrefetcher", Recording)
+    monkeypatch.setattr(restore_module, "SegmentPrefetcher", Recording)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     ChatSession(store, engine, sid).restore()
     ChatSession(store, engine, sid, planner=fixed(lambda rounds, groups: (0,) * groups)).restore()
@@ -149,7 +150,7 @@ def test_a_split_restore_decodes_on_fewer_threads(engine, kvchat_home, monkeypat
 @pytest.fixture
 def grouped(monkeypatch):
     """The embedded model's rounds stored as four layer groups of two layers (a big model's layout)."""
-    monkeypatch.setattr(chat_session_module, "GROUP_BYTES_PER_512_TOKENS", 256 << 10)
+    monkeypatch.setattr(session_layout, "GROUP_BYTES_PER_512_TOKENS", 256 << 10)
     assert len(storage_groups(8, 8192)) == len(storage_groups(8, 4096)) == 4  # fp32 on the CPU, bf16 on CUDA
 
 

@@ -9,7 +9,8 @@ from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
-from kvchat.engine.model.decoder import SplitAttend
+from kvchat.engine.model.attention import SplitAttend
+from kvchat.app.session.policies import build_policy
 from kvchat.engine.policies import make_policy
 from kvchat.engine.policies.round_attention import select_rounds
 from kvchat.errors import KvchatError
@@ -96,7 +97,9 @@ def test_bad_options_are_one_line_errors(engine):
     with pytest.raises(KvchatError, match="threshold"):
         make_policy("round-threshold", engine, watershed=3, threshold=1.5)
     with pytest.raises(KvchatError, match="needs a model"):
-        make_policy("round")
+        build_policy("round")  # the watershed layer comes from a model's calibration
+    with pytest.raises(KvchatError, match="needs watershed= from its model's calibration"):
+        make_policy("round")  # the pure constructor never calibrates
     cache, starts, prompt = chat_cache(engine)
     with pytest.raises(KvchatError, match="no layer above it in the model's 8 layers"):
         make_policy("round", engine, watershed=7)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from triton_interpreter import passed_in_interpreter
 
 from kvchat.engine.policies.sparse_prefill import SparsePrefill, select_lines
-from kvchat.kernels.round_scores import INTERPRET
+from kvchat.kernels._triton import INTERPRET
 from kvchat.kernels.sparse_prefill import (
     block_size, build_index, dense_index, slash_diagonals, sparse_prefill_attention, sparse_prefill_ref,
     visible_mask,

@@ -168,10 +168,10 @@ def test_send_takes_the_kv_policy(kvchat_home):
 def test_a_chat_stored_in_layer_groups_is_stored_again_in_tiers_with_key_bounds(engine, kvchat_home, monkeypatch):
     """A full-cache chat of several layer groups (as an 8B model's is stored): the restore reads the groups above
     the split in the background, and store_tiers still re-stores every round as lower, upper and key bounds."""
-    from kvchat.app.session import chat as chat_session
-    from kvchat.app.bench.resume import split_stored_rounds
+    from kvchat.app.session import layout
+    from kvchat.app.bench.resume_engine import split_stored_rounds
 
-    monkeypatch.setattr(chat_session, "storage_groups", lambda n_layers, kv_bytes: (range(0, 4), range(4, 8)))
+    monkeypatch.setattr(layout, "storage_groups", lambda n_layers, kv_bytes: (range(0, 4), range(4, 8)))
     store = Store()
     sid = store.create_session(title="t", model_fingerprint=model_fingerprint(DEFAULT_MODEL, store),
                                model_path=str(DEFAULT_MODEL), system_prompt=SYSTEM)

@@ -11,7 +11,7 @@ from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
 from kvchat.engine.kv.key_bounds import BoundsTable, key_bounds
-from kvchat.engine.model.decoder import SplitAttend
+from kvchat.engine.model.attention import SplitAttend
 from kvchat.engine.policies import make_policy
 from kvchat.engine.kv.tiered import TieredKV
 

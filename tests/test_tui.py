@@ -12,6 +12,7 @@ import pytest
 from textual.widgets import ProgressBar, Select
 
 from kvchat.app.session.chat import ChatSession
+from kvchat.app.session.restore import RestoreRun
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.app.tui.chat_view import ReplyView
 from kvchat.app.tui.composer import Composer
@@ -143,7 +144,7 @@ async def test_switching_chats_while_generating_stops_that_reply_and_restores_th
 async def test_a_slow_restore_shows_progress_and_switching_away_cancels_it(monkeypatch):
     long_chat = seed_chat("long", ["My name is Ada.", "I live in Lisbon.", "My dog is Rex."])
     short_chat = seed_chat("short", ["My name is Bob."])
-    real = ChatSession._load_round
+    real = RestoreRun._load_round
     gate = threading.Event()
 
     def slow_load(self, i, *args):
@@ -151,7 +152,7 @@ async def test_a_slow_restore_shows_progress_and_switching_away_cancels_it(monke
             gate.wait(20)
         return real(self, i, *args)
 
-    monkeypatch.setattr(ChatSession, "_load_round", slow_load)
+    monkeypatch.setattr(RestoreRun, "_load_round", slow_load)
     monkeypatch.setattr(ChatScreen, "PROGRESS_AFTER_S", 0.1)
     app = make_app()
     async with app.run_test(size=(120, 35)) as pilot:
@@ -416,11 +417,11 @@ def test_kvchat_help_still_lists_the_commands():
 
 
 def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
-    from kvchat.app.session.service import ChatBackend
+    from kvchat.app.session.service import ChatService
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.sampling import SamplingParams
 
-    backend = ChatBackend(device="cpu")
+    backend = ChatService(device="cpu")
     sid = backend.create_chat(DEFAULT_MODEL)
     first = backend.send(sid, "My name is Ada.", max_tokens=16, sampling=SamplingParams())
     old_reply = first.round.assistant_text
@@ -440,11 +441,11 @@ def test_a_failed_regeneration_keeps_the_old_reply(kvchat_home, monkeypatch):
 
 
 def test_the_app_runs_a_chat_under_loopserve(kvchat_home):
-    from kvchat.app.session.service import ChatBackend
+    from kvchat.app.session.service import ChatService
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.sampling import SamplingParams
 
-    backend = ChatBackend(device="cpu")
+    backend = ChatService(device="cpu")
     try:
         sid = backend.create_chat(DEFAULT_MODEL)
         for message in ("My name is Ada.", "What is my name?"):
@@ -457,8 +458,9 @@ def test_the_app_runs_a_chat_under_loopserve(kvchat_home):
 
 
 def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
-    from kvchat.app.session.service import CHATS_IN_MEMORY, ChatBackend
-    from kvchat.engine.calibrate.watershed import Calibration, save_calibration
+    from kvchat.app.session.service import CHATS_IN_MEMORY, ChatService
+    from kvchat.app.session.artifacts import save_calibration
+    from kvchat.engine.calibrate.watershed import Calibration
     from kvchat.storage.fingerprint import model_fingerprint
     from kvchat.assets import DEFAULT_MODEL
 
@@ -466,17 +468,17 @@ def test_a_chat_put_out_of_memory_stops_reading_its_upper_layers(kvchat_home):
     fp = model_fingerprint(DEFAULT_MODEL, store())
     save_calibration(Calibration(fingerprint=fp, model_name="demo", n_layers=8, watershed=2, curve=[0.0] * 8,
                                  chats=1, source="memory-dialogues", seed=0, date="2026-11-22T00:00:00+00:00"))
-    backend = ChatBackend(device="cpu")
+    backend = ChatService(device="cpu")
     try:
         for sid in sids[:CHATS_IN_MEMORY]:
             backend.restore(sid, kv_policy="round")
         first = backend._open[sids[0]].session
-        assert not first._upper_fetcher._closed
+        assert not first.upper_reads.fetcher._closed
         backend.restore(sids[-1], kv_policy="round")  # one chat too many: the least recently used goes
-        assert sids[0] not in backend._open and first._upper_fetcher._closed
+        assert sids[0] not in backend._open and first.upper_reads.fetcher._closed
         second = backend._open[sids[1]].session
         backend.forget(sids[1])
-        assert second._upper_fetcher._closed
+        assert second.upper_reads.fetcher._closed
     finally:
         backend.close()
 

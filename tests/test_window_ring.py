@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvchat.app.session.chat import ChatSession
-from kvchat.engine.model import decoder as model_module
+from kvchat.engine.kv import cache as cache_module
 from kvchat.engine.model.cuda_graph import GraphedDecode
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
@@ -30,7 +30,7 @@ def gemma(models):
 
 @pytest.fixture(autouse=True)
 def small_ring(monkeypatch):
-    monkeypatch.setattr(model_module, "RING_SLACK", 4)
+    monkeypatch.setattr(cache_module, "RING_SLACK", 4)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,7 +122,7 @@ def test_a_fork_s_ring_joins_the_ring_it_came_from(gemma):
 def chat_ring(monkeypatch):
     """A ring of 24 for the chats: a reply's end-of-turn tail, tokenized anew, reaches back up to ~12 tokens (a
     ring that cannot hold that much lets the cache go, to be restored, which the test below checks apart)."""
-    monkeypatch.setattr(model_module, "RING_SLACK", 16)
+    monkeypatch.setattr(cache_module, "RING_SLACK", 16)
 
 
 def chat_of(store: Store, engine: Engine, messages: list[str], **options) -> ChatSession:
@@ -150,9 +150,9 @@ def assert_like_a_fresh_prefill(engine: Engine, chat: ChatSession) -> None:
 
 
 def test_a_chat_in_a_ring_cache_restores_recomputes_and_retracts_exactly(gemma, kvchat_home, monkeypatch, chat_ring):
-    from kvchat.app.session import chat as chat_session_module
+    from kvchat.app.session import layout
 
-    monkeypatch.setattr(chat_session_module, "GROUP_BYTES_PER_512_TOKENS", 1 << 20)  # layers 0-1, 2-3, 4, 5-6
+    monkeypatch.setattr(layout, "GROUP_BYTES_PER_512_TOKENS", 1 << 20)  # layers 0-1, 2-3, 4, 5-6
     store = Store()
     chat = chat_of(store, gemma, MESSAGES[:4])
     assert chat.cache.ring_size == 24 and chat.cache.length > 5 * 24
@@ -184,7 +184,7 @@ def test_a_chat_in_a_ring_cache_restores_recomputes_and_retracts_exactly(gemma, 
 
 def test_a_ring_chat_answers_as_a_chat_of_every_slot(gemma, kvchat_home, monkeypatch, chat_ring):
     ringed = chat_of(Store(kvchat_home / "a"), gemma, MESSAGES)
-    monkeypatch.setattr(model_module, "RING_SLACK", 10_000)  # a ring longer than the chat: every slot kept
+    monkeypatch.setattr(cache_module, "RING_SLACK", 10_000)  # a ring longer than the chat: every slot kept
     whole = chat_of(Store(kvchat_home / "b"), gemma, MESSAGES)
     assert [r.assistant_text for r in ringed.rounds] == [r.assistant_text for r in whole.rounds]
     assert ringed.cache.device_bytes() < 0.3 * whole.cache.device_bytes()
@@ -205,7 +205,7 @@ def test_bench_engine_measures_a_windowed_model_in_rings(gemma, tmp_path, monkey
     from cli_run import kvchat
 
     # each decode run goes back 64 tokens to decode them again: a ring that holds them (window 8 + 70)
-    monkeypatch.setattr(model_module, "RING_SLACK", 70)
+    monkeypatch.setattr(cache_module, "RING_SLACK", 70)
     out = tmp_path / "engine.json"
     shown = kvchat("bench", "engine", "--model", str(gemma.path), "--context", "200", "--device", "cpu",
                    "--json", str(out)).stdout
@@ -238,7 +238,7 @@ def test_a_decode_step_over_rings_made_in_inference_mode(gemma):
 def test_a_ring_chat_read_again_from_its_text_needs_no_fork(gemma, kvchat_home, monkeypatch, chat_ring):
     """A new system prompt drops the stored K/V: the whole chat is recomputed with nothing loading beside it, so
     straight into the cache's own ring (a fork and its join would only copy)."""
-    from kvchat.engine.model.decoder import KVCache
+    from kvchat.engine.kv.cache import KVCache
 
     store = Store()
     chat = chat_of(store, gemma, MESSAGES[:3])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +16,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import decoder_step
+from kvchat.engine.model.cuda_graph import decoder_step
+from kvchat.engine.timing import timed_runs
 from kvchat.engine.train.synthetic import SHAPES, LLAMA_FTYPE_Q4_K_M, llama_quantize, make_shaped_model
 
 
@@ -65,20 +65,8 @@ def model_file(cache_dir: Path, shape: str, qtype: str = "BF16") -> Path:
     return path
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed_runs(fn, device, repeats))
 
 
 @torch.inference_mode()

@@ -7,31 +7,17 @@ min(bytes ÷ min(disk, host-to-device), recompute FLOPs ÷ matmul FLOP/s).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kvchat.engine.gguf.config import ModelConfig
+from kvchat.engine.timing import timed_runs
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """The fastest of `repeats` runs: the floor is what the machine can do, not what it did on an unlucky run."""
     return min(timed_runs(fn, device, repeats))
-
-
-def timed_runs(fn, device: torch.device, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` runs of fn, the device synchronized around each."""
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def host_to_device_gb_s(device: torch.device, size: int = 256 << 20, repeats: int = 5) -> float | None:

@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvchat.engine.engine import Engine
-from kvchat.app.bench.floor import timed_runs
-from kvchat.engine.generate import decoder_step
-from kvchat.engine.model.decoder import BottomRightCausal, bottom_right_causal_attention
+from kvchat.engine.model.cuda_graph import decoder_step
+from kvchat.engine.model.attention import BottomRightCausal, bottom_right_causal_attention
 from kvchat.engine.policies.loopserve import POOL
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 from kvchat.engine.policies.sparse_prefill import SparsePrefill
+from kvchat.engine.timing import timed_runs
 from kvchat.kernels.sparse_prefill import block_size, build_index, slash_diagonals, sparse_prefill_attention
 
 CHUNK = 4096  # engine.generate.prefill's chunk

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvchat.app.session.chat import round_layouts
+from kvchat.app.session.layout import round_layouts
 from kvchat.app.session.merges import parse_pairs
 from kvchat.engine.kv.cross_layer import LayerPair
 from kvchat.engine.restore.plan import HardwareProfile, compactable, plan_groups, plan_restore

@@ -1,16 +1,18 @@
 """A chat's cross-layer merging (Krul §4-5) as the chat session uses it: the chat's attention statistics, kept in
 the store and added to at every round, and the layer pairs its next stored round is merged in.
 
-The pairs are chosen again at each round from the statistics so far (Algorithm 1, engine.merge_selection) among
-the pairs the model's check accepted; a round keeps the pairs it was stored with (the `merged` column of its K/V
-rows and its segments of kind "merged" say which), so a chat whose choice changes holds rounds of both.
+The pairs are chosen again at each round from the statistics so far (Algorithm 1, engine.policies.merge_selection)
+among the pairs the model's check accepted (made on the model's first use: app/session/policies.py); a round keeps
+the pairs it was stored with (the `merged` column of its K/V rows and its segments of kind "merged" say which), so a
+chat whose choice changes holds rounds of both.
 """
 
 from __future__ import annotations
 
 from kvchat.engine.kv.cross_layer import LayerPair
 from kvchat.engine.policies.layer_stats import LayerStats
-from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs, ensure_merge_calibration, greedy_pairs
+from kvchat.app.session.policies import ensure_merge_calibration
+from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs, greedy_pairs
 from kvchat.errors import KvchatError
 from kvchat.storage.db import Store
 

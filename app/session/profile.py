@@ -1,5 +1,5 @@
 """This machine's speeds for restoring a model's chats: measured once per model and device, kept in
-`$KVCHAT_HOME/profiles/`, and given to the restore planner (engine.restore_plan).
+`$KVCHAT_HOME/profiles/` (the file: app/session/artifacts.py), and given to the restore planner (engine.restore_plan).
 
 Measured with the model itself and real K/V in the store's own folder:
 - prefill time against tokens (a few timed prefills from position 0, fitted to a n + b n^2);
@@ -13,8 +13,6 @@ A profile of another model, another device or an older format, or one that canno
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -31,12 +29,12 @@ from typing import Callable
 
 import torch
 
-from kvchat.app.session.chat import Planner, storage_groups
-from kvchat.app.session.compaction import CompactionReport, compact_session
+from kvchat.app.session.artifacts import load_profile, probe_folder, profile_path, save_profile
+from kvchat.app.session.layout import storage_groups
 from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.restore.plan import HardwareProfile, RestorePlan, observe, plan_restore
+from kvchat.engine.timing import sync
 from kvchat.errors import KvchatError
-from kvchat.paths import data_dir, write_json_atomically
 from kvchat.storage.pagecache import evict
 from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.segments import decode_segment, merge_planes, read_segment_file, tensor_on, write_segment
@@ -70,38 +68,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def profile_path(fingerprint: str, device: str) -> Path:
-    slug = "".join(c if c.isalnum() else "-" for c in device.split(" ")[0])
-    return data_dir() / "profiles" / f"{fingerprint[:16]}-{slug}-{hashlib.sha256(device.encode()).hexdigest()[:8]}.json"
-
-
-def load_profile(fingerprint: str, device: str, n_layers: int | None = None
-                 ) -> tuple[HardwareProfile | None, str | None]:
-    """The stored profile, or None and why it must be measured again (None when there simply is none)."""
-    path = profile_path(fingerprint, device)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"the profile {path} cannot be read ({exc.strerror or exc})"
-    try:
-        profile = HardwareProfile.from_dict(json.loads(text))
-    except (ValueError, TypeError) as exc:
-        return None, f"the profile {path.name} is corrupt or from another version ({str(exc)[:80]})"
-    if profile.fingerprint != fingerprint or n_layers not in (None, profile.n_layers):
-        return None, f"the profile {path.name} belongs to another model"
-    if profile.device != device:
-        return None, f"the profile {path.name} was measured on another device ({profile.device})"
-    return profile, None
-
-
-def save_profile(profile: HardwareProfile) -> Path:
-    """Atomically (temp file, fsync, rename): a reader never sees half a profile."""
-    return write_json_atomically(profile_path(profile.fingerprint, profile.device), profile.to_dict(),
-                                 "hardware profile")
 
 
 def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo: bool = False) -> HardwareProfile:
@@ -157,15 +123,6 @@ def profile_planner(profile: HardwareProfile) -> ProfilePlanner:
     return ProfilePlanner(profile)
 
 
-def planning(engine, fingerprint: str, notice: Notice | None = None, compact: bool = True
-             ) -> tuple[Planner, Callable[[object, str], CompactionReport] | None]:
-    """What a ChatSession of the app gets: the planner of this machine's profile, and (with `compact`) compaction
-    after each saved round."""
-    profile = ensure_profile(engine, fingerprint, notice)
-    compactor = (lambda store, sid: compact_session(store, sid, profile)) if compact else None
-    return profile_planner(profile), compactor
-
-
 def default_device(device: torch.device | str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -191,7 +148,7 @@ def measure_profile(engine, fingerprint: str) -> HardwareProfile:
     device = engine.device
     points, cache = _prefill_points(engine)
     a, b = fit_prefill(points)
-    probe = data_dir() / "profiles" / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
+    probe = probe_folder(f".probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         probe.mkdir(parents=True, exist_ok=True)
         files = _write_probe(engine, cache, fingerprint, probe)
@@ -225,11 +182,6 @@ def measure_profile(engine, fingerprint: str) -> HardwareProfile:
         shutil.rmtree(probe, ignore_errors=True)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
     """(tokens, seconds) of prefills from position 0 through every layer, run as a restore's recompute stream runs
@@ -243,13 +195,13 @@ def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
         runs = []
         for _ in range(2):  # the first run of a size pays for new allocations and kernels: the second is the rate
             cache = engine.new_cache(n + 8)
-            _sync(engine.device)
+            sync(engine.device)
             run = PrefixRecompute(model, ids, [PyramidStep(range(cfg.n_layers), n, cache)]).run()
             runs.append(run.busy_s)
         points.append((n, min(runs)))
         if min(runs) > PREFILL_BUDGET_S:
             break
-    _sync(engine.device)
+    sync(engine.device)
     cache.length = points[-1][0]
     return points, cache
 
@@ -329,13 +281,13 @@ def _staging_gb_s(device: torch.device, decoded: list[bytes]) -> float | None:
         return None
     staging = HostToDevice.shared(device)
     staging.copy(decoded[0]).wait()  # warm-up
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(SegmentPrefetcher.decode_threads()) as pool:
         staged = list(pool.map(staging.copy, decoded))
     for s in staged:
         s.wait()
-    _sync(device)
+    sync(device)
     return sum(len(r) for r in decoded) / (time.perf_counter() - t0) / 1e9
 
 
@@ -355,7 +307,7 @@ def _load(engine, files: list[Path], fingerprint: str, decode_threads: int | Non
             header, data = fetcher.get(i)[0]
             kv = merge_planes(header, data.wait()) if isinstance(data, Staged) else data
             kv.clone()  # placed in a cache, as a restore does
-        _sync(device)
+        sync(device)
     finally:
         fetcher.close()
     return time.perf_counter() - t0
@@ -402,12 +354,12 @@ def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint:
     for _ in range(SIDE_BY_SIDE_RUNS):
         both, took = recompute(), []
         loader = threading.Thread(target=lambda: took.append(_load(engine, files, fingerprint, threads)))
-        _sync(engine.device)
+        sync(engine.device)
         loader.start()
         both.launch()
         loader.join()
         both.finish()
-        _sync(engine.device)
+        sync(engine.device)
         compute.append(both.busy_s / compute_s)
         load.append(took[0] / load_s)
     return max(1.0, statistics.median(compute)), max(1.0, statistics.median(load))

@@ -1,11 +1,16 @@
-"""What the terminal app does with the engine and the store, as plain thread-safe Python (no textual here).
+"""`ChatService`: what the chat commands (app/chats.py) and the terminal app do with the engine and the store, as
+plain thread-safe Python (no click, no textual here): create, open, list, fork, export and import chats, and the
+one place a chat's session is wired (`ChatService.wire`: its KV policy, this machine's profile and restore planner,
+compaction, cross-layer merges and the K/V writer).
 
-The app calls these methods from worker threads only. The engine is single-stream, so every piece of model work
-(restoring a chat, answering, regenerating) runs under one lock; storage calls that must not interleave with a
-round being saved (delete, fork, export, a new system prompt) take the same lock and first wait until the chat's
-K/V writer has put every finished round on disk. A chat runs under the KV policy the caller names (the app's
-setting: the full cache, or Round Attention on a tiered cache); the policy is built once per model. The semantics
-are the CLI's (app/chats.py): same store, same state files, the title of an untitled chat is its first message.
+The app calls these methods from worker threads only; a command calls them once and closes the service. The engine
+is single-stream, so every piece of model work (restoring a chat, answering, regenerating) runs under one lock;
+storage calls that must not interleave with a round being saved (delete, fork, export, a new system prompt) take
+the same lock and first wait until the chat's K/V writer has put every finished round on disk. A chat runs under
+the KV policy the caller names (the app's setting or `kvchat send --kv-policy`: the full cache, Round Attention on a
+tiered cache, or LoopServe); the policy is built once per model (app/session/policies.py, calibrating the model on
+its first use). The app and the commands share the semantics: same store, same state files, the title of an
+untitled chat is its first message.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvchat.app.session.chat import ChatSession, KVWriter, RestoreStats
+from kvchat.app.session.chat import ChatSession
+from kvchat.app.session.restore import RestoreStats
+from kvchat.app.session.writer import KVWriter
 from kvchat.app.session.profile import ensure_profile, profile_planner
 from kvchat.app.session.compaction import compact_session
 from kvchat.app.session.merges import chat_merges
+from kvchat.app.session.policies import chat_policy
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
-from kvchat.engine.policies import KVPolicy, chat_policy
+from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
@@ -47,6 +55,8 @@ class ChatSummary:
     n_rounds: int
     kv_bytes: int
     kv_status: str  # "in memory" | "on disk" | "text only" | "empty"
+    created: str = ""  # ISO time the chat was made (`kvchat sessions --json`)
+    model_path: str = ""
 
 
 @dataclass
@@ -85,7 +95,7 @@ class Transcript:
     rounds: list[RoundRow] = field(default_factory=list)
 
 
-class ChatBackend:
+class ChatService:
     def __init__(self, home: Path | None = None, device: str | None = None):
         self.home, self.device = home, device
         self._store: Store | None = None
@@ -96,9 +106,14 @@ class ChatBackend:
         self.model_lock = threading.RLock()  # one forward pass at a time, and no save racing a delete
         self._state_lock = threading.RLock()
         self._load_lock = threading.Lock()  # a model file is loaded once even when two workers ask at once
-        # The app's setting: after each saved round, drop the K/V restores on this machine recompute anyway.
+        # The app's setting (`kvchat send --compact`): after each saved round, drop the K/V restores on this machine
+        # recompute anyway. Read when a round is saved, so a change reaches the chats already open.
         self.compact_kv = True
         self.notice: Callable[[str], None] | None = None  # tells the user about a profile being measured
+
+    def chat_info(self, sid: str) -> dict:
+        """The chat's row (`sid` may be a unique prefix of its id, as the commands take it)."""
+        return self.store.session(sid)
 
     # ---- store, engines ----
 
@@ -171,7 +186,8 @@ class ChatBackend:
                 status = "on disk"
             else:
                 status = "text only" if r["n_rounds"] else "empty"
-            out.append(ChatSummary(r["id"], r["title"], r["updated"], r["n_rounds"], r["kv_bytes"], status))
+            out.append(ChatSummary(r["id"], r["title"], r["updated"], r["n_rounds"], r["kv_bytes"], status,
+                                   created=r["created"], model_path=r["model_path"]))
         return out
 
     def transcript(self, sid: str) -> Transcript:
@@ -201,7 +217,7 @@ class ChatBackend:
         return self.chat_stats(sid)
 
     def _session(self, sid: str, kv_policy: str, progress=None, cancel: threading.Event | None = None,
-                 calibrating: Progress | None = None) -> ChatSession:
+                 calibrating: Progress | None = None, merge_share: float | None = None) -> ChatSession:
         """The chat's session restored under `kv_policy`; call with model_lock held."""
         with self._state_lock:
             opened = self._open.get(sid)
@@ -214,19 +230,8 @@ class ChatBackend:
         info = self.store.session(sid)
         if not Path(info["model_path"]).exists():
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
-        engine = self.engine(info["model_path"])
-        policy = self.policy(engine, kv_policy, calibrating)
-        # This machine's speeds for the model (measured on its first chat, a few seconds): restores recompute the
-        # chat's front while they load the rest.
-        profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
-
-        def compactor(store: Store, chat: str) -> None:
-            if self.compact_kv:
-                compact_session(store, chat, profile)
-
-        session = ChatSession(self.store, engine, sid, writer=self._writer(engine), policy=policy,
-                              planner=profile_planner(profile), compactor=compactor,
-                              merges=chat_merges(self.store, info, engine, None, calibrating))  # `kvchat merge`'s
+        session = self.wire(info, self.engine(info["model_path"]), kv_policy=kv_policy, merge_share=merge_share,
+                            calibrating=calibrating)
         stats = session.restore(progress=progress, cancel=cancel)
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)
@@ -234,14 +239,38 @@ class ChatBackend:
                 self._open.popitem(last=False)[1].session.stop_reading()  # its cache is freed; its K/V is on disk
         return session
 
+    def wire(self, info: dict, engine: Engine, *, kv_policy: str = "full", merge_share: float | None = None,
+             calibrating: Progress | None = None, planned: bool = True, ignore_merges: bool = False) -> ChatSession:
+        """The chat `info` (its store row) as a ChatSession on `engine`, not yet restored: the one place a session
+        is put together. Its KV policy `kv_policy` (built once per model; the round policy calibrates a model on
+        its first use, reported to `calibrating`); with `planned`, this machine's profile of the model (measured on
+        its first chat, a few seconds, said through `notice`) plans its restores, which recompute the chat's front
+        while they load the rest, and each saved round is compacted for it while `compact_kv` is on; its
+        cross-layer merging as its settings say (`merge_share`, given now, is kept there: `kvchat send --merge`,
+        `kvchat merge`), unless `ignore_merges` (`kvchat unmerge`); the model's shared K/V writer."""
+        policy = self.policy(engine, kv_policy, calibrating)
+        planner = compactor = None
+        if planned:
+            profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
+            planner = profile_planner(profile)
+
+            def compactor(store: Store, chat: str) -> None:
+                if self.compact_kv:
+                    compact_session(store, chat, profile)
+
+        merges = None if ignore_merges else chat_merges(self.store, info, engine, merge_share, calibrating)
+        return ChatSession(self.store, engine, info["id"], writer=self._writer(engine), policy=policy,
+                           planner=planner, compactor=compactor, merges=merges, ignore_merges=ignore_merges)
+
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
              regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None,
-             guard: ReplyGuard = ReplyGuard()) -> Reply:
+             guard: ReplyGuard = ReplyGuard(), merge_share: float | None = None) -> Reply:
         """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
-        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again."""
+        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again.
+        `merge_share`: the chat's merge setting from now on, when it is opened here (`kvchat send --merge`)."""
         with self.model_lock:
-            session = self._session(sid, kv_policy, calibrating=calibrating)
+            session = self._session(sid, kv_policy, calibrating=calibrating, merge_share=merge_share)
             if regenerate:
                 row = session.retract_last_round()
                 if row is None:

@@ -10,7 +10,7 @@ from typing import Callable
 from textual.app import App
 from textual.binding import Binding
 
-from kvchat.app.session.service import ChatBackend
+from kvchat.app.session.service import ChatService
 from kvchat.app.tui.chat_screen import ChatScreen
 from kvchat.app.tui.preferences import Preferences
 
@@ -33,7 +33,7 @@ class KvchatApp(App[None]):
         computed from `clock()`, timings and compressed sizes are drawn as "…" when measurements are hidden."""
         super().__init__()
         self.home = home
-        self.backend = ChatBackend(home, device)
+        self.backend = ChatService(home, device)
         self.preferences = Preferences.load(home)
         if model_path:  # --model on the command line: for this run's new chats, not saved
             self.preferences.model_path = str(Path(model_path).resolve())

@@ -14,7 +14,7 @@ from kvchat.engine.data.dialogues import Dialogue, Question
 from kvchat.engine.engine import Engine
 from kvchat.app.bench.evaluate import heldout_chats, reply_matches
 from kvchat.engine.generate import prefill
-from kvchat.engine.model.decoder import KVCache
+from kvchat.engine.kv.cache import KVCache
 
 torch.set_grad_enabled(False)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvchat.app.bench.engine_speed import model_file
 from kvchat.app.bench.loopserve import CHUNK, POOL, chat_tokens
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import decoder_step
+from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 
 

@@ -12,13 +12,13 @@ calibration message, wherever the full cache is sure of the next token, Round At
 token; if it does not often enough, the next layer up is checked (`agreement`).
 
 Here: `layer_round_distributions` measures the [L, R] distributions of one chat, `kl_curve` averages the divergences
-over chats, `pick_watershed` reads L_w off the curve, and a `Calibration` is stored per model fingerprint in
-data_dir()/calibrations/<fingerprint>.json; `ensure_calibration` makes one on a model's first use.
+over chats, `pick_watershed` reads L_w off the curve, and `calibrate` returns it checked as a `Calibration`. Nothing
+here reads or writes a file: app/session/artifacts.py keeps one per model fingerprint, and app/session/policies.py
+makes it on a model's first use and hands the watershed layer to the round policies.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -33,7 +33,6 @@ from kvchat.engine.text.chat_format import Conversation
 from kvchat.engine.generate import prefill
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass
-from kvchat.paths import data_dir, write_json_atomically
 
 # Bumped when what is measured or how L_w is read changes: files of another version are recalibrated, not trusted.
 CALIBRATION_VERSION = 2
@@ -169,43 +168,17 @@ class Calibration:
     kl_watershed: int = -1  # the KL curve's first significant local minimum (Appendix B); watershed >= it
     agreement: dict[str, float] = field(default_factory=dict)  # layer checked -> share of sure tokens agreed on
 
+    def to_dict(self) -> dict:
+        return asdict(self)
 
-def calibration_path(fingerprint: str) -> Path:
-    return data_dir() / "calibrations" / f"{fingerprint}.json"
-
-
-def save_calibration(cal: Calibration) -> Path:
-    """Write atomically (temporary file, fsync, rename) so a reader never sees half a file."""
-    return write_json_atomically(calibration_path(cal.fingerprint), asdict(cal), "calibration")
-
-
-def load_calibration(fingerprint: str, n_layers: int | None = None) -> Calibration | None:
-    """The stored calibration of this model, or None when there is none (or it is of an older calibration version,
-    which is recalibrated rather than trusted). A corrupt file, or one for another model, is an error."""
-    path = calibration_path(fingerprint)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise KvchatError(f"cannot read the calibration {path}: {exc}") from None
-    try:
-        raw = json.loads(text)
-        if raw.get("version") != CALIBRATION_VERSION:
-            return None
-        cal = Calibration(**raw)
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Calibration":
+        """The calibration as stored; ValueError, TypeError or AttributeError when it does not hold together."""
+        cal = cls(**raw)
         curve_ok = len(cal.curve) == cal.n_layers and all(isinstance(v, (int, float)) for v in cal.curve)
         if not (isinstance(cal.watershed, int) and 1 <= cal.watershed <= cal.n_layers - 2 and curve_ok):
             raise ValueError("inconsistent fields")
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise KvchatError(f"the calibration {path} is corrupt ({exc}); delete it or run `kvchat calibrate`") from None
-    if cal.fingerprint != fingerprint:
-        raise KvchatError(f"the calibration {path} belongs to another model ({cal.fingerprint[:12]}); "
-                          f"delete it or run `kvchat calibrate`")
-    if n_layers is not None and cal.n_layers != n_layers:
-        raise KvchatError(f"the calibration {path} is for a model of {cal.n_layers} layers, not {n_layers}; "
-                          f"delete it or run `kvchat calibrate`")
-    return cal
+        return cal
 
 
 def is_embedded_model(engine) -> bool:
@@ -250,7 +223,8 @@ def calibration_chats(engine, count: int = DEFAULT_CHATS, seed: int = DEFAULT_SE
 def calibrate(engine, fingerprint: str, chats: int = DEFAULT_CHATS, seed: int = DEFAULT_SEED,
               progress: ProgressCallback | None = None) -> Calibration:
     """Measure the KL curve on `chats` calibration chats, read L_w off it and check it (not stored: see
-    ensure_calibration). Progress counts chats: one pass for the curve, one per layer checked."""
+    app.session.policies.ensure_calibration; `fingerprint` only labels it). Progress counts chats: one pass for the
+    curve, one per layer checked."""
     if engine.config.n_layers < 3:  # refused before minutes of measuring, not after
         raise KvchatError(f"a watershed layer needs a model of at least 3 layers; this one has "
                           f"{engine.config.n_layers}")
@@ -348,16 +322,6 @@ def agreement(engine, references: list[ReferenceReply], watershed: int,
         if progress is not None:
             progress(n + 1, len(references))
     return hits / count if count else 1.0
-
-
-def ensure_calibration(engine, fingerprint: str, progress: ProgressCallback | None = None,
-                       chats: int = DEFAULT_CHATS) -> Calibration:
-    """The model's stored calibration; on its first use, calibrate now (reporting progress per chat) and store it."""
-    cal = load_calibration(fingerprint, engine.config.n_layers)
-    if cal is None:
-        cal = calibrate(engine, fingerprint, chats=chats, progress=progress)
-        save_calibration(cal)
-    return cal
 
 
 def curve_lines(cal: Calibration) -> list[str]:

@@ -14,9 +14,9 @@ import random
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 from kvchat.engine.text.chat_format import ChatFormat, Conversation, Round
+from kvchat.assets import ASSETS
 from kvchat.engine.data.dialogues import dialogues
 from kvchat.errors import KvchatError
 
@@ -24,7 +24,7 @@ from kvchat.errors import KvchatError
 WORKLOADS = {"2k": 2048, "8k": 8192, "32k": 32768}
 MIN_ROUNDS, MAX_ROUNDS = 10, 100
 SYSTEM_PROMPT = "You are a helpful assistant."
-MT_BENCH = Path(__file__).resolve().parent.parent / "assets" / "mt_bench"
+MT_BENCH = ASSETS / "mt_bench"
 
 
 @dataclass

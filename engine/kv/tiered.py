@@ -19,6 +19,9 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
 
 A closed round's upper K/V is copied back to host memory. A round not picked for `max_idle` messages is dropped
 from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
+
+TieredKV is a KVStore (engine.kv.base): generation drives it as it drives the full cache. Its decode step replayed
+from CUDA graphs is engine.kv.tiered_decode.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kvchat.engine.model.cuda_graph import Bound, Replay, StepInputs
 from kvchat.engine.kv.key_bounds import BoundsTable, key_bounds
+from kvchat.engine.kv.tiered_decode import TieredDecode
+from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.kernels.round_scores import round_mass
 
@@ -180,6 +184,22 @@ class TieredKV:
         self.upper.reserve(self.upper.length + n_tokens + 1)
         if self.decode_mode != "eager" and self.open_start is not None:
             self._decoder().prepare()
+
+    # ---- KVStore: how generation drives this cache (engine.kv.base) ----
+
+    def prefill_prompt(self, model: Transformer, tokens: list[int], attend: Attend = None,
+                       chunk: int = 4096) -> Tensor:
+        """`prefill`: the cache picks the rounds the prompt's upper layers see itself (`attend` does not apply) and
+        runs its own model."""
+        return self.prefill(tokens, chunk)
+
+    def decode_step(self, model: Transformer, max_tokens: int, limit: int, *, attend: Attend = None,
+                    first: int = 0, cuda_graph: bool | None = None, policy=None) -> Callable[[int], Tensor]:
+        """`step`, with room in both tiers (and its decode graphs captured) for the reply. How it runs is the
+        cache's `decode` mode and its policy's progressive selection: `attend`, `cuda_graph` and `policy` do not
+        apply."""
+        self.reserve_decode(min(max_tokens, limit - self.length))
+        return self.step
 
     def truncate(self, position: int) -> None:
         """Forget every token from `position` on: inside the open round, or back to a closed round's start (the
@@ -545,73 +565,6 @@ class TieredKV:
             if r and self.host[r] is not None and r not in chosen and self.messages - last >= limit:
                 self.host[r] = None
                 self.stats.dropped.append(r)
-
-
-class TieredDecode:
-    """A tiered cache's decode step as two replays (engine.cuda_graph): the lower tier (embedding and layers
-    [0, split) over every round), then, once the host has looked at the token's query at w and perhaps brought a
-    round in, the upper tier and the head over `upper`. The hidden state and the query at w pass between them in
-    buffers of their own, so each replay is captured again only when its own cache's storage or the rotary table
-    moved (growing `upper` for a round brought in recaptures the upper replay alone)."""
-
-    def __init__(self, tiered: TieredKV, capture: bool):
-        m = tiered.model
-        self.tiered, self.capture = tiered, capture
-        self.inputs = StepInputs(m.device, n_caches=2)
-        self.h = torch.zeros(1, m.cfg.d_model, device=m.device, dtype=m.dtype)
-        self.query_w = torch.zeros(1, m.cfg.n_heads, m.cfg.head_dim, device=m.device, dtype=m.dtype)
-        self._lower = self._upper = None
-        self._lower_bound = self._upper_bound = Bound()
-
-    def prepare(self) -> None:
-        """Capture both replays before the reply's first step, as the full cache's graph is captured before its
-        first token (else the first steps pay two captures: ~20% of a 32-token reply at 32k on an 8B model). The
-        capture's warm-up runs write the next slots, which the first step then overwrites."""
-        t = self.tiered
-        p = t.lower.length
-        self.inputs.set(0, p, p, t.upper_base + p - t.open_start)
-        self._lower_replay()
-        self._upper_replay()
-
-    def run_lower(self) -> None:
-        """Layers [0, split) for the token in `inputs`: its K/V into `lower`, h and query_w filled."""
-        self._lower_replay()()
-
-    def run_upper(self) -> tuple[Tensor, list[Tensor]]:
-        """Layers [split, L) and the head over `upper`: logits [1, V] and the upper layers' queries."""
-        return self._upper_replay()()
-
-    def _lower_replay(self) -> Replay:
-        t = self.tiered
-        t.model.reserve_rotations(t.lower.capacity)
-        if not self._lower_bound.holds(t.lower.kv, t.model.rope.c_table):
-            self._lower = None  # free the old graph's memory before capturing the new one
-            self._lower = Replay(self._lower_step, t.model.device, self.capture)
-            self._lower_bound = Bound(t.lower.kv, t.model.rope.c_table)
-        return self._lower
-
-    def _upper_replay(self) -> Replay:
-        t = self.tiered
-        if not self._upper_bound.holds(t.upper.kv, t.model.rope.c_table):
-            self._upper = None
-            self._upper = Replay(self._upper_step, t.model.device, self.capture)
-            self._upper_bound = Bound(t.upper.kv, t.model.rope.c_table)
-        return self._upper
-
-    @torch.inference_mode()
-    def _lower_step(self) -> None:
-        m, t, queries = self.tiered.model, self.tiered, []
-        h = m.run_layers(m.embed(self.inputs.token), None, t.lower, None, layers=range(t.split),
-                         step=self.inputs.step(m, 0), queries=queries)
-        self.h.copy_(h)
-        self.query_w.copy_(queries[-1])
-
-    @torch.inference_mode()
-    def _upper_step(self) -> tuple[Tensor, list[Tensor]]:
-        m, t, queries = self.tiered.model, self.tiered, []
-        h = m.run_layers(self.h, None, t.upper, None, layers=range(t.split, m.cfg.n_layers),
-                         step=self.inputs.step(m, 1), queries=queries)
-        return m.head(h), queries
 
 
 def host_layout(upper_kv: Tensor, dtype: torch.dtype, pin: bool = False) -> Tensor:

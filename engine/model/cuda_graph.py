@@ -9,6 +9,8 @@ storage and the rotary table stay the same.
 
 `capture=False` runs the very same step without a graph (any device): the tests check the kernel path that way on
 the CPU, in Triton's interpreter.
+
+The step runs over any DeviceKV (engine.kv.base): it binds to the tensors `cache.storage()` names.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kvchat.engine.model.decoder import DecodeStep, KVCache, Transformer
+from kvchat.engine.kv.base import DeviceKV
+from kvchat.engine.model.attention import DecodeStep
+from kvchat.engine.model.decoder import Transformer
 
 
 class StepInputs:
@@ -90,20 +94,20 @@ class Bound:
 
 
 class GraphedDecode:
-    def __init__(self, model: Transformer, cache: KVCache, capacity: int, capture: bool = True):
+    def __init__(self, model: Transformer, cache: DeviceKV, capacity: int, capture: bool = True):
         self.model, self.cache = model, cache
         cache.reserve(capacity)  # the graph is bound to this storage: it must not grow while in use
         model.reserve_rotations(cache.capacity)
-        self._bound = Bound(cache.kv, cache.ring, model.rope.c_table)
+        self._bound = Bound(*cache.storage(), model.rope.c_table)
         self.inputs = StepInputs(model.device)
         # Warm-up runs really execute: point them at the last slot, which no token holds yet.
         self.inputs.set(0, cache.capacity - 1, cache.capacity - 1)
         with cache.keeping_slot(cache.capacity - 1):
             self._replay = Replay(self._step, model.device, capture)
 
-    def fits(self, cache: KVCache, capacity: int) -> bool:
+    def fits(self, cache: DeviceKV, capacity: int) -> bool:
         """Whether this graph can serve `cache` up to `capacity` slots (same storage, same rotary table)."""
-        return (cache is self.cache and self._bound.holds(cache.kv, cache.ring, self.model.rope.c_table)
+        return (cache is self.cache and self._bound.holds(*cache.storage(), self.model.rope.c_table)
                 and capacity <= cache.capacity)
 
     @torch.inference_mode()
@@ -123,7 +127,7 @@ class GraphedDecode:
         return logits[-1]
 
 
-def graphed_decode(model: Transformer, cache: KVCache, capacity: int) -> GraphedDecode:
+def graphed_decode(model: Transformer, cache: DeviceKV, capacity: int) -> GraphedDecode:
     """The cache's captured decode step, captured again only when its storage or the rotary table changed or it
     needs more slots (capturing costs a few eager steps)."""
     graphed = getattr(cache, "graphed_decode", None)
@@ -131,3 +135,12 @@ def graphed_decode(model: Transformer, cache: KVCache, capacity: int) -> Graphed
         cache.graphed_decode = None  # free the old graph's memory before capturing the new one
         graphed = cache.graphed_decode = GraphedDecode(model, cache, capacity)
     return graphed
+
+
+def decoder_step(model: Transformer, cache: DeviceKV, capacity: int, cuda_graph: bool | None):
+    """One decode step as a function token -> logits [V]: replayed from a CUDA graph on CUDA, eager otherwise."""
+    if cuda_graph is None:
+        cuda_graph = model.device.type == "cuda"
+    if cuda_graph:
+        return graphed_decode(model, cache, capacity)
+    return lambda token: model(torch.tensor([token]), cache)[-1]

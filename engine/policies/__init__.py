@@ -1,4 +1,8 @@
-"""The table of KV policies: `kvchat eval --kv-policy NAME` and the tests run over it."""
+"""The table of KV policies: `kvchat eval --kv-policy NAME` and the tests run over it.
+
+`make_policy` builds one from its parameters alone (pure: no calibration, no file). A policy that still lacks what
+its model's calibration gives (`KVPolicy.calibration_needed`) is refused here; app/session/policies.py builds policies
+with the calibration made or read for the model (`build_policy`, `chat_policy`)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
 from kvchat.engine.policies.round_attention import (
     RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
 )
-from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
 from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {
@@ -23,23 +26,32 @@ POLICIES: dict[str, type[KVPolicy]] = {
 CHAT_POLICIES = ("full", "round", "loopserve")
 
 
-def chat_policy(name: str, engine=None, progress=None) -> KVPolicy | None:
-    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy) or
-    `loopserve`."""
-    if name == "full":
-        return None
-    if name == "loopserve":
-        # A chat's prefill goes sparse only from where the kernel measured faster (a whole prefill never has yet:
-        # docs/benchmarks.md, "LoopServe"); its reply always reads a progressively chosen budget.
-        return make_policy(name, engine, progress, min_keys=DEFAULT_MIN_KEYS)
-    if name not in POLICIES or not POLICIES[name].tiered:
-        raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
-                          f"{', '.join(n for n in POLICIES if n in CHAT_POLICIES or POLICIES[n].tiered)})")
-    return make_policy(name, engine, progress)
-
-
-def make_policy(name: str, engine=None, progress=None, **options) -> KVPolicy:
-    """The policy `name` for `engine`; `progress(done, total)` hears about any calibration it needs first."""
+def policy_class(name: str) -> type[KVPolicy]:
+    """The policy class `name` names; a one-line error naming the accepted ones otherwise."""
     if name not in POLICIES:
         raise KvchatError(f"unknown KV policy {name!r} (accepted: {', '.join(POLICIES)})")
-    return POLICIES[name].create(engine, progress, **options)
+    return POLICIES[name]
+
+
+def chat_policy_class(name: str) -> type[KVPolicy] | None:
+    """The class of the policy a chat runs under: None for the full cache, else a tiered policy (`round` or a
+    strategy) or `loopserve`; a one-line error for any other name."""
+    if name == "full":
+        return None
+    if name == "loopserve" or (name in POLICIES and POLICIES[name].tiered):
+        return POLICIES[name]
+    raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
+                      f"{', '.join(n for n in POLICIES if n in CHAT_POLICIES or POLICIES[n].tiered)})")
+
+
+def make_policy(name: str, engine=None, **options) -> KVPolicy:
+    """The policy `name` with `options` as its parameters, checked against `engine`'s model when one is given.
+    What calibration gives (watershed=, pairs=) must be among the options: this never measures nor reads a file."""
+    policy = policy_class(name).construct(**options)
+    missing = policy.calibration_needed()
+    if missing:
+        raise KvchatError(f"the {name} KV policy needs {', '.join(f'{m}=' for m in missing)} from its model's "
+                          f"calibration (kvchat.app.session.policies.build_policy makes or reads it)")
+    if engine is not None:
+        policy.check_model(engine.model)
+    return policy

@@ -1,5 +1,9 @@
-"""KV policies decide which cached tokens a new message's tokens attend to (kvpress-style: one policy per file,
-one abstract method, a table of all of them in engine.policies)."""
+"""KV policies decide which cached tokens a new message's tokens attend to (kvpress-style: one policy per file, a
+dataclass of its parameters plus its hooks, one abstract method, a table of all of them in engine.policies).
+
+A policy is pure: whatever it needs from its model's calibration (Round Attention's watershed layer, Krul's checked
+layer pairs) is one of its parameters, handed to it by whoever builds it (app/session/policies.py measures or reads
+the calibration); `calibration_needed` names the parameters still missing."""
 
 from __future__ import annotations
 
@@ -8,18 +12,16 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
-from kvchat.engine.model.decoder import Attend, KVCache, Transformer
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
 from kvchat.errors import KvchatError
 
 
 class KVPolicy(ABC):
-    name: str = ""
-    tiered: bool = False  # runs on an engine.tiered_kv.TieredKV (device and host tiers) rather than a KVCache
-
-    @classmethod
-    def create(cls, engine=None, progress=None, **options) -> "KVPolicy":
-        """The policy for `engine`'s model (policies that need calibration get it from there)."""
-        return cls.construct(**options)
+    # Class attributes, not dataclass fields (no annotation in the subclasses): they name the kind, not a setting.
+    name = ""
+    tiered = False  # runs on an engine.tiered_kv.TieredKV (device and host tiers) rather than a KVCache
 
     @classmethod
     def construct(cls, **options) -> "KVPolicy":
@@ -32,6 +34,14 @@ class KVPolicy(ABC):
             return cls(**options)
         except TypeError as exc:  # a value of the wrong kind ("pool=abc" from the command line)
             raise KvchatError(f"the {cls.name} KV policy's options {options} do not fit: {exc}") from None
+
+    def calibration_needed(self) -> tuple[str, ...]:
+        """The parameters still missing that come from the model's calibration ("watershed", "pairs"): the builder
+        measures or reads them and hands them in (dataclasses.replace). Empty: the policy is ready to run."""
+        return ()
+
+    def check_model(self, model: Transformer) -> None:
+        """Refuse, in one line (KvchatError), a model this policy cannot run on; nothing to check by default."""
 
     @abstractmethod
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],

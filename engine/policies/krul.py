@@ -4,49 +4,49 @@ still visible at every layer.
 
 The pairs are chosen per chat, when its history is about to be read (`prepare`): probes at the ends of its last
 closed rounds give its `LayerStats`, and Algorithm 1 takes pairs in their order until `r_l` of the layers are merged
-(engine.merge_selection). `checked` (the default) limits them to the pairs the model's check accepted (computed on
-the model's first use, like the watershed calibration); unchecked is Krul as published.
+(engine.policies.merge_selection). `checked` (the default) limits them to the pairs the model's check accepted
+(engine.calibrate.merge_check), handed in as `pairs` by whoever builds the policy (app/session/policies.py makes the
+check on the model's first use, like the watershed calibration); unchecked is Krul as published.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvchat.engine.kv.cross_layer import LayerPair, merge_in_cache, restore_in_cache
 from kvchat.engine.policies.layer_stats import LayerStats
 from kvchat.engine.policies.layer_stats import PROBE_ROWS
 from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs
-from kvchat.engine.model.decoder import Attend, KVCache, Transformer
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.errors import KvchatError
 
 PROBED_ROUNDS = 8  # the chat's last closed rounds probed for its statistics
 
 
+@dataclass(eq=False)  # identity equality and hashing, as before policies were dataclasses
 class KrulMerge(KVPolicy):
     name = "krul"
 
-    def __init__(self, r_l: float = 0.5, checked: bool = True, retain: float = RETAIN, gamma: float = GAMMA,
-                 pairs: list[LayerPair] | None = None):
-        if not 0 <= r_l <= 1:
-            raise KvchatError(f"r_l is the share of layers merged, in [0, 1], not {r_l}")
-        if not 0 <= retain <= 1:
-            raise KvchatError(f"retain is the share of tokens kept unmerged, in [0, 1], not {retain}")
-        self.r_l, self.checked, self.retain, self.gamma = r_l, checked, retain, gamma
-        self.allowed: list[LayerPair] | None = pairs  # the model's checked pairs (None: any)
-        self.last_pairs: list[LayerPair] = []  # merged for the latest message (for stats and tests)
+    r_l: float = 0.5
+    checked: bool = True
+    retain: float = RETAIN
+    gamma: float = GAMMA
+    pairs: list[LayerPair] | None = None  # the model's checked pairs (None: any, when unchecked)
+    # merged for the latest message (for stats and tests): state, not a parameter
+    last_pairs: list[LayerPair] = field(default_factory=list, init=False, repr=False)
 
-    @classmethod
-    def create(cls, engine=None, progress=None, **options) -> "KrulMerge":
-        policy = cls.construct(**options)
-        if policy.checked and policy.allowed is None:
-            if engine is None:
-                raise KvchatError("the checked krul KV policy needs a model to check its layer pairs on")
-            from kvchat.engine.policies.merge_selection import ensure_merge_calibration
-            from kvchat.storage.fingerprint import model_fingerprint
+    def __post_init__(self):
+        if not 0 <= self.r_l <= 1:
+            raise KvchatError(f"r_l is the share of layers merged, in [0, 1], not {self.r_l}")
+        if not 0 <= self.retain <= 1:
+            raise KvchatError(f"retain is the share of tokens kept unmerged, in [0, 1], not {self.retain}")
 
-            policy.allowed = ensure_merge_calibration(engine, model_fingerprint(engine.path), progress).pairs
-        return policy
+    def calibration_needed(self) -> tuple[str, ...]:
+        return ("pairs",) if self.checked and self.pairs is None else ()
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
@@ -57,7 +57,7 @@ class KrulMerge(KVPolicy):
         stats = LayerStats(model.cfg.n_layers)
         ends = (round_starts[1:] + [cache.length])[-PROBED_ROUNDS:] if round_starts else []
         stats.add_probes(model, cache, [(end, history[max(0, end - PROBE_ROWS):end]) for end in ends])
-        self.last_pairs = choose_pairs(stats, model.cfg, self.r_l, self.gamma, self.allowed)
+        self.last_pairs = choose_pairs(stats, model.cfg, self.r_l, self.gamma, self.pairs)
         if not self.last_pairs:
             return None
         pairs, length = self.last_pairs, cache.length

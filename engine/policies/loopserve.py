@@ -5,13 +5,17 @@ input slots its own recent tokens choose (with their neighbours: `pool`), chosen
 
 `loopserve+round` composes it with Round Attention: the round policy decides which rounds a message's upper
 layers see, LoopServe which of their tokens the reply reads (and the prefill of layers that see every slot is
-sparse)."""
+sparse); its watershed layer is handed in as Round Attention's is.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
-from kvchat.engine.model.decoder import Attend, KVCache, Transformer
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.round_attention import RoundAttention
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
@@ -23,22 +27,29 @@ from kvchat.errors import KvchatError
 POOL = 7
 
 
+@dataclass(eq=False)  # identity equality and hashing, as before policies were dataclasses
 class LoopServe(KVPolicy):
     name = "loopserve"
 
-    def __init__(self, alpha: float = 0.955, budget: int = 1024, interval: int = 16, warmup: int = 16,
-                 min_keys: int = 0, sparse: bool = True, progressive: bool = True, pool: int = POOL):
-        if not 0 < alpha <= 1:
-            raise KvchatError(f"alpha is the attention mass the prefill's lines keep, in (0, 1], not {alpha}")
-        if budget < 1 or interval < 1 or warmup < 1 or pool < 1:
+    alpha: float = 0.955
+    budget: int = 1024
+    interval: int = 16
+    warmup: int = 16
+    # 0: every message's prefill is sparse (what quality runs measure); the engine's own default
+    # (engine.sparse_prefill.DEFAULT_MIN_KEYS) is where sparse starts to be faster.
+    min_keys: int = 0
+    sparse: bool = True
+    progressive: bool = True
+    pool: int = POOL  # 1: the paper's top-B of single slots
+    # the latest message's sparse prefill (its stats) and progressive decode: state, not parameters
+    sparse_prefill: SparsePrefill | None = field(default=None, init=False, repr=False)
+    last_decode: ProgressiveDecode | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 < self.alpha <= 1:
+            raise KvchatError(f"alpha is the attention mass the prefill's lines keep, in (0, 1], not {self.alpha}")
+        if self.budget < 1 or self.interval < 1 or self.warmup < 1 or self.pool < 1:
             raise KvchatError("budget, interval, warmup and pool are counts of tokens, at least 1")
-        self.alpha, self.budget, self.interval, self.warmup = alpha, budget, interval, warmup
-        self.pool = pool  # 1: the paper's top-B of single slots
-        # min_keys 0: every message's prefill is sparse (what quality runs measure); the engine's own default
-        # (engine.sparse_prefill.DEFAULT_MIN_KEYS) is where sparse starts to be faster.
-        self.min_keys, self.sparse, self.progressive = min_keys, sparse, progressive
-        self.sparse_prefill: SparsePrefill | None = None  # the latest message's (its stats)
-        self.last_decode: ProgressiveDecode | None = None
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
@@ -65,25 +76,23 @@ class LoopServe(KVPolicy):
         return self.last_decode
 
 
+@dataclass(eq=False)
 class LoopServeRound(LoopServe):
     name = "loopserve+round"
 
-    def __init__(self, watershed: int | None = None, k: float = 0.1, alpha: float = 0.955, budget: int = 1024,
-                 interval: int = 16, warmup: int = 16, min_keys: int = 0, sparse: bool = True,
-                 progressive: bool = True, pool: int = POOL):
-        super().__init__(alpha, budget, interval, warmup, min_keys, sparse, progressive, pool)
-        self.rounds = RoundAttention(watershed=watershed, k=k)
+    watershed: int | None = None  # Round Attention's, handed in as there
+    k: float = 0.1
+    rounds: RoundAttention = field(init=False, repr=False)  # the round choice, built from watershed and k
 
-    @classmethod
-    def create(cls, engine=None, progress=None, **options) -> "LoopServeRound":
-        policy = cls.construct(**options)
-        policy.rounds = RoundAttention.create(engine, progress, watershed=policy.rounds.watershed,
-                                              k=policy.rounds.k)
-        return policy
+    def __post_init__(self):
+        super().__post_init__()
+        self.rounds = RoundAttention(watershed=self.watershed, k=self.k)
 
-    @property
-    def watershed(self) -> int | None:
-        return self.rounds.watershed
+    def calibration_needed(self) -> tuple[str, ...]:
+        return self.rounds.calibration_needed()
+
+    def check_model(self, model: Transformer) -> None:
+        self.rounds.check_model(model)
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:

@@ -2,6 +2,8 @@
 message pays them there; layers up to and including w attend to every round (their K/V of every round stays on the
 device), the layers above w only to the chosen rounds and the new message itself (engine.tiered_kv moves just
 those rounds' upper K/V to the device). The paper counts layers from 1: its lower group "1 ~ L_w" is our [0, w].
+The watershed layer is the policy's parameter `watershed`, handed to it from the model's calibration
+(engine.calibrate.watershed; app/session/policies.py makes or reads it) or given outright.
 
 The first round is always kept: it holds the system prompt and the chat's first tokens, where every query puts its
 spare attention (the attention sink), so it would win every choice and carry no information about relevance. The
@@ -27,11 +29,14 @@ At least the round of most mass is always kept, so no strategy leaves the upper 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from kvchat.engine.model.decoder import Attend, KVCache, SplitAttend, Transformer
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.attention import Attend, SplitAttend
+from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass
@@ -58,30 +63,42 @@ def select_rounds(mass: Tensor, strategy: str, k: float = 0.1, threshold: float 
     return sorted(set(keep) | {int(mass.argmax())})
 
 
+@dataclass(eq=False)  # identity equality and hashing, as before policies were dataclasses
 class RoundAttention(KVPolicy):
     name = "round"
     strategy = "topk"
     tiered = True
 
-    def __init__(self, watershed: int | None = None, k: float = 0.1, threshold: float = 0.1, sigmas: float = 3.0,
-                 progressive: bool = True, max_idle: int = 16, recheck_below: float = 0.99,
-                 recheck_mass: float = 0.1, max_rechecks: int = 8):
+    watershed: int | None = None  # None: not yet handed in (calibration_needed says so)
+    k: float = 0.1
+    threshold: float = 0.1
+    sigmas: float = 3.0
+    progressive: bool = True
+    max_idle: int = 16
+    recheck_below: float = 0.99
+    recheck_mass: float = 0.1
+    max_rechecks: int = 8
+    # the rounds chosen for the latest message (for stats and tests): state, not a parameter
+    last_selection: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        k, threshold, max_idle = self.k, self.threshold, self.max_idle
         if k <= 0 or (k > 1 and k != int(k)):
             raise KvchatError(f"k must be a positive count of rounds or a fraction in (0, 1], not {k}")
         if not 0 < threshold < 1:
             raise KvchatError(f"the mass threshold must be in (0, 1), not {threshold}")
         if max_idle < 0:
             raise KvchatError(f"max_idle must be a count of messages (0: never drop), not {max_idle}")
-        if not 0 <= recheck_below < 1:
-            raise KvchatError(f"recheck_below is a probability in [0, 1) (0: never recheck), not {recheck_below}")
-        if not 0 < recheck_mass < 1:
-            raise KvchatError(f"recheck_mass must be in (0, 1), not {recheck_mass}")
-        if max_rechecks < 0:
-            raise KvchatError(f"max_rechecks must be a count of decoded tokens, not {max_rechecks}")
-        self.watershed, self.k, self.threshold, self.sigmas = watershed, k, threshold, sigmas
-        self.recheck_below, self.recheck_mass, self.max_rechecks = recheck_below, recheck_mass, max_rechecks
-        self.progressive, self.max_idle = progressive, max_idle
-        self.last_selection: list[int] = []  # the rounds chosen for the latest message (for stats and tests)
+        if not 0 <= self.recheck_below < 1:
+            raise KvchatError(f"recheck_below is a probability in [0, 1) (0: never recheck), not "
+                              f"{self.recheck_below}")
+        if not 0 < self.recheck_mass < 1:
+            raise KvchatError(f"recheck_mass must be in (0, 1), not {self.recheck_mass}")
+        if self.max_rechecks < 0:
+            raise KvchatError(f"max_rechecks must be a count of decoded tokens, not {self.max_rechecks}")
+
+    def calibration_needed(self) -> tuple[str, ...]:
+        return ("watershed",) if self.watershed is None else ()
 
     @property
     def split(self) -> int:
@@ -108,21 +125,6 @@ class RoundAttention(KVPolicy):
             usable = [i for i in cfg.global_layers if i < cfg.n_layers - 1]
             raise KvchatError(f"watershed layer {lw} is a sliding-window layer; choose a global one "
                               f"({', '.join(map(str, usable))})")
-
-    @classmethod
-    def create(cls, engine=None, progress=None, **options) -> "RoundAttention":
-        """`progress(done, total)` hears about the calibration a model without one gets on first use."""
-        policy = cls.construct(**options)
-        if policy.watershed is None:
-            if engine is None:
-                raise KvchatError(f"the {cls.name} KV policy needs a model to calibrate its watershed layer")
-            from kvchat.engine.calibrate.watershed import ensure_calibration
-            from kvchat.storage.fingerprint import model_fingerprint
-
-            policy.watershed = ensure_calibration(engine, model_fingerprint(engine.path), progress).watershed
-        if engine is not None:
-            policy.check_model(engine.model)
-        return policy
 
     @torch.inference_mode()
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],

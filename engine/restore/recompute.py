@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.engine.model.decoder import KVCache, Transformer
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.decoder import Transformer
 
 
 class RecomputeCancelled(Exception):

@@ -1,0 +1,201 @@
+"""`kvchat eval`: recall accuracy on held-out memory chats under a KV policy, or with --text, each policy's fidelity
+on real text (app/bench/evaluate.py and app/bench/fidelity.py measure; this module parses, prints and exits).
+
+Registered on the `kvchat` group by app/bench/commands.py. Every import of torch or the engine is inside the
+command, so `kvchat --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+# engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
+# command then paid for at start, `kvchat --help` and `kvchat sessions` too.
+EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round-adaptive", "round-threshold",
+                 "round-topk"]
+
+
+def register(main: click.Group, model_option, to_device) -> None:
+    """Add `eval` to `main`; `model_option` and `to_device` are the CLI's own (app/cli.py), so a model and a device
+    are resolved and refused as every other command does it."""
+
+    @main.command("eval")
+    @model_option
+    @click.option("--kv-policy", "policy_name", default="full", show_default=True,
+                  type=click.Choice(EVAL_POLICIES),
+                  help="Which KV cache the questions are answered from.")
+    @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
+    @click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
+    @click.option("--min-rounds", default=44, show_default=True, type=click.IntRange(min=2))
+    @click.option("--max-rounds", default=52, show_default=True, type=click.IntRange(min=2))
+    @click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(min=0),
+                  help="Only chats at least this long in the model's tokens.")
+    @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+    @click.option("--watershed", default=None, type=click.IntRange(min=0),
+                  help="Round policies: the watershed layer (default: the model's calibration, made on first use).")
+    @click.option("--r-l", "r_l", default=0.5, show_default=True, type=click.FloatRange(min=0.0, max=1.0),
+                  help="krul: the share of layers merged (at most; the check may accept fewer).")
+    @click.option("--unchecked", is_flag=True,
+                  help="krul: merge the pairs the chat's attention statistics pick, without the model's check.")
+    @click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train", "dev"]),
+                  help="heldout: sentences written from templates training never saw; train: the training templates; "
+                       "dev: a third disjoint set, for choosing between training runs (the values are held-out either "
+                       "way).")
+    @click.option("--samples", default=0, show_default=True, type=click.IntRange(min=0),
+                  help="Also sample this many replies at --temperature with the guard off, and count those that loop "
+                       "or run past the model's reply cap.")
+    @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0.0, max=100.0),
+                  help="Temperature of --samples.")
+    @click.option("--text", "text", is_flag=True,
+                  help="Fidelity on real text instead (any model): every KV policy (or the one --kv-policy names) "
+                       "against the full cache, teacher-forced over the last reply of MT-Bench chats: mean KL, top-1 "
+                       "agreement and perplexity per reply position.")
+    @click.option("--lengths", default="2000,8000,24000", show_default=True,
+                  help="--text: chat lengths in tokens (comma-separated).")
+    @click.option("--positions", default=256, show_default=True, type=click.IntRange(min=2),
+                  help="--text: reply tokens teacher-forced per chat (at most).")
+    @click.option("--option", "given_options", multiple=True, metavar="KEY=VALUE",
+                  help="An option of the policy --kv-policy names (e.g. pool=1 for loopserve); repeatable.")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
+    @click.pass_context
+    def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
+              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json) -> None:
+        """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
+        how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
+        from kvchat.app.chats import calibrating
+        from kvchat.engine.engine import Engine
+        from kvchat.app.bench.evaluate import evaluate, heldout_chats, sample_replies
+        from kvchat.app.session.policies import build_policy
+        from kvchat.errors import KvchatError
+
+        given = _parse_options(given_options)
+        if text:
+            source = click.core.ParameterSource
+            named = ctx.get_parameter_source("policy_name") != source.DEFAULT
+            if given and not named:
+                raise KvchatError("--option needs --kv-policy: options belong to one policy")
+            n_chats = chats if ctx.get_parameter_source("chats") != source.DEFAULT else 2
+            _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device,
+                       lambda name: _policy_options(name, watershed, r_l, unchecked, given), lengths, positions,
+                       as_json, to_device)
+            return
+        if max_rounds < min_rounds:
+            raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
+        engine = Engine(model_path, device=to_device(device))
+        policy = build_policy(policy_name, engine, calibrating,
+                              **_policy_options(policy_name, watershed, r_l, unchecked, given))
+        try:
+            dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
+        except ValueError as exc:
+            raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
+
+        def progress(done: int, total: int) -> None:
+            if not as_json:
+                click.echo(f"\r{done}/{total} chats", nl=False, err=True)
+
+        result = evaluate(engine, policy, dialogues, progress=progress)
+        d = result.as_dict() | ({"options": given} if given else {})
+        if samples:
+            more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
+            d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=None if as_json else (
+                lambda done, total: click.echo(f"\r{done}/{total} sampled replies", nl=False, err=True))).as_dict()
+        if as_json:
+            click.echo(json.dumps(d))
+            return
+        click.echo("", err=True)
+        click.echo(f"model {model_path}  policy {policy_name}  device {result.device}")
+        click.echo(f"accuracy {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over {d['chats']} chats of "
+                   f">= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
+                   f"(mean {d['mean_chat_tokens']:.0f}); {d['tokens_per_second']:.0f} tokens/s")
+        if "merged_layer_fraction" in d:
+            click.echo(f"layers merged: {d['merged_layer_fraction']:.1%} of the model's, on average at a question")
+        for title in ("by_kind", "by_position", "by_distance", "by_stated", "by_asked"):
+            cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in d[title].items())
+            click.echo(f"{title.replace('_', ' ')}: {cells}")
+        oos = d["out_of_scope"]
+        cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in oos["by_kind"].items())
+        click.echo(f"out of scope ({phrasing} phrasing): polite {oos['polite_rate']:.1%} ({oos['polite']}/"
+                   f"{oos['prompts']}); {cells}; longest other reply {oos['longest_other_reply_tokens']} tokens")
+        if "samples" in d:
+            s = d["samples"]
+            click.echo(f"sampled at temperature {s['temperature']}: {s['replies']} replies, {s['looped']} looped, "
+                       f"{s['over_cap']} past the reply cap of {s['reply_cap']} tokens (guard off); longest "
+                       f"{s['longest']} tokens")
+
+
+def _policy_options(name: str, watershed, r_l, unchecked, given: dict | None = None) -> dict:
+    """The options `kvchat eval` passes to policy `name`: its flags', then those given with --option."""
+    if name.startswith("round") or name == "loopserve+round":
+        options = {} if watershed is None else {"watershed": watershed}
+    elif name == "krul":
+        options = {"r_l": r_l, "checked": not unchecked}
+    else:
+        options = {}
+    return options | (given or {})
+
+
+def _parse_options(items: tuple[str, ...]) -> dict:
+    """--option KEY=VALUE pairs -> {key: int, float, bool or str}."""
+    from kvchat.errors import KvchatError
+
+    options: dict = {}
+    for item in items:
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key or not text:
+            raise KvchatError(f"--option takes KEY=VALUE (e.g. pool=1), not {item!r}")
+        options[key] = text.lower() == "true" if text.lower() in ("true", "false") else _number_or_text(text)
+    return options
+
+
+def _number_or_text(text: str) -> int | float | str:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json,
+               to_device) -> None:
+    from kvchat.app.chats import calibrating
+    from kvchat.engine.engine import Engine
+    from kvchat.app.bench.fidelity import text_fidelity
+    from kvchat.app.session.policies import build_policy
+    from kvchat.errors import KvchatError
+
+    try:
+        wanted = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--lengths takes comma-separated token counts, not {lengths!r}") from None
+    if not wanted or min(wanted) < 200:
+        raise KvchatError(f"--lengths needs chat lengths of at least 200 tokens, not {lengths!r}")
+    engine = Engine(model_path, device=to_device(device))
+    makers = {name: (lambda name=name: build_policy(name, engine, calibrating, **options(name)))
+              for name in policy_names}
+    result = text_fidelity(engine, makers, wanted, chats, positions, seed,
+                           progress=None if as_json else lambda what: click.echo(f"\r{what:<70}", nl=False,
+                                                                                  err=True))
+    d = result.as_dict()
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    click.echo("", err=True)
+    click.echo(f"model {model_path}  device {result.device}  {chats} chats per length, up to {positions} reply "
+               f"positions each  ({result.seconds:.0f} s)")
+    for length, why in result.skipped.items():
+        click.echo(f"{length} tokens: skipped, {why}")
+    for length, entry in d["lengths"].items():
+        click.echo(f"{length} tokens (chats of {', '.join(map(str, entry['chat_tokens']))}):")
+        for p in entry["policies"]:
+            if "error" in p:
+                click.echo(f"  {p['policy']:<16} not measured: {p['error']}")
+                continue
+            buckets = "  ".join(f"{k}: {v['mean_kl']:.4f}/{v['top1']:.1%}" for k, v in p["by_position"].items())
+            at = f"@{p['watershed']}" if "watershed" in p else ""
+            if "merged_pairs" in p:
+                at = " " + "/".join(",".join(pairs) or "none" for pairs in p["merged_pairs"])
+            click.echo(f"  {p['policy'] + at:<16} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
+                       f"(full {p['ppl_full']:.3f})  over {p['positions']} positions;  by position {buckets}")

@@ -1,0 +1,336 @@
+"""The children of `kvchat bench` (app/bench/resume.py) that run our engine: the setup child, which stores each
+workload's chat round by round as the app does, and the method children (prefill, kv-load, kv-split, kv-merge and
+policy:NAME), each timing a resume and its answer in a fresh process.
+
+`run_child` is the parent's entry; the rest is how each method prepares its copy of the chat and what it reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kvchat.app.bench.resume_common import RECALL_TOKENS, REPLY_TOKENS, evict_files, load_workload, recall_ok, summarize
+from kvchat.engine.timing import sync
+from kvchat.errors import KvchatError
+
+MERGE_SHARE = 0.5  # kv-merge: r_l, the share of layers merged (at most)
+
+
+def run_child(spec: dict) -> dict:
+    """One child's work: the setup (spec kind "setup") or a method on a stored chat (kind "method")."""
+    return _setup(spec) if spec["kind"] == "setup" else _run_engine(spec)
+
+
+def _engine(spec):
+    from kvchat.engine.engine import Engine
+
+    return Engine(spec["path"], device=spec["device"])
+
+
+def _setup(spec: dict) -> dict:
+    """Build each workload's chat, prefill it once and store every round as the app does (one store per model, so
+    the GGUF file is hashed once)."""
+    from kvchat.app.session.layout import chat_groups
+    from kvchat.app.session.saving import RoundSaver
+    from kvchat.app.session.windows import WindowTrim
+    from kvchat.app.session.writer import KVWriter
+    from kvchat.engine.generate import prefill
+    from kvchat.engine.data.workloads import build_workload
+    from kvchat.storage.db import RoundRow, Store, now
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    t0 = time.perf_counter()
+    engine = _engine(spec)
+    load_s = time.perf_counter() - t0
+    from kvchat.app.bench.floor import matmul_params
+
+    out = Path(spec["out"])
+    store = Store(out / "home")
+    fp = model_fingerprint(Path(engine.path), store)
+    cfg = engine.config
+    result = {"status": "ok", "config": asdict(cfg), "params": matmul_params(cfg), "load_s": load_s,
+              "workloads": {}}
+    for name in spec["workloads"]:
+        wl = build_workload(engine.chat, name, memory=spec["model"] == "embedded", seed=spec["seed"])
+        conv = wl.conversation
+        questions = [wl.new_message] + [r.user for r in wl.recall]
+        longest = max(len(engine.chat.open_round_tokens(conv, q)) for q in questions)
+        info = {"source": wl.source, "tokens": wl.tokens, "rounds": wl.rounds,
+                "new_message_tokens": len(engine.chat.open_round_tokens(conv, wl.new_message)),
+                "n_ctx": wl.tokens + longest + RECALL_TOKENS + 16}
+        result["workloads"][name] = info
+        if info["n_ctx"] > cfg.context_length:
+            info["skipped"] = f"beyond the model's {cfg.context_length:,}-token context"
+            continue
+        spans = engine.chat.round_spans(conv)
+        sid = store.create_session(title=f"bench {name}", model_fingerprint=fp, model_path=engine.path,
+                                   system_prompt=conv.system)
+        cache = engine.new_cache(wl.tokens + 8)
+        prefill(engine.model, cache, [t for s in spans for t in s])
+        writer, start, rows = KVWriter(store, fp), 0, []
+        for i, (r, span) in enumerate(zip(conv.rounds, spans)):
+            rows.append(RoundRow(i, r.user, r.assistant or "", start, start + len(span), now()))
+            store.add_round(sid, rows[-1])
+            start += len(span)
+        # every round saved as the app saves one: its layer groups, sliding-window layers trimmed to what the
+        # chat's end still reads
+        RoundSaver(store, writer, sid, cfg, chat_groups(engine, None), WindowTrim(cfg)).store_all(cache, rows)
+        writer.drain()
+        if writer.errors:
+            raise KvchatError(f"storing the {name} chat failed: {writer.errors[0]}")
+        segs = store.segments(sid)
+        info.update(kv_raw_bytes=sum(s["raw_size"] for s in segs), kv_disk_bytes=sum(s["byte_size"] for s in segs),
+                    sid=sid, path=str(out / f"{name}.json"))
+        (out / f"{name}.json").write_text(json.dumps({
+            "name": name, "system": conv.system, "rounds": [[r.user, r.assistant] for r in conv.rounds],
+            "new_message": wl.new_message, "expected_reply": wl.expected_reply,
+            "recall": [[r.user, r.assistant] for r in wl.recall], "tokens": wl.tokens, "sid": sid,
+            "n_ctx": info["n_ctx"], "kv_disk_bytes": info["kv_disk_bytes"], "home": str(out / "home")}))
+        del cache
+    return result
+
+
+def _chat_files(home: Path) -> list[Path]:
+    """The store's database and segment files: what resuming a chat reads."""
+    return [p for p in home.rglob("*") if p.is_file()]
+
+
+def _warm_up(engine) -> None:
+    """One short prefill and decode: kernels, allocator and (on CUDA) graph capture paths are ready before timing."""
+    from kvchat.engine.generate import generate
+
+    prompt = engine.encode_prompt("Hello there, how are you today?")
+    generate(engine.model, engine.new_cache(64), prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=4)
+    sync(engine.device)
+
+
+def _run_engine(spec: dict) -> dict:
+    """prefill, kv-load or policy:NAME: the cold run, then the repeats, then (memory chats) the recall questions."""
+    import torch
+
+    from kvchat.app.session.chat import ChatSession
+    from kvchat.engine.text.chat_format import Conversation, Round
+    from kvchat.engine.generate import generate, prefill
+    from kvchat.engine.policies import make_policy
+    from kvchat.storage.db import Store
+
+    from kvchat.engine.kv.tiered import TieredKV
+
+    method = spec["method"]
+    os.environ["KVCHAT_HOME"] = load_workload(spec["workload"])["home"]  # the profile is kept with the bench's store
+    engine = _engine(spec)
+    policy = _policy(method, engine) if method.startswith("policy:") else None
+    tiered = policy is not None and policy.tiered
+    wl = load_workload(spec["workload"])
+    conv, chat, model = wl["conversation"], engine.chat, engine.model
+    store = Store(Path(wl["home"]))
+    sid, planner, split = wl["sid"], None, {}
+    if method == "kv-split":
+        sid, planner, split = _compacted_copy(store, engine, wl["sid"])
+    elif method == "kv-merge":
+        sid, split = _merged_copy(store, engine, wl["sid"], spec["model"])
+    _warm_up(engine)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+
+    def resume():
+        """The cache holding the chat, its closed rounds, and where each round starts."""
+        if method == "prefill":  # the chat's text from the store, as the app keeps it, read again from scratch
+            text = Conversation([Round(r.user_text, r.assistant_text) for r in store.rounds(wl["sid"])],
+                                store.session(wl["sid"])["system_prompt"])
+            tokens = chat.conversation_tokens(text)
+            cache = engine.new_cache(len(tokens) + 256)
+            prefill(model, cache, tokens)
+            return cache, text, None
+        session = ChatSession(store, engine, sid, policy=policy if tiered else None, planner=planner)
+        stats = session.restore()
+        if stats.tokens_recomputed:
+            raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
+        restores.append(stats)
+        sessions.append(session)  # a tiered cache still reads upper layers through it: closed after the answer
+        return session.cache, session.conversation(), [r.token_start for r in session.rounds]
+
+    def answer(cache, closed, starts, text, max_tokens):
+        prompt = chat.open_round_tokens(closed, text)
+        # the history's tokens are not at hand here, which only krul needs (not a bench method)
+        view = (policy.for_message(model, cache, starts, [], prompt) if policy is not None and not tiered
+                else contextlib.nullcontext())
+        answering = sessions[-1].answering() if sessions else contextlib.nullcontext()  # as ChatSession.send answers
+        with view as attend, answering:
+            return generate(model, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                            stop_tokens=engine.tokenizer.eog_ids, stop_strings=chat.stop_strings, attend=attend,
+                            policy=policy)
+
+    sessions: list[ChatSession] = []
+    restores = []  # each ChatSession restore's stats, in order
+
+    def close_sessions():
+        for session in sessions:
+            session.close()
+        sessions.clear()
+
+    if tiered:  # the chat stored as the round policy stores it: a lower and an upper segment per round
+        split_stored_rounds(store, engine, wl["sid"], policy)
+
+    # One untimed resume and answer first: the process's first run of this chat's shapes (kernel choices, the
+    # allocator growing: 50-70 ms at 2k on the H200) is paid here, so the cold run measures what it is meant to, the
+    # chat's files coming from the disk. Its time is kept apart.
+    sync(engine.device)
+    t0 = time.perf_counter()
+    cache, closed, starts = resume()
+    first_use_s = time.perf_counter() - t0 + answer(cache, closed, starts, wl["new_message"], 1).first_token_seconds
+    close_sessions()
+    del cache
+    runs = []
+    for run in range(1 + spec["repeats"]):
+        dropped = evict_files(_chat_files(Path(wl["home"]))) if run == 0 else None
+        sync(engine.device)
+        t0 = time.perf_counter()
+        cache, closed, starts = resume()
+        t1 = time.perf_counter()
+        out = answer(cache, closed, starts, wl["new_message"], REPLY_TOKENS)
+        runs.append({"ttft_s": t1 - t0 + out.first_token_seconds, "resume_s": t1 - t0, "tokens": out.tokens,
+                     "message_ttft_s": out.first_token_seconds, "decode_setup_s": out.decode_setup_seconds,
+                     "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
+                     **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
+                     **(_stream_figures(restores[-1]) if method == "kv-split" else {})})
+        close_sessions()
+        del cache
+    result = summarize(runs, wl, engine.device)
+    result["ttft_first_use_s"] = first_use_s
+    result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
+    if method == "kv-split":
+        result.update(split)
+        result["split_cold"] = {k: runs[0][k] for k in runs[0] if k.startswith("split_")}
+        warm = runs[1:] or runs
+        for key in warm[0]:
+            if key.startswith("split_") and isinstance(warm[0][key], (int, float)):
+                result[key] = statistics.median(r[key] for r in warm)
+        result["split_plan"] = warm[-1]["split_plan"]
+    if tiered:
+        warm = runs[1:] or runs
+        for key in warm[0]:
+            if key.startswith("tiered_"):
+                result[key] = statistics.median(r[key] for r in warm)
+        # The message sent once the background read of the upper layers is done (the user typed for a few seconds
+        # after opening the chat): the picked rounds come from host memory.
+        cache, closed, starts = resume()
+        sessions[-1].wait_for_upper()
+        out = answer(cache, closed, starts, wl["new_message"], REPLY_TOKENS)
+        result["tiered_message_ttft_after_prefetch_s"] = out.first_token_seconds
+        close_sessions()
+    if wl["expected_reply"] is not None:
+        cache, closed, starts = resume()
+        base, correct = cache.length, 0
+        asked = [(wl["new_message"], wl["expected_reply"])] + [(r.user, r.assistant) for r in wl["recall"]]
+        for user, expected in asked:
+            got = answer(cache, closed, starts, user, RECALL_TOKENS).text
+            correct += recall_ok(got, expected)
+            cache.truncate(base)
+        result["recall"] = {"correct": correct, "questions": len(asked), "accuracy": correct / len(asked)}
+        close_sessions()
+    if method == "kv-merge":
+        result.update(split)
+    result["bytes_on_disk"] = 0 if method == "prefill" else split.get(
+        "split_disk_bytes", split.get("merge_disk_bytes", wl["kv_disk_bytes"]))
+    result["bytes_per_token"] = result["bytes_on_disk"] / wl["tokens"]
+    if engine.device.type == "cuda":
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+    return result
+
+
+def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:
+    """kv-split's chat: the stored chat forked (sharing its files) and compacted for this machine's profile
+    (measured here once per model and kept in the bench's store), and the planner of that profile."""
+    from kvchat.app.session.compaction import compact_session
+    from kvchat.app.session.profile import ensure_profile, profile_planner
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    t0 = time.perf_counter()
+    profile = ensure_profile(engine, model_fingerprint(Path(engine.path), store))
+    profile_s = time.perf_counter() - t0
+    fork = store.fork_session(sid, len(store.rounds(sid)), "kv-split")
+    report = compact_session(store, fork, profile)
+    return fork, profile_planner(profile), {
+        "split_disk_bytes": report.bytes_left, "split_compacted_rounds": len(report.rounds),
+        "split_compacted_prefix": list(report.prefix), "split_profile_s": profile_s,
+        "split_profile": profile.to_dict()}
+
+
+def _merged_copy(store, engine, sid: str, model: str) -> tuple[str, dict]:
+    """kv-merge's chat: the stored chat forked and stored again with layer pairs merged (kvchat merge)."""
+    from kvchat.app.session.chat import ChatSession
+    from kvchat.app.session.merges import ChatMerges
+    from kvchat.engine.train.synthetic import SHAPES
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    t0 = time.perf_counter()
+    fork = store.fork_session(sid, len(store.rounds(sid)), "kv-merge")
+    checked = model not in SHAPES
+    # Random weights attend almost uniformly, so no layer shows Krul's I-R pattern and the statistics only rank
+    # pairs (gamma 0): the figures are of speed and bytes, at the share asked for.
+    merges = ChatMerges(store, fork, engine, model_fingerprint(Path(engine.path), store), MERGE_SHARE,
+                        checked=checked, **({} if checked else {"gamma": 0.0}))
+    session = ChatSession(store, engine, fork, merges=merges)
+    session.restore()
+    merged = session.store_merged()
+    session.close()
+    if session.writer.errors:
+        raise KvchatError(f"storing the merged chat failed: {session.writer.errors[0]}")
+    return fork, {"merge_disk_bytes": sum(s["byte_size"] for s in store.segments(fork)), "merge_rounds": merged,
+                  "merge_pairs": [str(p) for p in merges.pairs()], "merge_checked": checked,
+                  "merge_share": MERGE_SHARE, "merge_s": time.perf_counter() - t0}
+
+
+def _stream_figures(stats) -> dict:
+    """What each stream of a planned restore did (kv-split)."""
+    return {"split_tokens_planned": stats.tokens_planned, "split_tokens_loaded": stats.tokens_loaded,
+            "split_compute_ms": stats.compute_ms, "split_compute_launch_ms": stats.compute_launch_ms,
+            "split_load_ms": stats.load_ms, "split_gap_ms": stats.gap_ms,
+            "split_restore_ms": stats.restore_ms, "split_predicted_ms": stats.predicted_ms or 0.0,
+            "split_plan": stats.plan, **{f"split_phase_{k}_ms": v for k, v in stats.phases_ms.items()}}
+
+
+def _policy(method: str, engine):
+    """policy:NAME or policy:NAME@W (W: the watershed layer, instead of calibrating the model)."""
+    from kvchat.app.session.policies import build_policy
+    from kvchat.engine.policies import make_policy
+
+    name, _, watershed = method.split(":", 1)[1].partition("@")
+    if not watershed:
+        return build_policy(name, engine)  # the model's calibration, made on first use
+    if not watershed.isdigit():
+        raise KvchatError(f"{method}: the watershed layer after @ must be a layer number")
+    return make_policy(name, engine, watershed=int(watershed))
+
+
+def split_stored_rounds(store, engine, sid: str, policy) -> None:
+    """Store every round of the chat as the round policy does (a lower and an upper segment)."""
+    from kvchat.app.session.chat import ChatSession
+
+    session = ChatSession(store, engine, sid, policy=policy)
+    session.restore()
+    session.store_tiers()
+    session.close()
+
+
+def _tiered_figures(cache, out) -> dict:
+    """What Round Attention kept and cost for the answer: TTFT shares, transfer, device K/V against the full cache."""
+    st = cache.stats
+    ttft_ms = 1000 * out.first_token_seconds
+    return {"tiered_select_ms": st.select_ms, "tiered_transfer_ms": st.transfer_ms,
+            "tiered_decode_select_ms": st.decode_select_ms,
+            "tiered_transfer_mib": st.transfer_bytes / 2**20, "tiered_prefill_ms": ttft_ms,
+            "tiered_prompt_transfer_ms": st.prompt_transfer_ms,
+            # what delays the first token: selection and the prompt's transfer (not rounds brought in while decoding)
+            "tiered_overhead_share": (st.select_ms + st.prompt_transfer_ms) / ttft_ms if ttft_ms else 0.0,
+            "tiered_rounds": st.rounds, "tiered_chosen": len(st.chosen), "tiered_added": len(st.added),
+            "tiered_rechecks": st.rechecks, "tiered_recheck_ms": st.recheck_ms, "tiered_found": len(st.found),
+            "tiered_device_kv_mib": cache.device_bytes() / 2**20, "tiered_full_kv_mib": cache.full_bytes() / 2**20,
+            "tiered_kv_fraction": cache.device_bytes() / cache.full_bytes()}

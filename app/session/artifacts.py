@@ -1,0 +1,139 @@
+"""Every per-model file kvchat keeps under $KVCHAT_HOME, in one place: where it lives, how it is read back and how
+it is written (atomically: a reader never sees half a file).
+
+- the watershed calibration (engine.calibrate.watershed.Calibration): calibrations/<fingerprint>.json;
+- the model's check of its merge pairs (engine.calibrate.merge_check.MergeCalibration):
+  calibrations/<fingerprint>.merges.json;
+- this machine's hardware profile of a model on a device (engine.restore.plan.HardwareProfile):
+  profiles/<fingerprint[:16]>-<device kind>-<hash of the device's name>.json.
+
+What is measured lives in engine/calibrate/ and app/session/profile.py; when it is measured (a model's first use) is
+app/session/policies.py and profile.py. A file of an older version is measured again rather than trusted; a corrupt
+calibration, or one of another model, is a one-line error naming the file (a profile is measured again instead,
+with the reason, since measuring it takes seconds, not minutes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from kvchat.engine.calibrate.merge_check import MERGE_CALIBRATION_VERSION, MergeCalibration
+from kvchat.engine.calibrate.watershed import CALIBRATION_VERSION, Calibration
+from kvchat.engine.restore.plan import HardwareProfile
+from kvchat.errors import KvchatError
+from kvchat.paths import data_dir, write_json_atomically
+
+# ---------------------------------------------------------------- the watershed calibration
+
+
+def calibration_path(fingerprint: str) -> Path:
+    return data_dir() / "calibrations" / f"{fingerprint}.json"
+
+
+def save_calibration(cal: Calibration) -> Path:
+    """Write atomically (temporary file, fsync, rename) so a reader never sees half a file."""
+    return write_json_atomically(calibration_path(cal.fingerprint), cal.to_dict(), "calibration")
+
+
+def load_calibration(fingerprint: str, n_layers: int | None = None) -> Calibration | None:
+    """The stored calibration of this model, or None when there is none (or it is of an older calibration version,
+    which is recalibrated rather than trusted). A corrupt file, or one for another model, is an error."""
+    path = calibration_path(fingerprint)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise KvchatError(f"cannot read the calibration {path}: {exc}") from None
+    try:
+        raw = json.loads(text)
+        if raw.get("version") != CALIBRATION_VERSION:
+            return None
+        cal = Calibration.from_dict(raw)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise KvchatError(f"the calibration {path} is corrupt ({exc}); delete it or run `kvchat calibrate`") from None
+    if cal.fingerprint != fingerprint:
+        raise KvchatError(f"the calibration {path} belongs to another model ({cal.fingerprint[:12]}); "
+                          f"delete it or run `kvchat calibrate`")
+    if n_layers is not None and cal.n_layers != n_layers:
+        raise KvchatError(f"the calibration {path} is for a model of {cal.n_layers} layers, not {n_layers}; "
+                          f"delete it or run `kvchat calibrate`")
+    return cal
+
+
+# ---------------------------------------------------------------- the merge check
+
+
+def merge_calibration_path(fingerprint: str) -> Path:
+    return data_dir() / "calibrations" / f"{fingerprint}.merges.json"
+
+
+def save_merge_calibration(cal: MergeCalibration) -> Path:
+    return write_json_atomically(merge_calibration_path(cal.fingerprint), cal.to_dict(), "merge calibration")
+
+
+def load_merge_calibration(fingerprint: str, n_layers: int) -> MergeCalibration | None:
+    """The stored check of this model's pairs; None when there is none or it is of an older version. A corrupt
+    file or one of another model is an error naming the file."""
+    path = merge_calibration_path(fingerprint)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise KvchatError(f"the merge calibration {path} is corrupt ({exc}); delete it or run "
+                          f"`kvchat calibrate`") from None
+    try:
+        if raw.get("version") != MERGE_CALIBRATION_VERSION:
+            return None
+        cal = MergeCalibration.from_dict(raw)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise KvchatError(f"the merge calibration {path} is corrupt ({exc}); delete it or run "
+                          f"`kvchat calibrate`") from None
+    if cal.fingerprint != fingerprint or cal.n_layers != n_layers:
+        raise KvchatError(f"the merge calibration {path} belongs to another model; delete it or run "
+                          f"`kvchat calibrate`")
+    return cal
+
+
+# ---------------------------------------------------------------- the hardware profile
+
+
+def profile_path(fingerprint: str, device: str) -> Path:
+    slug = "".join(c if c.isalnum() else "-" for c in device.split(" ")[0])
+    return data_dir() / "profiles" / f"{fingerprint[:16]}-{slug}-{hashlib.sha256(device.encode()).hexdigest()[:8]}.json"
+
+
+def load_profile(fingerprint: str, device: str, n_layers: int | None = None
+                 ) -> tuple[HardwareProfile | None, str | None]:
+    """The stored profile, or None and why it must be measured again (None when there simply is none)."""
+    path = profile_path(fingerprint, device)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"the profile {path} cannot be read ({exc.strerror or exc})"
+    try:
+        profile = HardwareProfile.from_dict(json.loads(text))
+    except (ValueError, TypeError) as exc:
+        return None, f"the profile {path.name} is corrupt or from another version ({str(exc)[:80]})"
+    if profile.fingerprint != fingerprint or n_layers not in (None, profile.n_layers):
+        return None, f"the profile {path.name} belongs to another model"
+    if profile.device != device:
+        return None, f"the profile {path.name} was measured on another device ({profile.device})"
+    return profile, None
+
+
+def save_profile(profile: HardwareProfile) -> Path:
+    """Atomically (temp file, fsync, rename): a reader never sees half a profile."""
+    return write_json_atomically(profile_path(profile.fingerprint, profile.device), profile.to_dict(),
+                                 "hardware profile")
+
+
+def probe_folder(name: str) -> Path:
+    """A scratch folder beside the profiles, where measuring one writes and reads back real K/V files (the same
+    disk the chats' files are on)."""
+    return data_dir() / "profiles" / name

@@ -1,0 +1,89 @@
+"""Building a KV policy for a model, with what its calibration gives: the one place policies meet the files.
+
+engine.policies are pure (their parameters and their hooks); a round policy needs the model's watershed layer and a
+checked Krul policy the model's checked layer pairs. `build_policy` hands them in: read from $KVCHAT_HOME
+(app/session/artifacts.py) or, on the model's first use, measured now (engine/calibrate/, seconds to minutes,
+reported to `progress(done, total)`) and stored for every later use. `chat_policy` is what a chat runs under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from kvchat.app.session.artifacts import (load_calibration, load_merge_calibration, save_calibration,
+                                          save_merge_calibration)
+from kvchat.engine.calibrate.merge_check import MergeCalibration, calibrate_merges, default_check_chats
+from kvchat.engine.calibrate.watershed import DEFAULT_CHATS, Calibration, calibrate
+from kvchat.engine.policies import KVPolicy, chat_policy_class, policy_class
+from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
+from kvchat.errors import KvchatError
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+# Why a policy that lacks a calibrated parameter cannot be built without a model to calibrate.
+NEEDS_A_MODEL = {
+    "watershed": "the {name} KV policy needs a model to calibrate its watershed layer",
+    "pairs": "the checked {name} KV policy needs a model to check its layer pairs on",
+}
+
+
+def ensure_calibration(engine, fingerprint: str, progress: Progress | None = None,
+                       chats: int = DEFAULT_CHATS) -> Calibration:
+    """The model's stored calibration; on its first use, calibrate now (reporting progress per chat) and store it."""
+    cal = load_calibration(fingerprint, engine.config.n_layers)
+    if cal is None:
+        cal = calibrate(engine, fingerprint, chats=chats, progress=progress)
+        save_calibration(cal)
+    return cal
+
+
+def ensure_merge_calibration(engine, fingerprint: str, progress: Progress | None = None,
+                             chats: int | None = None) -> MergeCalibration:
+    """The model's stored check of its merge pairs; on its first use, checked now (progress per pair) and stored."""
+    cal = load_merge_calibration(fingerprint, engine.config.n_layers)
+    if cal is None:
+        cal = calibrate_merges(engine, fingerprint, chats or default_check_chats(engine), progress=progress)
+        save_merge_calibration(cal)
+    return cal
+
+
+def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None):
+    """The value of the calibrated parameter `option` for the engine's model."""
+    if option == "watershed":
+        return ensure_calibration(engine, fingerprint, progress).watershed
+    if option == "pairs":
+        return ensure_merge_calibration(engine, fingerprint, progress).pairs
+    raise ValueError(f"no calibration gives a policy's {option!r}")
+
+
+def build_policy(name: str, engine=None, progress: Progress | None = None, **options) -> KVPolicy:
+    """The policy `name` with `options` for `engine`'s model, its calibrated parameters (a round policy's watershed
+    layer, a checked Krul's pairs) handed in unless `options` give them; `progress(done, total)` hears about any
+    calibration the model gets first."""
+    # The options are checked before any calibration: a bad one is refused at once, not after minutes of measuring.
+    policy = policy_class(name).construct(**options)
+    missing = policy.calibration_needed()
+    if missing:
+        if engine is None:
+            raise KvchatError(NEEDS_A_MODEL[missing[0]].format(name=name))
+        from kvchat.storage.fingerprint import model_fingerprint
+
+        fingerprint = model_fingerprint(Path(engine.path))
+        policy = replace(policy, **{option: _calibrated(option, engine, fingerprint, progress) for option in missing})
+    if engine is not None:
+        policy.check_model(engine.model)
+    return policy
+
+
+def chat_policy(name: str, engine=None, progress: Progress | None = None) -> KVPolicy | None:
+    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy) or
+    `loopserve`."""
+    if chat_policy_class(name) is None:
+        return None
+    if name == "loopserve":
+        # A chat's prefill goes sparse only from where the kernel measured faster (a whole prefill never has yet:
+        # docs/benchmarks.md, "LoopServe"); its reply always reads a progressively chosen budget.
+        return build_policy(name, engine, progress, min_keys=DEFAULT_MIN_KEYS)
+    return build_policy(name, engine, progress)

@@ -1,0 +1,141 @@
+"""Sending a message and streaming the reply, as a part of the main screen: the reply is generated in a thread
+worker that streams its pieces back to the screen; Escape stops it, ctrl+r writes the last reply again. A first
+message creates its chat."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual import work
+
+from kvchat.app.session.service import ChatStats
+from kvchat.engine.reply_guard import STOP_NOTES
+from kvchat.app.tui.chat_view import ReplyView
+from kvchat.app.tui.composer import Composer
+from kvchat.app.tui.status_bar import LastReply
+from kvchat.app.tui.worker_messages import describe
+from kvchat.errors import KvchatError
+
+
+@dataclass(eq=False)
+class Generation:
+    """One reply being generated. `sid` is None until the worker has created the chat of a first message."""
+
+    sid: str | None
+    view: ReplyView | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False  # the user switched away: the reply is saved but no longer shown
+
+
+class ChatReplying:
+    """The reply flow of `ChatScreen` (a mixin: it uses the screen's parts, state, `_later` and `_report`)."""
+
+    async def on_composer_submitted(self, event: Composer.Submitted) -> None:
+        if self.generation is not None:
+            self.notify("A reply is being generated: wait for it, or press Escape to stop it.",
+                        severity="warning")
+            return
+        gen = self.generation = Generation(self.open_sid)
+        gen.view = await self.chat_view.add_exchange(event.text)
+        self.composer.accept(event.text)
+        self.status_bar.set_activity("generating…")
+        self._send_worker(gen, event.text, False, self._model_for_new_chats_or_none())
+
+    def _model_for_new_chats_or_none(self) -> Path | None:
+        if self.open_sid is not None:
+            return None
+        try:
+            return self._model_for_new_chats()
+        except KvchatError as exc:
+            self._error(str(exc))
+            return None
+
+    @work(thread=True, exit_on_error=False, group="generate")
+    def _send_worker(self, gen: Generation, text: str, regenerate: bool, model: Path | None) -> None:
+        prefs = self.app.preferences
+        try:
+            if gen.sid is None:
+                if model is None:
+                    raise KvchatError("there is no model to start a chat with; choose one in the settings (F9)")
+                gen.sid = self.backend.create_chat(model, system_prompt=self.new_chat_system_prompt)
+                self._later(self._chat_created, gen)
+            reply = self.backend.send(gen.sid, text, max_tokens=prefs.max_tokens, sampling=prefs.sampling,
+                                      on_token=lambda _tok, piece: self._later(self._streamed, gen, piece),
+                                      cancel=gen.cancel, regenerate=regenerate, kv_policy=prefs.kv_policy,
+                                      calibrating=self._calibrating("generating…"), guard=prefs.guard)
+        except Exception as exc:  # noqa: BLE001
+            self._later(self._reply_failed, gen, text, describe(exc))
+            return
+        self._later(self._reply_done, gen, reply)
+        try:  # the round's K/V goes to disk in the background; then the status bar shows its size
+            problems = self.backend.drain()
+            self._later(self._kv_saved, gen.sid, self.backend.chat_stats(gen.sid), problems)
+        except Exception as exc:  # noqa: BLE001
+            self._report(exc, "Cannot save the chat's KV")
+
+    def _chat_created(self, gen: Generation) -> None:
+        self.new_chat_system_prompt = None
+        if not gen.abandoned and self.open_sid is None:
+            self.open_sid = gen.sid
+        self._refresh_chats()
+
+    async def _streamed(self, gen: Generation, piece: str) -> None:
+        if not gen.abandoned and gen.view is not None and gen.view.is_attached:
+            await gen.view.append(piece)
+
+    async def _reply_done(self, gen: Generation, reply) -> None:
+        if self.generation is gen:
+            self.generation = None
+        result = reply.result
+        self.last_replies[gen.sid] = LastReply(result.decode_tokens_per_second, 1000 * result.first_token_seconds)
+        if gen.sid == self.open_sid:
+            self.status_bar.set_activity("saving KV…")
+            if gen.view is not None and gen.view.is_attached:
+                note = STOP_NOTES.get(result.stop_reason, "")
+                await gen.view.finish(reply.round.assistant_text, note)
+            else:  # the view was replaced meanwhile (switched away and back): show the stored rounds
+                self._reload_transcript(gen.sid)
+        self._refresh_chats()
+
+    def _kv_saved(self, sid: str, stats: ChatStats, problems: list[str]) -> None:
+        for problem in problems:
+            self.notify(f"KV not saved ({problem}); it will be recomputed when the chat is opened",
+                        severity="warning")
+        if sid == self.open_sid and self.generation is None:
+            self.status_bar.set_activity("")
+            self.status_bar.set_chat(stats, self.last_replies.get(sid))
+        self._refresh_chats()
+
+    async def _reply_failed(self, gen: Generation, text: str, why: str) -> None:
+        if self.generation is gen:
+            self.generation = None
+        self._error(why, "No reply")
+        if gen.sid is not None and gen.sid == self.open_sid:
+            self.status_bar.set_activity("")
+            self._reload_transcript(gen.sid)  # show what the store holds, nothing more
+        elif gen.sid is None and self.open_sid is None:
+            await self.chat_view.show_welcome()
+        if not gen.abandoned and text and not self.composer.text.strip():
+            self.composer.load_text(text)  # the message is not lost
+
+    def action_stop(self) -> None:
+        gen = self.generation
+        if gen is not None and not gen.cancel.is_set():
+            gen.cancel.set()
+            self.status_bar.set_activity("stopping…")
+
+    async def action_regenerate(self) -> None:
+        if self.generation is not None:
+            self.notify("A reply is being generated: wait for it, or press Escape to stop it.",
+                        severity="warning")
+            return
+        if self.open_sid is None:
+            self.notify("No chat is open.", severity="warning")
+            return
+        gen = self.generation = Generation(self.open_sid)
+        await self.chat_view.drop_last_reply()
+        gen.view = await self.chat_view.add_reply()
+        self.status_bar.set_activity("generating…")
+        self._send_worker(gen, "", True, None)
