@@ -27,6 +27,7 @@ from kvchat.app.bench.loopserve import CHUNK, POOL, chat_tokens
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
+from kvchat.engine.timing import sync
 
 
 def select_per_layer(self: ProgressiveDecode) -> None:
@@ -70,10 +71,6 @@ def main() -> None:
     engine = Engine(args.model or model_file(Path(args.cache_dir), args.shape), device=args.device)
     model, device = engine.model, engine.device
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for context in [int(c) for c in args.context.split(",")]:
         tokens = chat_tokens(engine, context)
         capacity = context + args.tokens + 2
@@ -88,7 +85,7 @@ def main() -> None:
                 cache.length = context
                 step = make_step()
                 token = 1
-                sync()
+                sync(device)
                 t0 = time.perf_counter()
                 for _ in range(args.tokens):
                     token = int(torch.argmax(step(token)))
@@ -104,10 +101,10 @@ def main() -> None:
                 token = int(torch.argmax(step(token)))
             times = []
             for _ in range(args.repeats + 2):
-                sync()
+                sync(device)
                 t0 = time.perf_counter()
                 choose(step)
-                sync()
+                sync(device)
                 times.append(time.perf_counter() - t0)
             return 1000 * statistics.median(times[1:])
 
