@@ -3,14 +3,14 @@
 A prefill of T new tokens (cache slots [start, start + T)) over N = start + T keys computes, per query head, only
 the attention entries on the head's chosen lines: vertical lines (key slots every later query reads, a separator, a
 fact) and slash lines (a fixed distance between query and key: the local band, a repeated span). Which lines, is
-chosen online per head by engine.sparse_prefill from a few sampled query rows.
+chosen online per head by engine.policies.sparse_prefill from a few sampled query rows.
 
 How the lines become work, per head h and query block m (BLOCK query rows):
 
 * A slash at distance d crosses query block m in key blocks m + floor((start - d) / BLOCK) and the one after: the
   same two *block diagonals* (key block - query block) for every m. Slashes are therefore kept as block diagonals
-  (`slash_diagonals`; engine.sparse_prefill chooses diagonals directly, since a diagonal is the unit of work), and
-  every key block on a chosen one is computed whole (a superset of the slashes: never less accurate). The
+  (`slash_diagonals`; engine.policies.sparse_prefill chooses diagonals directly, since a diagonal is the unit of work),
+  and every key block on a chosen one is computed whole (a superset of the slashes: never less accurate). The
   diagonals holding each row's own slot are always there, so every row sees at least itself.
 * Vertical lines are gathered key slots, BLOCK at a time, skipping those a computed block already covers (the
   block mask says which) and those after a row (causality).

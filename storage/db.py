@@ -36,7 +36,7 @@ def now() -> str:
 # the per-dimension min and max of the keys: [layers, 2, Hkv, blocks, D]).
 SEGMENT_KV = "kv"
 SEGMENT_KEY_BOUNDS = "key-bounds"
-# Two layers' K/V of a round merged into one (engine.cross_layer; [2, 2, Hkv, tokens + retained, D]): the row's
+# Two layers' K/V of a round merged into one (engine.kv.cross_layer; [2, 2, Hkv, tokens + retained, D]): the row's
 # layer range runs from the lower layer to the higher one, and only those two are in it. The round's K/V segment
 # holds those layers as zeros and names the pair in its `merged` column.
 SEGMENT_MERGED = "merged"
@@ -387,7 +387,7 @@ class Store:
         return self.unreferenced(sorted(set(files)))
 
     def layer_stats(self, sid: str) -> dict | None:
-        """The chat's attention statistics (engine.layer_stats.LayerStats as a dict), or None."""
+        """The chat's attention statistics (engine.policies.layer_stats.LayerStats as a dict), or None."""
         rows = self._fetch("SELECT stats FROM layer_stats WHERE session_id = ?", [sid])
         return json.loads(rows[0][0]) if rows else None
 

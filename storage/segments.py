@@ -12,7 +12,7 @@ way of reading it wrong is reported as a StorageError subclass, and the caller r
 
 A segment of kind "key-bounds" holds a round's key bounds instead of its K/V, in the same format with blocks of tokens
 in place of tokens ([layers, 2 (min, max), Hkv, blocks, D]); the header does not record the kind, the database row does.
-A segment of kind "merged" holds two layers' K/V merged (engine.cross_layer: [2, 2, Hkv, tokens + retained, D]); its
+A segment of kind "merged" holds two layers' K/V merged (engine.kv.cross_layer: [2, 2, Hkv, tokens + retained, D]); its
 layer range runs from the lower layer to the higher one.
 """
 

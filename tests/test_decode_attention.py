@@ -1,5 +1,5 @@
 """The split-KV decode attention kernel (kernels.decode_attention) against its torch definition, and the decode
-steps built on it (engine.cuda_graph, the tiered cache's replays) against eager decoding.
+steps built on it (engine.model.cuda_graph, the tiered cache's replays) against eager decoding.
 
 As for kernels.round_scores, the Triton kernel runs on the CPU only in triton's interpreter: the `interpreted`
 tests skip themselves in the ordinary run and `test_the_kernel_in_triton_s_interpreter` runs them in a child pytest

@@ -1,4 +1,4 @@
-"""Key bounds (engine.key_bounds): per-block key minima and maxima that bound any query's score, and the per-round
+"""Key bounds (engine.kv.key_bounds): per-block key minima and maxima that bound any query's score, and the per-round
 attention share a recheck estimates from them."""
 
 from __future__ import annotations

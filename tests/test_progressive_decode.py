@@ -1,4 +1,4 @@
-"""LoopServe's progressive decode-time selection (engine.progressive_decode) and the `loopserve` policies."""
+"""LoopServe's progressive decode-time selection (engine.policies.progressive_decode) and the `loopserve` policies."""
 
 from __future__ import annotations
 

@@ -4,10 +4,14 @@ the `kvchat` name in site-packages."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+from import_contract import TOP_FOLDERS, violations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,24 +75,33 @@ def test_commands_that_need_no_model_do_not_import_torch():
 
 # --- the import contract (tests/import_contract.py; docs/architecture.md draws it) ---
 
-import shutil  # noqa: E402
-
-import pytest  # noqa: E402
-from import_contract import TOP_FOLDERS, violations  # noqa: E402
-
 
 def test_the_import_contract_holds():
     assert violations(ROOT) == []
 
 
-def _copy_of_the_package(tmp_path: Path) -> Path:
-    copy = tmp_path / "kvchat"
+@pytest.fixture(scope="module")
+def package_copy(tmp_path_factory) -> Path:
+    """A copy of the package's modules, made once; each test adds an import to one file and puts it back."""
+    copy = tmp_path_factory.mktemp("contract") / "kvchat"
     copy.mkdir()
     for path in ROOT.glob("*.py"):
         shutil.copy(path, copy / path.name)
     for folder in TOP_FOLDERS:
         shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("*.gguf", "__pycache__", "*.jsonl"))
     return copy
+
+
+def _violations_with(copy: Path, module: str, added: str) -> list[str]:
+    """The contract's violations once `added` is appended to `module` of the copy (which holds none: the test
+    above checks the same files)."""
+    target = copy / module
+    original = target.read_text()
+    target.write_text(original + added)
+    try:
+        return violations(copy)
+    finally:
+        target.write_text(original)
 
 
 @pytest.mark.parametrize("module, line, rule", [
@@ -105,20 +118,14 @@ def _copy_of_the_package(tmp_path: Path) -> Path:
     ("app/session/chat.py", "from kvchat.app.bench import resume", "only the CLI imports app/bench/"),
     ("app/tui/sidebar.py", "import kvchat.app.bench.plots", "only the CLI imports app/bench/"),
 ])
-def test_the_import_contract_fails_on_a_forbidden_import(tmp_path, module, line, rule):
-    copy = _copy_of_the_package(tmp_path)
-    assert violations(copy) == []
-    target = copy / module
+def test_the_import_contract_fails_on_a_forbidden_import(package_copy, module, line, rule):
     # inside a function too: a lazy import runs all the same
-    target.write_text(target.read_text() + f"\n\ndef _added():\n    {line}\n")
-    found = violations(copy)
+    found = _violations_with(package_copy, module, f"\n\ndef _added():\n    {line}\n")
     assert len(found) == 1 and module in found[0] and rule in found[0], found
 
 
-def test_the_import_contract_fails_on_an_import_cycle(tmp_path):
-    copy = _copy_of_the_package(tmp_path)
-    target = copy / "engine/sampling.py"  # generate imports sampling at module level; now the reverse as well
-    target.write_text(target.read_text() + "\nfrom kvchat.engine import generate  # noqa\n")
-    found = violations(copy)
+def test_the_import_contract_fails_on_an_import_cycle(package_copy):
+    # generate imports sampling at module level; now the reverse as well
+    found = _violations_with(package_copy, "engine/sampling.py", "\nfrom kvchat.engine import generate  # noqa\n")
     assert any(f.startswith("import cycle:") and "kvchat.engine.generate" in f and "kvchat.engine.sampling" in f
                for f in found), found

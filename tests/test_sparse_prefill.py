@@ -1,5 +1,5 @@
 """LoopServe's sparse prefill: the vertical-slash kernel (kernels.sparse_prefill) against its torch definition, the
-index it runs on, the online line selection (engine.sparse_prefill) and the model's prefill through it.
+index it runs on, the online line selection (engine.policies.sparse_prefill) and the model's prefill through it.
 
 As for the other kernels, the Triton kernel runs on the CPU only in triton's interpreter: the `interpreted` tests
 skip themselves in the ordinary run and `test_the_kernel_in_triton_s_interpreter` runs them in a child pytest with

@@ -1,4 +1,4 @@
-"""Tiered KV (engine.tiered_kv): the lower layers of every round on the device, the upper layers of the chosen
+"""Tiered KV (engine.kv.tiered): the lower layers of every round on the device, the upper layers of the chosen
 rounds only, computing exactly what layer-split attention over the same K/V computes."""
 
 from __future__ import annotations

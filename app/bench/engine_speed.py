@@ -1,6 +1,6 @@
 """Engine-level speed figures: load time, prefill and decode tokens/s at given context lengths, peak GPU memory.
 
-Models are random-weight GGUF files shaped like public ones (engine.synthetic.SHAPES), built once and kept in a
+Models are random-weight GGUF files shaped like public ones (engine.train.synthetic.SHAPES), built once and kept in a
 cache folder, so the figures need no download and measure exactly the code a user runs.
 """
 

@@ -1,7 +1,7 @@
 """Fidelity on real text (`kvchat eval --text`): how far each KV policy moves a model's next-token distribution
 from the full cache's, on long chats of real text.
 
-Chats are built from MT-Bench questions and reference answers as `kvchat bench` builds them (engine.workloads), at
+Chats are built from MT-Bench questions and reference answers as `kvchat bench` builds them (engine.data.workloads), at
 a few lengths. Each chat's last reply is teacher-forced: the history is read round by round (a tiered policy's
 cache closes each round, as in a chat), the last round's prompt is prefilled under the policy, and then the
 reply's own tokens are fed one decode step at a time through the policy's decode path (its CUDA graphs, progressive

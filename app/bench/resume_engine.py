@@ -115,12 +115,10 @@ def _run_engine(spec: dict) -> dict:
     import torch
 
     from kvchat.app.session.chat import ChatSession
-    from kvchat.engine.text.chat_format import Conversation, Round
     from kvchat.engine.generate import generate, prefill
-    from kvchat.engine.policies import make_policy
-    from kvchat.storage.db import Store
-
     from kvchat.engine.kv.tiered import TieredKV
+    from kvchat.engine.text.chat_format import Conversation, Round
+    from kvchat.storage.db import Store
 
     method = spec["method"]
     os.environ["KVCHAT_HOME"] = load_workload(spec["workload"])["home"]  # the profile is kept with the bench's store
@@ -128,7 +126,7 @@ def _run_engine(spec: dict) -> dict:
     policy = _policy(method, engine) if method.startswith("policy:") else None
     tiered = policy is not None and policy.tiered
     wl = load_workload(spec["workload"])
-    conv, chat, model = wl["conversation"], engine.chat, engine.model
+    chat, model = engine.chat, engine.model
     store = Store(Path(wl["home"]))
     sid, planner, split = wl["sid"], None, {}
     if method == "kv-split":

@@ -51,9 +51,9 @@ class ChatSession:
                  merges: "ChatMerges | None" = None, ignore_merges: bool = False):
         """`policy`: a tiered KV policy (engine.policies, e.g. "round"), one over the full cache ("loopserve"), or
         None for the full cache.
-        `planner`: chooses what a restore recomputes and what it loads (app.hardware_profile.profile_planner);
+        `planner`: chooses what a restore recomputes and what it loads (app.session.profile.profile_planner);
         None loads everything stored. `compactor`: run on the writer's thread after each round is saved
-        (app.compaction), or None. `trim_windows`: store sliding-window layers only where a later round can
+        (app.session.compaction), or None. `trim_windows`: store sliding-window layers only where a later round can
         still read them (see `live_from`); off, every layer of every token is stored (the bench's comparison)."""
         self.store, self.engine, self.sid = store, engine, sid
         self.planner, self.compactor = planner, compactor

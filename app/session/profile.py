@@ -1,5 +1,5 @@
 """This machine's speeds for restoring a model's chats: measured once per model and device, kept in
-`$KVCHAT_HOME/profiles/` (the file: app/session/artifacts.py), and given to the restore planner (engine.restore_plan).
+`$KVCHAT_HOME/profiles/` (the file: app/session/artifacts.py), and given to the restore planner (engine.restore.plan).
 
 Measured with the model itself and real K/V in the store's own folder:
 - prefill time against tokens (a few timed prefills from position 0, fitted to a n + b n^2);

@@ -249,18 +249,19 @@ class ChatService:
         cross-layer merging as its settings say (`merge_share`, given now, is kept there: `kvchat send --merge`,
         `kvchat merge`), unless `ignore_merges` (`kvchat unmerge`); the model's shared K/V writer."""
         policy = self.policy(engine, kv_policy, calibrating)
-        planner = compactor = None
+        planner = profile = None
         if planned:
             profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
             planner = profile_planner(profile)
 
-            def compactor(store: Store, chat: str) -> None:
-                if self.compact_kv:
-                    compact_session(store, chat, profile)
+        def compactor(store: Store, chat: str) -> None:
+            if self.compact_kv:
+                compact_session(store, chat, profile)
 
         merges = None if ignore_merges else chat_merges(self.store, info, engine, merge_share, calibrating)
         return ChatSession(self.store, engine, info["id"], writer=self._writer(engine), policy=policy,
-                           planner=planner, compactor=compactor, merges=merges, ignore_merges=ignore_merges)
+                           planner=planner, compactor=compactor if planned else None, merges=merges,
+                           ignore_merges=ignore_merges)
 
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,

@@ -8,7 +8,7 @@ view) would have found.
     .venv/bin/python docs/probes/round_recheck_bounds.py W TAU THETA CHATS BLOCK MODE   # e.g. 3 0.9 0.15 10 32 bound
 
 MODE `bound`: per block the minimum and maximum of each key dimension, scored as the largest q . k they allow
-(engine.key_bounds); `mean`: the block's mean key, scored as q . mean (Jensen: under the real attention to a block
+(engine.kv.key_bounds); `mean`: the block's mean key, scored as q . mean (Jensen: under the real attention to a block
 with one key that matches the query).
 """
 import sys, time

@@ -3,7 +3,7 @@
 
     python docs/probes/window_bytes.py gemma-3-270m 30000 cuda > window-bytes.json
 
-Each chat is an MT-Bench chat (engine.workloads) inserted as text, reopened, recomputed and stored by
+Each chat is an MT-Bench chat (engine.data.workloads) inserted as text, reopened, recomputed and stored by
 ChatSession, once per setting; prints one JSON object.
 """
 

@@ -119,7 +119,7 @@ def default_numerics(device: torch.device, dtype: torch.dtype) -> str:
 def load_model(path: str | os.PathLike[str], device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, numerics: str | None = None) -> LoadedModel:
     """numerics: "llama.cpp" rounds each matrix product's input the way llama.cpp's CPU back end does for that
-    weight type (engine.numerics); "exact" multiplies by the dequantized weights as they are."""
+    weight type (engine.gguf.numerics); "exact" multiplies by the dequantized weights as they are."""
     started = time.perf_counter()
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)

@@ -4,7 +4,7 @@ For every block of BLOCK consecutive tokens of a round and every upper layer and
 and maximum of the block's keys (Quest's page summary, here per round's block). For a query q, no key of the block
 scores above  sum_d max(q_d lo_d, q_d hi_d) = q . (lo + hi) / 2 + |q| . (hi - lo) / 2,  so a softmax over the
 blocks' bounds (each weighted by its length) estimates the attention every round would get if it were visible,
-erring on the side of a round's keys being close to the query. Rechecks (engine.tiered_kv) use it to find the
+erring on the side of a round's keys being close to the query. Rechecks (engine.kv.tiered) use it to find the
 rounds a doubtful token reads without moving any round's K/V to the device; it costs 1/BLOCK of the upper keys.
 
 Shapes: Lu upper layers, Hkv KV heads, n tokens, nb = ceil(n / BLOCK) blocks, D head size, H query heads.

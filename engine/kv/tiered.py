@@ -13,7 +13,7 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
     5. during decoding (progressive selection, LoopServe's idea) each token's query at layer w may name a round
        that is not yet in `upper`; it is brought in before the token's upper layers run;
     6. a decoded token the model is unsure of (top probability below the policy's `recheck_below`) is rechecked:
-       its queries at the upper layers are scored against every closed round's key bounds (engine.key_bounds, kept
+       its queries at the upper layers are scored against every closed round's key bounds (engine.kv.key_bounds, kept
        on the device at 1/32 of the upper keys), and a round that could hold at least `recheck_mass` of its
        attention at any of them is brought in and the token's upper layers run again with it.
 

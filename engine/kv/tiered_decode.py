@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class TieredDecode:
-    """A tiered cache's decode step as two replays (engine.cuda_graph): the lower tier (embedding and layers
+    """A tiered cache's decode step as two replays (engine.model.cuda_graph): the lower tier (embedding and layers
     [0, split) over every round), then, once the host has looked at the token's query at w and perhaps brought a
     round in, the upper tier and the head over `upper`. The hidden state and the query at w pass between them in
     buffers of their own, so each replay is captured again only when its own cache's storage or the rotary table

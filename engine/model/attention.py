@@ -187,13 +187,14 @@ def attend_at(attend: Attend, layer: int) -> Tensor | None:
 @dataclass
 class DecodeStep:
     """One decode token whose cache slot, attended length and rotation are device tensors, so the step can be
-    captured once in a CUDA graph and replayed for every token (engine.cuda_graph)."""
+    captured once in a CUDA graph and replayed for every token (engine.model.cuda_graph)."""
 
     slot: Tensor  # [1] long: where the token's K/V go
     position: Tensor  # [1] long: its position (RoPE)
     length: Tensor  # [1] long: it attends to slots [0, length) (itself included: length = slot + 1)
     rot: Rotations  # C, S [1, 1, D] for its position, per rotary table
-    # LoopServe's decode (engine.progressive_decode): per layer and KV head the slots a global layer attends to,
+    # LoopServe's decode (engine.policies.progressive_decode): per layer and KV head the slots a global layer
+    # attends to,
     # [L, Hkv, S] int32, of which the first n_chosen[layer] ([L] long) count; None: slots [0, length).
     chosen: Tensor | None = None
     n_chosen: Tensor | None = None

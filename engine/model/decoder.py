@@ -132,7 +132,7 @@ class LayerWeights:
     ffn_norm: Tensor  # [d]
     w_gate_up: Tensor  # [2 F, d]  gate and up fused
     w_down: Tensor  # [d, F]
-    # Activation rounding before each matrix (engine.numerics): llama.cpp's CPU numerics, or identity.
+    # Activation rounding before each matrix (engine.gguf.numerics): llama.cpp's CPU numerics, or identity.
     round_qkv: Callable[[Tensor], Tensor] = identity
     round_wo: Callable[[Tensor], Tensor] = identity
     round_gate_up: Callable[[Tensor], Tensor] = identity
@@ -142,7 +142,7 @@ class LayerWeights:
     k_norm: Tensor | None = None  # [D]
     post_attn_norm: Tensor | None = None  # [d]  Gemma: applied to the attention's output before the residual add
     post_ffn_norm: Tensor | None = None  # [d]
-    gelu: Callable[[Tensor], Tensor] = gelu_tanh  # Gemma's gate activation (engine.numerics may round it)
+    gelu: Callable[[Tensor], Tensor] = gelu_tanh  # Gemma's gate activation (engine.gguf.numerics may round it)
 
 
 def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
@@ -160,7 +160,8 @@ class DecoderLayer(nn.Module):
         self.post_ffn_norm = _optional_norm(w.post_ffn_norm, cfg.rms_eps)
         self.gelu = w.gelu
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
-        self.sparse_prefill = None  # engine.sparse_prefill.SparsePrefill: set for all layers by the Transformer
+        # engine.policies.sparse_prefill.SparsePrefill: set for all layers by the Transformer
+        self.sparse_prefill = None
         self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
         self.wo = nn.Parameter(w.wo, requires_grad=False)
@@ -373,7 +374,8 @@ class Transformer(nn.Module):
 
     @property
     def sparse_prefill(self):
-        """LoopServe's online sparse prefill (engine.sparse_prefill.SparsePrefill), or None: dense attention."""
+        """LoopServe's online sparse prefill (engine.policies.sparse_prefill.SparsePrefill), or None: dense
+        attention."""
         return self.layers[0].sparse_prefill
 
     @sparse_prefill.setter

@@ -21,7 +21,7 @@ from kvchat.errors import KvchatError
 class KVPolicy(ABC):
     # Class attributes, not dataclass fields (no annotation in the subclasses): they name the kind, not a setting.
     name = ""
-    tiered = False  # runs on an engine.tiered_kv.TieredKV (device and host tiers) rather than a KVCache
+    tiered = False  # runs on an engine.kv.tiered.TieredKV (device and host tiers) rather than a KVCache
 
     @classmethod
     def construct(cls, **options) -> "KVPolicy":

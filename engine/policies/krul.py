@@ -1,5 +1,5 @@
 """Krul's cross-layer merge (krul-cross-layer-kv-restoration.txt §4-5) as a KV policy: the closed rounds' K/V of
-the chosen layer pairs is what a restore of them stored merged gives back (engine.cross_layer); every round is
+the chosen layer pairs is what a restore of them stored merged gives back (engine.kv.cross_layer); every round is
 still visible at every layer.
 
 The pairs are chosen per chat, when its history is about to be read (`prepare`): probes at the ends of its last

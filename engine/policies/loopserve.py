@@ -1,7 +1,7 @@
 """LoopServe (../shared/papers/loopserve-sparse-prefill-progressive-decode.txt): the new message's prefill attends
-along the vertical and slash lines its sampled rows choose (engine.sparse_prefill), and the reply decodes over the
-input slots its own recent tokens choose (with their neighbours: `pool`), chosen again every `interval` tokens
-(engine.progressive_decode).
+along the vertical and slash lines its sampled rows choose (engine.policies.sparse_prefill), and the reply decodes over
+the input slots its own recent tokens choose (with their neighbours: `pool`), chosen again every `interval` tokens
+(engine.policies.progressive_decode).
 
 `loopserve+round` composes it with Round Attention: the round policy decides which rounds a message's upper
 layers see, LoopServe which of their tokens the reply reads (and the prefill of layers that see every slot is
@@ -23,7 +23,8 @@ from kvchat.engine.policies.sparse_prefill import SparsePrefill
 from kvchat.errors import KvchatError
 
 
-# Each chosen slot's mass is the largest within 3 slots of it (engine.progressive_decode); 1 is the paper's choice.
+# Each chosen slot's mass is the largest within 3 slots of it (engine.policies.progressive_decode); 1 is the paper's
+# choice.
 POOL = 7
 
 
@@ -36,7 +37,7 @@ class LoopServe(KVPolicy):
     interval: int = 16
     warmup: int = 16
     # 0: every message's prefill is sparse (what quality runs measure); the engine's own default
-    # (engine.sparse_prefill.DEFAULT_MIN_KEYS) is where sparse starts to be faster.
+    # (engine.policies.sparse_prefill.DEFAULT_MIN_KEYS) is where sparse starts to be faster.
     min_keys: int = 0
     sparse: bool = True
     progressive: bool = True

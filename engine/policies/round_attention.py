@@ -1,6 +1,6 @@
 """Round Attention (round-attention.txt): rounds are chosen at the watershed layer w from the attention the new
 message pays them there; layers up to and including w attend to every round (their K/V of every round stays on the
-device), the layers above w only to the chosen rounds and the new message itself (engine.tiered_kv moves just
+device), the layers above w only to the chosen rounds and the new message itself (engine.kv.tiered moves just
 those rounds' upper K/V to the device). The paper counts layers from 1: its lower group "1 ~ L_w" is our [0, w].
 The watershed layer is the policy's parameter `watershed`, handed to it from the model's calibration
 (engine.calibrate.watershed; app/session/policies.py makes or reads it) or given outright.
@@ -14,7 +14,7 @@ also names its top round, which is brought in if missing: a small model often lo
 the answer, not while it reads the question (docs/benchmarks.md).
 
 A recheck catches what both choices missed: a decoded token whose most likely next token has a probability below
-`recheck_below` has its queries at the upper layers scored against every round's key bounds (engine.key_bounds:
+`recheck_below` has its queries at the upper layers scored against every round's key bounds (engine.kv.key_bounds:
 per block of 32 tokens, the minimum and maximum of the keys, kept on the device), and the rounds that could hold
 at least `recheck_mass` of its attention at any upper layer are brought in and the token run again with them; at
 most `max_rechecks` per reply. No round's K/V moves unless it is found.

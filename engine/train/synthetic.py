@@ -65,7 +65,7 @@ STYLES = {
 # MHA, tied and separate outputs, llama3 rope factors, and the three template styles.
 #
 # Some carry a seed other than 0. llama.cpp rounds activations to 8 bits (or bf16) before quantized (or BF16) dot
-# products, and we round the same way (engine.numerics), so the two agree to ~1e-7 -- until a value lands within
+# products, and we round the same way (engine.gguf.numerics), so the two agree to ~1e-7 -- until a value lands within
 # float noise of a rounding boundary and the two round it differently. One such flip moves later logits by 1e-3 to
 # 1e-2. llama.cpp is not immune itself: on the same file its one-token decode and its batched prefill disagree by
 # up to 8e-3 after a flip (docs/benchmarks.md). The seeds below give files where no flip happens in the test's
