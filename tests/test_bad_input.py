@@ -22,12 +22,15 @@ def kvchat(*args: str) -> subprocess.CompletedProcess:
     return run_kvchat(*args, check=False)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, status: int = 1) -> None:
+    """One line naming the problem, with the exit status of a user's error (1; 2 for usage): never the CLI's last
+    line of defence ("internal error", 70), which would mean an unexpected exception got that far."""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvchat: error: ")
+    assert "internal error" not in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.returncode == status, (proc.returncode, lines[0])
     for needle in needles:
         assert needle in lines[0], lines[0]
 
@@ -67,7 +70,24 @@ def test_truncated(tmp_path, models, fraction):
     data = src.read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(data[: max(1, int(len(data) * fraction))])
-    assert_one_line_error(kvchat("generate", "--model", str(path), "hi"), str(path))
+    assert_one_line_error(kvchat("generate", "--model", str(path), "hi"), f"{path}: truncated GGUF file: it holds "
+                          f"{path.stat().st_size:,} bytes, its metadata and tensors need at least")
+
+
+def test_an_unexpected_exception_on_a_bad_input_path_fails_these_checks(tmp_path, models, monkeypatch):
+    """The checks above tell a user's error from a bug: an exception no one expected, where a truncated file is
+    read, reaches the CLI's last line of defence ("internal error", exit 70), and they fail on it."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(models.get().read_bytes()[:4096])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr("kvchat.engine.gguf.reader._check_header", broken)
+    proc = kvchat("generate", "--model", str(path), "hi")
+    assert proc.returncode == 70
+    with pytest.raises(AssertionError, match="internal error: RuntimeError: injected"):
+        assert_one_line_error(proc, str(path))
 
 
 def test_garbled_bytes_never_crash_or_hang(tmp_path, models):
@@ -123,6 +143,10 @@ def test_prompt_longer_than_context(models):
     assert_one_line_error(proc, "context", "32")
 
 
+# click's range checks are usage errors (2); a device name is checked by kvchat itself (1)
+STATUS = {"temperature": 2, "top-p": 2, "max-tokens": 2, "unknown device": 1}
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
@@ -131,7 +155,7 @@ def test_prompt_longer_than_context(models):
 ])
 def test_bad_options(models, args, needle):
     proc = kvchat("generate", "--model", str(models.get()), *args, "hi")
-    assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert_one_line_error(proc, needle, status=STATUS[needle])
 
 
 def test_a_chat_message_empty_or_longer_than_the_context_is_refused_before_anything_is_saved(models):

@@ -44,7 +44,7 @@ def test_mt_bench_workloads_reach_their_target(chat, name):
     again = build_workload(chat, name, memory=False)
     assert wl.conversation == again.conversation and wl.new_message == again.new_message  # deterministic
     assert abs(wl.tokens - target) <= 0.1 * target
-    assert wl.tokens == sum(len(s) for s in chat.round_spans(wl.conversation))  # measured in the model's tokens
+    assert wl.tokens == len(chat.conversation_tokens(wl.conversation))  # the whole chat, tokenized at once
     assert MIN_ROUNDS <= wl.rounds <= MAX_ROUNDS
     assert all(r.assistant for r in wl.conversation.rounds)
     assert wl.new_message not in {r.user for r in wl.conversation.rounds}
@@ -55,7 +55,7 @@ def test_mt_bench_workloads_reach_their_target(chat, name):
 def test_memory_workload_ends_before_a_question(chat):
     wl = build_workload(chat, "2k", memory=True)
     assert abs(wl.tokens - 2048) <= 0.1 * 2048 and MIN_ROUNDS <= wl.rounds <= MAX_ROUNDS
-    assert wl.expected_reply and wl.new_message.rstrip().endswith("?") or "?" in wl.new_message
+    assert wl.expected_reply and "?" in wl.new_message  # a question (some end with a clause after the "?")
     # every recall question asks a fact the chat states, with its latest value as the answer
     text = " ".join(r.user for r in wl.conversation.rounds)
     assert wl.recall and all(r.assistant.split()[-1].rstrip(".") in text for r in wl.recall)

@@ -66,7 +66,7 @@ def test_frame_without_content_size_is_refused():
 
 @pytest.mark.parametrize("blob", [b"", b"not zstd at all", b"\x28\xb5\x2f\xfd"])
 def test_garbage_is_refused(blob):
-    with pytest.raises(StorageError):
+    with pytest.raises(StorageError, match="does not start with a valid zstd frame header"):
         decode(blob, 2, "planes+zstd", raw_size=1000)
 
 
@@ -75,9 +75,9 @@ def test_damaged_frame_is_refused():
     raw = raw.numpy().tobytes()
     blob = bytearray(encode(raw, 2, "zstd"))
     blob[len(blob) // 2] ^= 0x01  # past the frame header, so the declared size stays valid
-    with pytest.raises(StorageError):
+    with pytest.raises(StorageError, match="corrupt .decompression error: Restored data doesn't match checksum"):
         decode(bytes(blob), 2, "zstd", raw_size=len(raw))
-    with pytest.raises(StorageError):
+    with pytest.raises(StorageError, match="corrupt .decompression error: did not decompress full frame"):
         decode(bytes(blob[: len(blob) // 2]), 2, "zstd", raw_size=len(raw))
 
 
@@ -88,9 +88,9 @@ def test_unknown_codec_names_the_accepted_ones():
 
 
 def test_partial_values_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="3 bytes are not a whole number of 2-byte values"):
         encode(b"abc", 2, "zstd")
-    with pytest.raises(StorageError):
+    with pytest.raises(StorageError, match="6 bytes of KV data are not a whole number of 4-byte values"):
         decode(encode(b"abcd", 2, "zstd"), 4, "zstd", raw_size=6)
 
 

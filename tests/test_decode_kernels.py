@@ -9,7 +9,7 @@ import torch
 
 from triton_interpreter import passed_in_interpreter
 
-from kvchat.kernels.gemv import gemv, gemv_ref
+from kvchat.kernels.gemv import gemv, gemv_ref, gemv_runs
 from kvchat.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from kvchat.kernels.rope_kv import partner_index, rope_kv, rope_kv_ref
 from kvchat.kernels._triton import INTERPRET
@@ -85,6 +85,8 @@ def check_gemv(dtype, device, n_out, n_in, bias=False):
     b = torch.randn(n_out, generator=gen).to(device, dtype) if bias else None
     # Sums of n_in products in another order than cuBLAS's (and the CPU's): float32 gets room for that.
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else exact_or_one_rounding(dtype)
+    # gemv falls back to F.linear where the kernel does not run: compared with gemv_ref, that could not fail.
+    assert gemv_runs(x, w, b), "gemv would fall back to F.linear for these inputs"
     torch.testing.assert_close(gemv(x, w, b), gemv_ref(x, w, b), **tol)
 
 

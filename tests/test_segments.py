@@ -3,6 +3,7 @@ no debris after a failed write, and sweeping of orphans."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def test_reads_back_what_the_cache_holds(tmp_path):
     assert back.is_contiguous() and same_bits(back, kv[:, :, :, 2:5].contiguous())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_tensor_comes_back_on_the_cpu(tmp_path):
     kv = torch.randn(2, 2, 2, 5, 8, device="cuda").bfloat16()
     ref = write_segment(tmp_path, kv, fingerprint=FP, layers=range(2), tokens=range(5))
@@ -394,7 +395,7 @@ def test_sweep_keeps_a_live_writers_temp_file(tmp_path):
 
 def test_ref_is_plain_data():
     ref = SegmentRef(file="x.kvs", byte_size=1, raw_size=2, checksum="0" * 64, codec="zstd")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         ref.file = "y.kvs"  # frozen: the database row and the file must not drift apart
 
 

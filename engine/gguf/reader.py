@@ -29,6 +29,10 @@ MAX_KV = 100_000
 _LAZY_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
 
 
+class _PastTheEnd(Exception):
+    """What the file's header and metadata describe runs past its last byte."""
+
+
 class _Reader(GGUFReader):
     """gguf's reader, slicing a plain ndarray view of its memory map: a numpy memmap pays for a subclass
     finalizer on every slice, and the reader slices once per vocabulary entry (three times 262k for Gemma 3's
@@ -40,6 +44,8 @@ class _Reader(GGUFReader):
             plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
         count = int(count)
         end = offset + int(np.dtype(dtype).itemsize) * count
+        if end > len(plain):  # numpy would say why it cannot view or reshape the short slice, not that it is short
+            raise _PastTheEnd(end)
         arr = plain[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -64,6 +70,9 @@ class GGUFFile:
         _check_header(self.path)
         try:
             reader = _Reader(self.path, "r")
+        except _PastTheEnd as exc:
+            raise GGUFError(f"{self.path}: truncated GGUF file: it holds {self.path.stat().st_size:,} bytes, its "
+                            f"metadata and tensors need at least {exc.args[0]:,}") from None
         except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on corrupt input; all mean the same
             raise GGUFError(f"{self.path}: not a readable GGUF file ({_describe(exc)})") from None
         self._reader = reader
