@@ -155,7 +155,8 @@ def info(model_path, as_json) -> None:
 def calibrate(model_path, device, chats, png_path, as_json) -> None:
     """Find the model's watershed layer for Round Attention and store it (used automatically from then on)."""
     from kvchat.app.session.artifacts import save_calibration
-    from kvchat.engine.calibrate.watershed import calibrate as measure, curve_lines, plot_curve
+    from kvchat.engine.calibrate.watershed import calibrate as measure
+    from kvchat.engine.calibrate.watershed import curve_lines, plot_curve
     from kvchat.engine.engine import Engine
     from kvchat.storage.db import Store
     from kvchat.storage.fingerprint import model_fingerprint

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.engine.text.chat_format import ChatFormat, chat_template
-from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate
-from kvchat.engine.gguf.reader import GGUFFile
+from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.loader import load_model
+from kvchat.engine.gguf.reader import GGUFFile
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.text.chat_format import ChatFormat, chat_template
 from kvchat.engine.text.tokenizer import Tokenizer
 from kvchat.errors import ContextOverflowError
 

@@ -36,8 +36,17 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.kernels._triton import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, merge_splits, next_power_of_2,
-                                    split_length, tl, triton, triton_kernel_runs_on)
+from kvchat.kernels._triton import (
+    INTERPRET,
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    merge_splits,
+    next_power_of_2,
+    split_length,
+    tl,
+    triton,
+    triton_kernel_runs_on,
+)
 
 if triton is not None:
     from kvchat.kernels._triton import load_query_rows, online_softmax_step, scores_log2

@@ -27,8 +27,16 @@ import math
 import torch
 from torch import Tensor
 
-from kvchat.kernels._triton import (INTERPRET, MAX_HEAD_DIM, SUPPORTED_DTYPES, merge_splits, next_power_of_2,
-                                    split_length, triton, triton_kernel_runs_on)
+from kvchat.kernels._triton import (
+    INTERPRET,
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    merge_splits,
+    next_power_of_2,
+    split_length,
+    triton,
+    triton_kernel_runs_on,
+)
 
 if triton is not None:
     import triton.language as tl

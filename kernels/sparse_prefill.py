@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvchat.kernels.decode_attention import kernel_shape_reason as unsupported_reason
 from kvchat.kernels._triton import INTERPRET, triton
+from kvchat.kernels.decode_attention import kernel_shape_reason as unsupported_reason
 
 if triton is not None:
     import triton.language as tl

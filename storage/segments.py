@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvchat.storage.failpoints import crash_point
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, check_segment_kind
+from kvchat.storage.failpoints import crash_point
 
 if TYPE_CHECKING:
     from kvchat.storage.staging import HostToDevice

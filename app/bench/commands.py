@@ -246,8 +246,9 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         """Bytes on disk per token, decode stall while saving, and restore time against the disk's bandwidth."""
         from pathlib import Path
 
-        from kvchat.app.bench.storage import as_dict, bench_storage as run
         from kvchat.app.bench.engine_speed import model_file
+        from kvchat.app.bench.storage import as_dict
+        from kvchat.app.bench.storage import bench_storage as run
         from kvchat.engine.train.synthetic import SHAPES
         from kvchat.errors import KvchatError
         from kvchat.paths import data_dir
@@ -269,9 +270,9 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         import statistics
         import time
 
-        from kvchat.engine.text.chat_format import Conversation, Round
         from kvchat.engine.engine import Engine
         from kvchat.engine.generate import generate
+        from kvchat.engine.text.chat_format import Conversation, Round
 
         started = time.perf_counter()
         engine = Engine(model_path, device=to_device(device))

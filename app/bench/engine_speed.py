@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.timing import timed_runs
-from kvchat.engine.train.synthetic import SHAPES, LLAMA_FTYPE_Q4_K_M, llama_quantize, make_shaped_model
+from kvchat.engine.train.synthetic import LLAMA_FTYPE_Q4_K_M, SHAPES, llama_quantize, make_shaped_model
 
 
 @dataclass

@@ -64,10 +64,10 @@ def register(main: click.Group, model_option, to_device) -> None:
               r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json) -> None:
         """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
         how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
-        from kvchat.app.chats import calibrating
-        from kvchat.engine.engine import Engine
         from kvchat.app.bench.evaluate import evaluate, heldout_chats, sample_replies
+        from kvchat.app.chats import calibrating
         from kvchat.app.session.policies import build_policy
+        from kvchat.engine.engine import Engine
         from kvchat.errors import KvchatError
 
         given = _parse_options(given_options)
@@ -160,10 +160,10 @@ def _number_or_text(text: str) -> int | float | str:
 
 def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, positions, as_json,
                to_device) -> None:
-    from kvchat.app.chats import calibrating
-    from kvchat.engine.engine import Engine
     from kvchat.app.bench.fidelity import text_fidelity
+    from kvchat.app.chats import calibrating
     from kvchat.app.session.policies import build_policy
+    from kvchat.engine.engine import Engine
     from kvchat.errors import KvchatError
 
     try:

@@ -18,14 +18,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvchat.engine.text.chat_format import Conversation
 from kvchat.engine.data.dialogues import POLITE_REPLIES, Dialogue, dialogues
-from kvchat.engine.reply_guard import ReplyGuard, repeating_tail
-from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
-from kvchat.engine.policies import KVPolicy
 from kvchat.engine.kv.tiered import TieredKV
+from kvchat.engine.policies import KVPolicy
+from kvchat.engine.reply_guard import ReplyGuard, repeating_tail
+from kvchat.engine.sampling import SamplingParams
+from kvchat.engine.text.chat_format import Conversation
 
 
 @dataclass

@@ -22,12 +22,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.data.workloads import mt_bench_workload
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import decode_steps, prefill
-from kvchat.engine.policies import KVPolicy
 from kvchat.engine.kv.tiered import TieredKV
-from kvchat.engine.data.workloads import mt_bench_workload
+from kvchat.engine.policies import KVPolicy
+from kvchat.engine.text.chat_format import Conversation
 from kvchat.errors import KvchatError
 
 LENGTHS = (2000, 8000, 24000)

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvchat.engine.engine import Engine
-from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.model.attention import BottomRightCausal, bottom_right_causal_attention
+from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies.loopserve import POOL
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 from kvchat.engine.policies.sparse_prefill import SparsePrefill

@@ -46,7 +46,6 @@ from kvchat.app.bench.resume_tables import result_line
 from kvchat.errors import KvchatError
 from kvchat.storage.known_models import is_known_model, resolve_model
 
-
 ENGINE_METHODS = ("prefill", "kv-load", "kv-split", "kv-merge")
 
 
@@ -108,9 +107,9 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
     workload, so a run stopped at a time limit keeps what it finished."""
     import torch
 
-    from kvchat.app.bench.storage import _disk_read_mb_s
-    from kvchat.app.bench.engine_speed import drop_page_cache, model_file
     from kvchat.app.bench import floor as fl
+    from kvchat.app.bench.engine_speed import drop_page_cache, model_file
+    from kvchat.app.bench.storage import _disk_read_mb_s
 
     work = Path(plan.work_dir or tempfile.mkdtemp(prefix="kvchat-bench-resume-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -203,9 +202,8 @@ def _config(d: dict):
 
 
 def _machine(device) -> dict:
-    import torch
-
     import llama_cpp
+    import torch
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"device": gpu or f"{os.cpu_count()}-core {platform.machine()} CPU", "gpu": gpu,

@@ -40,8 +40,8 @@ def _setup(spec: dict) -> dict:
     from kvchat.app.session.saving import RoundSaver
     from kvchat.app.session.windows import WindowTrim
     from kvchat.app.session.writer import KVWriter
-    from kvchat.engine.generate import prefill
     from kvchat.engine.data.workloads import build_workload
+    from kvchat.engine.generate import prefill
     from kvchat.storage.db import RoundRow, Store, now
     from kvchat.storage.fingerprint import model_fingerprint
 

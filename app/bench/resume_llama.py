@@ -54,8 +54,8 @@ def _llama_setup(spec: dict) -> dict:
     with the estimate (the CPU build on a large model)."""
     import llama_cpp
 
-    from kvchat.engine.text.chat_format import ChatFormat, chat_template
     from kvchat.engine.gguf.reader import GGUFFile
+    from kvchat.engine.text.chat_format import ChatFormat, chat_template
     from kvchat.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer(spec["path"])
@@ -110,8 +110,8 @@ def _llama_setup(spec: dict) -> dict:
 def _run_llama(spec: dict) -> dict:
     import llama_cpp
 
-    from kvchat.engine.text.chat_format import ChatFormat, chat_template
     from kvchat.engine.gguf.reader import GGUFFile
+    from kvchat.engine.text.chat_format import ChatFormat, chat_template
     from kvchat.engine.text.tokenizer import Tokenizer
 
     state = spec["state"]

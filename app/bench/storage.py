@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
+from kvchat.app.bench.engine_speed import drop_page_cache
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.writer import KVWriter
-from kvchat.app.bench.engine_speed import drop_page_cache
-from kvchat.engine.text.chat_format import Conversation
 from kvchat.engine.data.dialogues import dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import prefill
 from kvchat.engine.model.cuda_graph import decoder_step
+from kvchat.engine.text.chat_format import Conversation
 from kvchat.storage import codec
 from kvchat.storage.db import RoundRow, Store, now
 from kvchat.storage.fingerprint import model_fingerprint

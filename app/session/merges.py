@@ -9,9 +9,9 @@ chat whose choice changes holds rounds of both.
 
 from __future__ import annotations
 
+from kvchat.app.session.policies import ensure_merge_calibration
 from kvchat.engine.kv.cross_layer import LayerPair
 from kvchat.engine.policies.layer_stats import LayerStats
-from kvchat.app.session.policies import ensure_merge_calibration
 from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs, greedy_pairs
 from kvchat.errors import KvchatError
 from kvchat.storage.db import Store

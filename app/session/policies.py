@@ -12,8 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from kvchat.app.session.artifacts import (load_calibration, load_merge_calibration, save_calibration,
-                                          save_merge_calibration)
+from kvchat.app.session.artifacts import (
+    load_calibration,
+    load_merge_calibration,
+    save_calibration,
+    save_merge_calibration,
+)
 from kvchat.engine.calibrate.merge_check import MergeCalibration, calibrate_merges, default_check_chats
 from kvchat.engine.calibrate.watershed import DEFAULT_CHATS, Calibration, calibrate
 from kvchat.engine.policies import KVPolicy, chat_policy_class, policy_class

@@ -31,8 +31,8 @@ import torch
 
 from kvchat.app.session.artifacts import load_profile, probe_folder, profile_path, save_profile
 from kvchat.app.session.layout import storage_groups
-from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.restore.plan import HardwareProfile, RestorePlan, observe, plan_restore
+from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.timing import sync
 from kvchat.errors import KvchatError
 from kvchat.storage.pagecache import evict

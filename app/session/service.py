@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Callable
 
 from kvchat.app.session.chat import ChatSession
-from kvchat.app.session.restore import RestoreStats
-from kvchat.app.session.writer import KVWriter
-from kvchat.app.session.profile import ensure_profile, profile_planner
 from kvchat.app.session.compaction import compact_session
 from kvchat.app.session.merges import chat_merges
 from kvchat.app.session.policies import chat_policy
+from kvchat.app.session.profile import ensure_profile, profile_planner
+from kvchat.app.session.restore import RestoreStats
+from kvchat.app.session.writer import KVWriter
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback

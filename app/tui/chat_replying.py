@@ -11,11 +11,11 @@ from pathlib import Path
 from textual import work
 
 from kvchat.app.session.service import ChatStats
-from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.app.tui.chat_view import ReplyView
 from kvchat.app.tui.composer import Composer
 from kvchat.app.tui.status_bar import LastReply
 from kvchat.app.tui.worker_messages import describe
+from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.errors import KvchatError
 
 

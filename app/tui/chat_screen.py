@@ -13,11 +13,10 @@ and the chat list.
 
 from __future__ import annotations
 
-from functools import partial
-
 import inspect
 import itertools
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 

@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kvchat.engine.text.chat_format import Conversation
 from kvchat.engine.generate import prefill
+from kvchat.engine.text.chat_format import Conversation
 from kvchat.errors import KvchatError
 from kvchat.kernels.round_scores import round_mass
 
@@ -301,8 +301,8 @@ def agreement(engine, references: list[ReferenceReply], watershed: int,
     """Share of the references' sure tokens that Round Attention at `watershed` predicts too, fed the references'
     own replies (teacher forcing: one early difference does not count twice). Every round is read under the
     policy, as in a chat; 1.0 when no token is sure."""
-    from kvchat.engine.policies.round_attention import RoundAttention
     from kvchat.engine.kv.tiered import TieredKV
+    from kvchat.engine.policies.round_attention import RoundAttention
 
     hits = count = 0
     for n, ref in enumerate(references):

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from kvchat.engine.text.chat_format import ChatFormat, Conversation, Round
 from kvchat.assets import ASSETS
 from kvchat.engine.data.dialogues import dialogues
+from kvchat.engine.text.chat_format import ChatFormat, Conversation, Round
 from kvchat.errors import KvchatError
 
 # Workload name -> target tokens of the chat before the new message.

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvchat.engine.gguf.reader import SUPPORTED_ARCHS, GGUFFile
 from kvchat.errors import GGUFError
-
 
 # llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) for `llama` (its converter permutes Q/K to match) and the two
 # halves (x[i], x[i + d/2]) for the others: LLAMA_ROPE_TYPE_NORM vs LLAMA_ROPE_TYPE_NEOX.

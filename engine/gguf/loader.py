@@ -13,9 +13,9 @@ import torch
 
 from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.dequant import SUPPORTED_TYPES, dequantize
+from kvchat.engine.gguf.numerics import gelu_fp16_table, input_rounding
 from kvchat.engine.gguf.reader import GGUFFile, TensorInfo
 from kvchat.engine.model.decoder import LayerWeights, Transformer, gelu_tanh, identity
-from kvchat.engine.gguf.numerics import gelu_fp16_table, input_rounding
 from kvchat.errors import GGUFError
 
 

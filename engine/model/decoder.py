@@ -22,9 +22,18 @@ from torch import Tensor, nn
 
 from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.model.attention import (Attend, BottomRightCausal, DecodeStep, attend_at, attended_kv,
-                                           bottom_right_causal_attention, chosen_visible, ring_visible,
-                                           ring_window_kv, step_visible)
+from kvchat.engine.model.attention import (
+    Attend,
+    BottomRightCausal,
+    DecodeStep,
+    attend_at,
+    attended_kv,
+    bottom_right_causal_attention,
+    chosen_visible,
+    ring_visible,
+    ring_window_kv,
+    step_visible,
+)
 from kvchat.kernels._triton import SUPPORTED_DTYPES, triton_kernel_runs_on
 from kvchat.kernels.decode_attention import decode_attention, unsupported_reason
 from kvchat.kernels.gemv import gemv

@@ -11,7 +11,10 @@ from kvchat.engine.policies.full import FullKV
 from kvchat.engine.policies.krul import KrulMerge
 from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
 from kvchat.engine.policies.round_attention import (
-    RoundAttention, RoundAttentionAdaptive, RoundAttentionThreshold, RoundAttentionTopK,
+    RoundAttention,
+    RoundAttentionAdaptive,
+    RoundAttentionThreshold,
+    RoundAttentionTopK,
 )
 from kvchat.errors import KvchatError
 

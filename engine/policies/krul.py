@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvchat.engine.kv.cross_layer import LayerPair, merge_in_cache, restore_in_cache
-from kvchat.engine.policies.layer_stats import LayerStats
-from kvchat.engine.policies.layer_stats import PROBE_ROWS
-from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.cross_layer import LayerPair, merge_in_cache, restore_in_cache
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
+from kvchat.engine.policies.layer_stats import PROBE_ROWS, LayerStats
+from kvchat.engine.policies.merge_selection import GAMMA, RETAIN, choose_pairs
 from kvchat.errors import KvchatError
 
 PROBED_ROUNDS = 8  # the chat's last closed rounds probed for its statistics

@@ -17,11 +17,10 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
-from kvchat.engine.policies.round_attention import RoundAttention
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode
+from kvchat.engine.policies.round_attention import RoundAttention
 from kvchat.engine.policies.sparse_prefill import SparsePrefill
 from kvchat.errors import KvchatError
-
 
 # Each chosen slot's mass is the largest within 3 slots of it (engine.policies.progressive_decode); 1 is the paper's
 # choice.

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvchat.engine.model.cuda_graph import Replay, StepInputs
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.model.attention import Attend, attend_at
+from kvchat.engine.model.cuda_graph import Replay, StepInputs
 from kvchat.engine.model.decoder import Transformer
 from kvchat.kernels.slot_mass import slot_mass, triton_kernel_runs_on
 

@@ -24,7 +24,12 @@ import torch
 from torch import Tensor
 
 from kvchat.kernels.sparse_prefill import (
-    SparseIndex, block_size, build_index, sparse_prefill_attention, sparse_prefill_ref, unsupported_reason,
+    SparseIndex,
+    block_size,
+    build_index,
+    sparse_prefill_attention,
+    sparse_prefill_ref,
+    unsupported_reason,
 )
 
 # Keys from which a prefill chunk's attention is sparse once sparse prefill is on. The engine leaves it off: on the

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvchat.engine.text.chat_format import GEMMA_TEMPLATE
 from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.writer import LazyTensor, write_model_gguf
+from kvchat.engine.text.chat_format import GEMMA_TEMPLATE
 from kvchat.engine.text.vocab import NORMAL, ByteBPEVocab
 
 CORPUS = [

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
+from kvchat.engine.data.dialogues import _ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, Dialogue, dialogues
 from kvchat.engine.gguf.config import ModelConfig
-from kvchat.engine.data.dialogues import (_ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, Dialogue, dialogues)
-from kvchat.engine.gguf.writer import write_model_gguf
-from kvchat.engine.gguf.reader import GGUFFile
 from kvchat.engine.gguf.loader import read_tensor
+from kvchat.engine.gguf.reader import GGUFFile
+from kvchat.engine.gguf.writer import write_model_gguf
 from kvchat.engine.reply_guard import DEMO_REPLY_CAP, REPLY_CAP_KEY
 from kvchat.engine.text.vocab import CONTROL, ByteBPEVocab
 from kvchat.errors import KvchatError
