@@ -203,32 +203,108 @@ def _words(text: str, subject: str) -> list[str]:
     return [w for w in (w.strip(".,?!:;()-") for w in text.split()) if w]
 
 
-def test_wide_phrasings_share_no_four_words_with_held_out_or_dev_ones():
-    """The extra training phrasings must not be near copies of what measures or chooses the model: no four words
-    in a row (the thing told or asked masked) in common with a held-out or dev template of the same group."""
-    from kvchat.engine.data import dialogues as d
+def _grams(text: str, subject: str = "") -> set[tuple[str, ...]]:
+    """The four-word sequences of a template: words lower-cased, punctuation stripped, the thing told or asked
+    masked as X (the rule that keeps two sets of phrasings from being near copies)."""
+    w = _words(text, subject)
+    return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
 
-    def grams(text, subject):
-        w = _words(text, subject)
-        return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
+
+def _phrasing_groups():
+    """(template groups, the subject they mask): the groups a phrasing is compared within, one per kind of sentence
+    (a fact's states, asks and recalls together, the wrappers together)."""
+    from kvchat.engine.data import dialogues as d
 
     groups = [([g], "") for g in (d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS,
                                    d._REQUESTS)]
     groups.append(([d._OPENERS, d._CLOSERS, d._ASK_OPENERS, d._ASK_CLOSERS], ""))
-    for slot in [*d.SLOTS, d.called_slot("my", "boat")]:
-        subject = "my boat" if slot.key.startswith("called:") else \
+    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat")]:
+        subject = slot.key.removeprefix("called:") if slot.key.startswith("called:") else \
             slot.answer.removeprefix("Your ").split(" is ")[0].split(" are ")[0].lower()
         groups.append(([slot.states, slot.asks, slot.recalls], subject))
+    return groups
+
+
+def test_wide_phrasings_share_no_four_words_with_held_out_or_dev_ones():
+    """The extra training phrasings must not be near copies of what measures or chooses the model: no four words
+    in a row (the thing told or asked masked) in common with a held-out or dev template of the same group."""
     n_more = 0
-    for members, subject in groups:
+    for members, subject in _phrasing_groups():
         others = [t for g in members for t in g.heldout + g.dev]
-        other_grams = set().union(*(grams(t, subject) for t in others))
+        other_grams = set().union(*(_grams(t, subject) for t in others))
         for g in members:
             n_more += len(g.more)
             for t in g.more:
                 assert t.lower() not in {o.lower() for o in others}, t
-                assert not grams(t, subject) & other_grams, t
+                assert not _grams(t, subject) & other_grams, t
     assert n_more > 300
+
+
+def test_held_out_templates_share_no_four_words_with_trained_ones():
+    """Held-out means held out: no held-out template shares four words in a row (the thing told or asked masked)
+    with a template of its group that the model was trained on (`train` or `more`), nor with a dev one; and held-out
+    chats have their own small talk and their own join of two questions."""
+    from kvchat.engine.data import dialogues as d
+
+    n_held = 0
+    for members, subject in _phrasing_groups():
+        trained = set().union(*(_grams(t, subject) for g in members for t in g.train + g.more))
+        dev = set().union(*(_grams(t, subject) for g in members for t in g.dev))
+        for g in members:
+            n_held += len(g.heldout)
+            for t in g.heldout:
+                assert not _grams(t, subject) & trained, t
+                assert not _grams(t, subject) & dev, t
+    assert n_held > 200
+    # small talk: as many sentences as the trained one (so held-out chats draw the same numbers), none in common
+    assert len(d._FILLER_HELDOUT) == len(d._FILLER)
+    trained_filler = set().union(*(_grams(f) for f in d._FILLER))
+    assert not any(_grams(f) & trained_filler for f in d._FILLER_HELDOUT)
+    # the join of two questions: three-word questions, so that every four words in a row cross the join
+    def joined(join):
+        return _grams(join.format(a="q1 q2 q3", a_end="?", b="r1 r2 r3", B="R1 r2 r3"))
+
+    trained_joins = set().union(*(joined(j) for j in d._TWO_QUESTIONS))
+    assert d._TWO_QUESTIONS_HELDOUT and not any(joined(j) & trained_joins for j in d._TWO_QUESTIONS_HELDOUT)
+
+
+def test_held_out_chats_use_their_own_small_talk_and_join_the_others_never_do():
+    from kvchat.engine.data import dialogues as d
+
+    def users(phrasing, **kw):
+        chats = dialogues("heldout", 30, 4, 30, 40, phrasing=phrasing, **kw)
+        two = [dlg.rounds[q.round_index].user for dlg in chats for q in dlg.questions if q.kind == "multi"]
+        return " ".join(r.user for dlg in chats for r in dlg.rounds), sum(". Also, " in t or "? Also, " in t
+                                                                          for t in two) / len(two)
+
+    held, joined = users("heldout")
+    assert sum(f in held for f in d._FILLER_HELDOUT) >= 8 and not any(f in held for f in d._FILLER)
+    assert joined == 1
+    for text, joined in (users("train"), users("dev"), users("train", noise=1, wide=True)):
+        assert sum(f in text for f in d._FILLER) >= 8 and not any(f in text for f in d._FILLER_HELDOUT)
+        assert joined == 0
+
+
+def test_questions_say_whether_training_saw_their_values():
+    """Weekdays and months (meeting days, birthdays) are the only values training and held-out chats share: a
+    question about one is marked, so that the evaluation can report it apart."""
+    from kvchat.engine.data import dialogues as d
+
+    months, weekdays = set(d._MONTHS), set(d._WEEKDAYS)
+    counts = {True: 0, False: 0}
+    for split in ("heldout", "train"):
+        for phrasing in d.PHRASINGS:
+            for dlg in dialogues(split, 30, 6, 30, 40, phrasing=phrasing):
+                for q in dlg.questions:
+                    shared = any(v in weekdays or v.split(" ")[0] in months for v in q.values)
+                    assert q.values_seen_in_training == shared, q
+                    counts[shared] += 1
+    assert counts[True] > 20 and counts[False] > 5 * counts[True]
+    # every other value kind is split: numbers by residue, the rest real words held out, made-up ones in training
+    train, held = d.pools("train"), d.pools("heldout")
+    assert not set(train.numbers) & set(held.numbers) and train.synthetic and not held.synthetic
+    assert {s.field for s in d.SLOTS} - d.SHARED_VALUE_FIELDS <= {"names", "cities", "colors", "foods", "animals",
+                                                                   "numbers"}
 
 
 def test_wide_chats_use_the_more_phrasings_and_the_others_never_do():

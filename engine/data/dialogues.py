@@ -2,13 +2,24 @@
 later asks questions whose answers need one or several earlier rounds.
 
 They train the embedded model (engine.train) and score every KV policy on the same held-out chats (`kvchat eval`).
-Everything is deterministic from a seed. Two things are split between training and held-out chats:
+Everything is deterministic from a seed. What is split between training and held-out chats, and what is not:
 
-- values: training chats use made-up words, held-out chats real names, cities, colors, foods and animals (and
-  numbers of another residue class), so a held-out answer can only come from reading the chat;
-- phrasings: every way of stating, correcting or asking something, and every out-of-scope prompt, is a template
-  drawn from a training set or from a disjoint held-out set (`phrasing=`), so held-out phrasings test whether the
-  model understood what people write, not whether it memorised our sentences.
+- values (`split=`): training chats use made-up words for names, cities, colors, foods and animals, held-out chats
+  real ones training never shows; numbers (locker numbers) come from disjoint residue classes mod 7; so a held-out
+  answer can only come from reading the chat. Birthdays (a month and a day of 1-28) and meeting days (a weekday)
+  are NOT split: both splits draw them from the same lists (SHARED_VALUE_FIELDS), and a question about one says so
+  (`Question.values_seen_in_training`), so that the evaluation reports it apart.
+- phrasings (`phrasing=`): every way of stating, correcting or asking something, the words around it (openers,
+  closers, lists) and every out-of-scope prompt is a template drawn from one of disjoint sets of its group
+  (`Templates`): `train` (and `more`, for `wide` training only) is what the model is trained on, `dev` chooses
+  between training runs, `heldout` measures the model that ships. No held-out template shares four words in a
+  row (lower case, punctuation stripped, the thing told or asked masked) with a trained (`train` or `more`) or dev
+  one of its group, and no `more` one with a held-out or dev one (`tests/test_dialogues.py` checks both; a few dev
+  templates do share four words with `train` ones), so held-out phrasings test whether the model understood what
+  people write, not whether it memorised our sentences. Held-out chats also have their own small talk
+  (`_FILLER_HELDOUT`) and their own join of two questions (`_TWO_QUESTIONS_HELDOUT`), neither sharing four words in
+  a row with the trained ones; trained and dev chats share the trained small talk and join. Named things
+  (`_NOUNS_*`) and request topics (`_TOPICS*`) are split by phrasing too.
 
 Users write the way people do: "remember that ...", "X is called Y", several facts in one message, questions with
 and without a question mark, in lower case, with a one-letter typo, "what did I say my ... was?", corrections
@@ -49,6 +60,10 @@ _FOODS = "apples bagels burritos cheesecake cherries chili couscous curry dumpli
 _ANIMALS = "badgers bats bears beavers camels cats cheetahs crows deer dolphins donkeys eagles ferrets foxes frogs geckos goats hedgehogs horses koalas lemurs lions llamas lynxes moles otters owls pandas parrots penguins rabbits ravens seals sloths swans tigers turtles wolves zebras".split()
 _MONTHS = "January February March April May June July August September October November December".split()
 _WEEKDAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
+# The value kinds training and held-out chats share (birthdays: a month and a day of 1-28; meeting days: weekdays):
+# the trained model has seen every one of them, so questions about them are reported apart
+# (Question.values_seen_in_training).
+SHARED_VALUE_FIELDS = frozenset({"birthdays", "weekdays"})
 _RELATIONS = ["sister", "brother", "best friend", "boss", "neighbor", "cousin", "dentist", "teacher"]
 _TOPICS = ["the ocean", "volcanoes", "bread baking", "chess openings", "the moon", "jazz", "bicycles", "rain forests",
            "ancient ruins", "honey bees", "glaciers", "origami", "lighthouses", "coffee", "the desert", "kites",
@@ -64,6 +79,20 @@ _FILLER = [
     "I am thinking about learning to play the piano this winter.",
     "My phone battery keeps dying faster than it used to.",
     "There was a street market in town with music and lots of people.",
+]
+# Held-out chats have their own small talk (as many sentences, so their chats draw the same numbers), none sharing
+# four words in a row with the training small talk; trained and dev chats keep _FILLER.
+_FILLER_HELDOUT = [
+    "The bus driver waved at everyone this morning, and it put me in a good mood.",
+    "Our heating broke last night, so we wore thick sweaters until bedtime.",
+    "A coworker lent me a puzzle and we worked on it until midnight.",
+    "The supermarket ran out of bread, so breakfast was a bit boring.",
+    "I have been trying to drink more water and go to bed earlier.",
+    "It rained so hard this afternoon that the roads turned into little rivers.",
+    "Someone left an umbrella by the front door and nobody knows whose it is.",
+    "The laundry took forever to dry because the air was so damp.",
+    "I fixed the squeaky door hinge with a few drops of oil.",
+    "We watched the sunset from the hill and stayed out until it got cold.",
 ]
 
 
@@ -224,7 +253,7 @@ def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=
             f"Which {'ones' if plural else 'one'} {be} my {x}?", f"And my {x}?", f"Do you know my {x}?",
             f"What was my {x}?", f"Could you tell me what my {x} {be}?"]
            + ([f"What's my {x}?"] if not plural else []),
-           [f"Do you know what my {x} {be}?", f"I forgot my {x}. What {be} {it}?", f"Any idea what my {x} {be}?",
+           [f"Do you happen to know my {x}?", f"I forgot my {x}. What {be} {it}?", f"Any clue about my {x}?",
             f"My {x}, what {be} {it}?"],
            [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?"],
            [f"Say my {x}.", f"Give me my {x}.", f"How about my {x}?", f"What about my {x}?",
@@ -232,7 +261,8 @@ def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=
             f"So what {be} my {x}?", f"I need my {x}."]),
         _t([f"What did I say my {x} {was}?", f"What did I tell you my {x} {was}?",
             f"What did I say about my {x}?", f"Remember my {x}? What {was} {it}?"],
-           [f"Remind me, what {was} my {x} again?", f"Earlier I mentioned my {x}. What {was} {it}?",
+           [f"Remind me, which {was} my {x} again?",
+            f"I mentioned my {x} earlier. Can you repeat {'them' if plural else 'it'}?",
             f"What had I told you about my {x}?"],
            [f"Do you recall what I said my {x} {was}?", f"Back then, what did I give as my {x}?"],
            [f"Which {x} did I tell you?", f"What {x} did I say?", f"What did you note as my {x}?",
@@ -254,13 +284,13 @@ def _slots() -> list[Slot]:
                  "I live over in {v}", "these days I live in {v}"]),
              _t(["Where do I live?", "What city do I live in?", "Do you know where I live?", "Where is my home?",
                  "What is my city?", "Where am I from?", "Tell me where I live."],
-                ["Which city is my home?", "In which city do I live?", "Where am I based?"],
+                ["Which city is my home?", "What's the city I live in?", "Where am I based?"],
                 ["Where's my home?", "Which place do I live in?"],
                 ["Where do I stay?", "What town am I in?", "Which city am I in?",
                  "Where's my city?", "Where is it that I live?"]),
              _t(["Where did I say I live?", "What did I tell you about where I live?",
                  "What city did I say I live in?"],
-                ["Remind me where I live.", "Which city did I mention as home?"],
+                ["Remind me where I said home was.", "Which city did I mention as home?"],
                 ["Where did I tell you I live?", "What place did I say is home?"],
                 ["Where did I say my home was?", "What town did I say I live in?"]),
              "You live in {v}."),
@@ -274,7 +304,7 @@ def _slots() -> list[Slot]:
                  "I like {v} more than anything"]),
              _t(["What food do I love?", "What is my favorite food?", "What do I love to eat?",
                  "What's my favourite food?", "Which food do I love?", "What do I like to eat?"],
-                ["Which food do I like best?", "What should you cook for me?", "What dish do I adore?"],
+                ["Which dish do I like best?", "What should you cook for me?", "What dish do I adore?"],
                 ["What food do I like most?", "What's the food I love?"],
                 ["What do I enjoy eating?", "What food am I a fan of?",
                  "What would I eat every day?", "What food is my favorite?"]),
@@ -311,21 +341,21 @@ def called_slot(det: str, noun: str) -> Slot:
         _t([f"{d} is called {{v}}", f"{d}'s name is {{v}}", f"{d} is named {{v}}", f"I call {d} {{v}}",
             f"I named {d} {{v}}", f"{d} has the name {{v}}", f"{{v}} is the name of {d}", f"we call {d} {{v}}",
             f"{d}, it is called {{v}}"],
-           [f"we named {d} {{v}}", f"the name of {d} is {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"],
+           [f"we named {d} {{v}}", f"{d} bears the name {{v}}", f"{d} goes by {{v}}", f"{d} got the name {{v}}"],
            [f"{d} is known as {{v}}", f"we gave {d} the name {{v}}"],
            [f"{d}'s called {{v}}", f"{d} answers to {{v}}", f"{d} was named {{v}}", f"{{v}}, that's {d}",
             f"they call {d} {{v}}", f"{d} is {{v}} by name", f"{d} has {{v}} as its name"]),
         _t([f"What is {d} called?", f"What's {d}'s name?", f"What is the name of {d}?", f"What do I call {d}?",
             f"How is {d} named?", f"Tell me the name of {d}.", f"Do you remember {d}'s name?",
             f"What was {d} called?"],
-           [f"What do we call {d}?", f"What name does {d} have?", f"Do you know what {d} is called?",
+           [f"What do we call {d}?", f"What name does {d} have?", f"Do you know what we call {d}?",
             f"Which name did {d} get?"],
            [f"What is {d} known as?", f"Tell me what {d} is called."],
            [f"What's {d} called?", f"Name of {d}?", f"Which name is {d}'s?", f"How do I call {d}?",
             f"What's the name for {d}?", f"Remember {d}'s name?"]),
         _t([f"What did I say {d} was called?", f"What did I name {d}?", f"What name did I give {d}?",
             f"What did I tell you {d} is called?"],
-           [f"Remind me what {d} is called.", f"What was {d}'s name again?"],
+           [f"Remind me of the name I gave {d}.", f"What was {d}'s name again?"],
            [f"What did I tell you {d}'s name was?", f"Which name did I say {d} has?"],
            [f"What did I call {d}?", f"How did I name {d}?", f"What name did I use for {d}?"]),
         f"{answer_det} {noun} is called {{v}}.", (noun,))
@@ -368,7 +398,7 @@ _ASK_CLOSERS = _t(["", "", "", "", " please", " again", " now", " :)"], ["", "",
                    [" thanks", " thank you", " haha", " pls", " quickly", " right now", " exactly",
                     " do you remember", " ;)", " for real"])
 _LIST = _t(["{a}, and {b}.", "{a}. {B}.", "{a}, {b} and {c}.", "{a}. {B}. {C}."],
-           ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and {c}."],
+           ["A few things: {a}; {b}.", "{a}. Also, {b}.", "{a}; {b}; and lastly {c}."],
            ["{a} - {b}.", "First, {a}. Second, {b}.", "{a}, {b}, and also {c}."],
            ["{a} and {b}.", "{a}, plus {b}.", "{a}. And {b}.", "{a}, {b}.", "{a}, {b}, {c}.",
             "{a} and {b}, and {c}.", "{a}! {B}!", "{a}, then {b}.", "Two facts: {a}, and {b}."])
@@ -404,8 +434,10 @@ _REQUESTS = _t(["Write a poem about {t}.", "Explain {t} to me.", "What is {a} ti
                 "List the pros and cons of {t}.", "Search the web for {t}.", "Fix my code."])
 
 
-# How a question for two facts joins them; the trained, dev and held-out chats use the first, `wide` all.
+# How a question for two facts joins them; the trained and dev chats use the first, `wide` all; held-out chats
+# their own, whose joining word no training join uses.
 _TWO_QUESTIONS = ("{a}, and {b}", "{a}{a_end} {B}", "{a} and {b}", "{a}, plus {b}")
+_TWO_QUESTIONS_HELDOUT = ("{a}{a_end} Also, {b}",)
 
 
 def _cap(text: str) -> str:
@@ -452,6 +484,12 @@ class Question:
     values: tuple[str, ...]  # the latest value of each key: what the answer must contain
     stated: str = "plain"  # how the (first) fact was told: STATED_FAMILIES
     asked: str = "plain"  # how the question is asked: ASKED_FAMILIES
+
+    @property
+    def values_seen_in_training(self) -> bool:
+        """Whether an answer is of a kind training chats use too: a birthday (a month and a day) or a meeting day (a
+        weekday), the only values the two splits share (SHARED_VALUE_FIELDS); the evaluation can report them apart."""
+        return any(slot_for(k).field in SHARED_VALUE_FIELDS for k in self.keys)
 
     @property
     def distance_bucket(self) -> str:
@@ -504,6 +542,7 @@ class _Writer:
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.never_told = never_told  # the weight of questions about something never told among out-of-scope prompts
         self.wide = wide and phrasing == "train"  # training chats draw on every group's `more` phrasings too
+        self.filler = _FILLER_HELDOUT if phrasing == "heldout" else _FILLER  # small talk
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -558,7 +597,7 @@ class _Writer:
         """Training noise, levels 2 (one edit) and 3-5 (two): a word of the sentence's frame (not a word of
         `protect`: the value and the words that say what is told or asked) replaced by a made-up one, a made-up
         word put in, a word left out, or a punctuation mark typed differently; so that a sentence built around
-        words the model never saw ("I reside in X", "Any idea what my ... is") is still read by what it is about
+        words the model never saw ("I reside in X", "Any clue about my ...") is still read by what it is about
         and where the value stands."""
         for _ in range(min(self.noise, 3) - 1):
             text = self._frame_edit(text, protect)
@@ -749,7 +788,10 @@ class _Writer:
         answers = [s.reply(self.known[k].value) for s, k in zip(slots, keys)]
         if kind == "multi":
             asks = [self.pick(s.asks).removeprefix("And ") for s in slots]
-            join = rng.choice(_TWO_QUESTIONS) if self.wide else _TWO_QUESTIONS[0]
+            if self.phrasing == "heldout":
+                join = _TWO_QUESTIONS_HELDOUT[0]
+            else:
+                join = rng.choice(_TWO_QUESTIONS) if self.wide else _TWO_QUESTIONS[0]
             question = self.with_frame_noise(join.format(a=asks[0][:-1], a_end=asks[0][-1], B=asks[1],
                                                          b=f"{asks[1][0].lower()}{asks[1][1:]}"),
                                              (*slots[0].keywords, *slots[1].keywords))
@@ -762,7 +804,7 @@ class _Writer:
                                            tuple(self.known[k].value for k in keys),
                                            self.known[keys[0]].stated, asked))
         self.last_single = None
-        return Round(_ask(question, position, rng), reply)
+        return Round(_ask(question, position, rng, self.filler), reply)
 
     def out_of_scope(self, i: int) -> Round:
         rng = self.rng
@@ -796,7 +838,7 @@ class _Writer:
         if self.noise and self.rng.random() < 0.15:  # a word the model never saw, said alone: not a fact
             words = [pseudo_word(self.rng) for _ in range(self.rng.choice((1, 1, 2)))]
             return Round(_cap(" ".join(words)) + self.rng.choice(("!", ".", "", " :)")), CHATTER_REPLY)
-        text = " ".join(self.rng.sample(_FILLER, self.rng.choice((1, 2))))
+        text = " ".join(self.rng.sample(self.filler, self.rng.choice((1, 2))))
         return Round(self.with_unknown_words(text), CHATTER_REPLY)
 
 
@@ -808,10 +850,10 @@ def _trailing_marks(word: str) -> str:
     return word[len(word.rstrip(".,?!:;")):]
 
 
-def _ask(question: str, position: str, rng: random.Random) -> str:
+def _ask(question: str, position: str, rng: random.Random, filler: list[str] = _FILLER) -> str:
     if position == "alone":
         return question
-    before, after = " ".join(rng.sample(_FILLER, 2)), " ".join(rng.sample(_FILLER, 2))
+    before, after = " ".join(rng.sample(filler, 2)), " ".join(rng.sample(filler, 2))
     if position == "begin":
         return f"{question} {before} {after}"
     if position == "end":
