@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_run import kvchat
 
-from kvchat.app.bench.fidelity import PolicyFidelity, compare, text_chats, text_fidelity
+from kvchat.app.bench.fidelity import PolicyFidelity, compare, forced_logits, text_chats, text_fidelity
 from kvchat.engine.policies import make_policy
 from kvchat.engine.train.synthetic import REFERENCE_MODELS
 
@@ -47,7 +47,14 @@ def test_full_against_itself_is_exact_and_round_policies_are_reported(embedded, 
     assert round_topk.overall.positions == n and 8 < n <= 24  # the last reply, cut at 24 tokens
     assert full.overall.kl == 0.0 and full.overall.agree == n
     assert round_topk.overall.kl > 0  # k=1 of many rounds: the upper layers lost something, and it shows
-    assert 0 < round_topk.overall.agree <= n
+    # The harness's figures against a count of our own over both policies' logits at the same reply positions
+    # (`agree <= n` alone holds for any count the harness could make).
+    (chat,) = text_chats(embedded, 700, 1, max_positions=24)
+    ref = forced_logits(embedded, makers["full"](), chat).float().log_softmax(-1)
+    got = forced_logits(embedded, makers["round-topk"](), chat).float().log_softmax(-1)
+    assert len(chat.reply) == n
+    assert round_topk.overall.agree == int((ref.argmax(-1) == got.argmax(-1)).sum())
+    assert round_topk.overall.kl == pytest.approx(float((ref.exp() * (ref - got)).sum()), rel=1e-3)
 
 
 def test_merged_layers_are_measured_and_named(embedded):

@@ -149,7 +149,7 @@ class RestoreRun:
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
         # The workers also finish each segment: merged on the CPU, or copied to the GPU through pinned buffers.
-        if self.engine.device.type == "cuda":
+        if HostToDevice.serves(self.engine.device):
             staging = HostToDevice.shared(self.engine.device)
             finish = lambda header, raw: staging.copy(raw)  # noqa: E731
         else:

@@ -54,6 +54,13 @@ def bottom_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: BottomR
                                           enable_gqa=enable_gqa)
 
 
+def mask_left_to_attention(device: torch.device) -> bool:
+    """Whether a prefill after cached tokens hands attention its causal mask as a BottomRightCausal (on CUDA, where
+    flash attention needs none in memory) rather than materialized. The tests turn it on for the CPU, where
+    bottom_right_causal_attention then materializes it itself."""
+    return device.type == "cuda"
+
+
 def attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tensor | None, window: int = 0):
     """Keys/values [Hkv, S, D] for new tokens in slots [start, start+T), and how to mask them.
 
@@ -78,7 +85,7 @@ def attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tens
         n_prev = attend.numel()
         if n_new == 1:
             return keys, values, None, False
-    if cache.kv.device.type == "cuda":
+    if mask_left_to_attention(cache.kv.device):
         # Run by flash attention without a [T, S] mask where it applies (a chunked prefill's later chunks, a message
         # over a long chat); a boolean mask costs a slower kernel.
         return keys, values, BottomRightCausal(n_new, n_prev + n_new), False

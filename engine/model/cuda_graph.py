@@ -8,7 +8,9 @@ device: one graph serves every length up to the cache's capacity, and is kept fo
 storage and the rotary table stay the same.
 
 `capture=False` runs the very same step without a graph (any device): the tests check the kernel path that way on
-the CPU, in Triton's interpreter.
+the CPU, in Triton's interpreter. CudaGraphs (`GRAPHS`) is the one place that calls CUDA's graph API: the tests
+replace it with a CPU stand-in that replays the captured operations (tests/graph_standin.py), so that the capture
+and replay bookkeeping runs without a GPU.
 
 The step runs over any DeviceKV (engine.kv.base): it binds to the tensors `cache.storage()` names.
 """
@@ -19,11 +21,10 @@ import weakref
 from typing import Callable
 
 import torch
-from torch import Tensor
-
 from kvchat.engine.kv.base import DeviceKV
 from kvchat.engine.model.attention import DecodeStep
 from kvchat.engine.model.decoder import Transformer
+from torch import Tensor
 
 
 class StepInputs:
@@ -54,6 +55,32 @@ class StepInputs:
         self.values[2 + 2 * cache : 4 + 2 * cache].copy_(torch.tensor([slot, slot + 1]))
 
 
+class CudaGraphs:
+    """How Replay captures: two warm-up runs on a side stream, then the capture into a torch.cuda.CUDAGraph, whose
+    replay() reruns the captured kernels on the same tensors. The one place that touches CUDA's graph API, so that
+    the tests can put a stand-in in its place (`GRAPHS`) and run the capture and replay bookkeeping on the CPU."""
+
+    def takes(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def capture(self, fn: Callable[[], object], device: torch.device) -> tuple[object, object]:
+        """(a graph with replay(), fn's outputs: the tensors every replay writes)."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up runs (they really execute: callers point them at harmless slots)
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn()
+        return graph, outputs
+
+
+GRAPHS = CudaGraphs()
+
+
 class Replay:
     """`fn` (no arguments, device tensors in and out) captured in a CUDA graph and replayed, or with capture=False
     simply called."""
@@ -62,18 +89,9 @@ class Replay:
         self.fn, self.graph, self.outputs = fn, None, None
         if not capture:
             return
-        if device.type != "cuda":
+        if not GRAPHS.takes(device):
             raise ValueError("CUDA graphs need a CUDA model")
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up runs (they really execute: callers point them at harmless slots)
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = fn()
+        self.graph, self.outputs = GRAPHS.capture(fn, device)
 
     def __call__(self):
         if self.graph is None:
