@@ -12,6 +12,7 @@ from cli_run import kvchat
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.text.chat_format import ChatFormat
 from kvchat.app.bench.floor import matmul_params, recompute_flops, resume_floor
+from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.reader import GGUFFile
 from kvchat.engine.train.synthetic import SHAPES
 from kvchat.engine.text.tokenizer import Tokenizer
@@ -102,11 +103,20 @@ def test_every_method_reports_every_figure(small_run):
     assert 1800 <= two_k["tokens"] <= 2300 and two_k["floor"]["seconds"] > 0
     methods = {m["method"]: m for m in two_k["methods"]}
     assert list(methods) == ["prefill", "kv-load", "kv-split", "llama.cpp", "policy:round@2"]
+    # The floor from its inputs (the probes' rates, the chat's K/V bytes and the model's recompute FLOPs), not the
+    # figure the run stored: each ratio is then checked against what it claims to measure.
+    probes = results["floor_probes"]
+    flops = recompute_flops(ModelConfig.from_gguf(GGUFFile(DEFAULT_MODEL)), two_k["tokens"])
+    floor = resume_floor(two_k["kv_disk_bytes"], flops, probes["disk_read_mb_s"], probes["host_to_device_gb_s"],
+                         probes["matmul_tflops"])
+    assert two_k["floor"]["seconds"] == pytest.approx(floor.seconds) and two_k["floor"]["bound"] == floor.bound
     for name, m in methods.items():
         assert m["status"] == "ok", (name, m["status"])
         assert m["ttft_cold_s"] > 0 and m["ttft_warm_s"] > 0 and m["decode_tok_s"] > 0
         assert ("decode_setup_warm_s" in m) == (name != "llama.cpp")
-        assert m["floor_ratio_warm"] == pytest.approx(m["ttft_warm_s"] / two_k["floor"]["seconds"])
+        assert m["floor_ratio_warm"] == pytest.approx(m["ttft_warm_s"] / floor.seconds)
+        assert m["floor_ratio_cold"] == pytest.approx(m["ttft_cold_s"] / floor.seconds)
+        assert m["floor_ratio_warm"] > 1  # no way of resuming beats what the disk and the matmul units allow
         assert m["recall"]["questions"] >= 2 and m["recall"]["correct"] >= 1
         assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m
         if name != "llama.cpp":
@@ -148,3 +158,87 @@ def test_plot_refuses_other_json(tmp_path):
     bad.write_text('{"a": 1}')
     proc = kvchat("bench", "plot", str(bad), check=False)
     assert proc.returncode == 1 and proc.stderr.strip() == f"kvchat: error: {bad} is not the JSON of `kvchat bench --json`"
+
+
+# ---------------------------------------------------------------- kv-merge: which path a figure came from
+
+
+@pytest.mark.parametrize("model, checked", [("llama-3.1-8b", False), ("qwen2.5-0.5b", False),
+                                            ("gemma-3-270m", True), ("embedded", True)])
+def test_kv_merge_runs_the_users_path_on_real_models_and_labels_the_other(monkeypatch, model, checked):
+    """A real model's kv-merge is `kvchat merge` (the model's check, Krul's gamma); a random-weight shape's turns the
+    check off at gamma 0, and its result and every table say so, so that figure is never read as the user's."""
+    import kvchat.app.session.chat as chat_module
+    import kvchat.app.session.merges as merges_module
+    import kvchat.storage.fingerprint as fingerprint_module
+    from kvchat.app.bench.resume_engine import MERGE_SHARE, _merged_copy
+    from kvchat.app.bench.resume_tables import markdown, method_label, result_line
+    from kvchat.engine.kv.cross_layer import LayerPair
+    from kvchat.engine.policies.merge_selection import GAMMA
+
+    made = {}
+
+    class Merges:  # records how kv-merge built the chat's merging
+        def __init__(self, store, sid, engine, fingerprint, r_l, checked=True, gamma=GAMMA, **rest):
+            made.update(sid=sid, r_l=r_l, checked=checked, gamma=gamma, rest=rest)
+            self.allowed = [LayerPair(6, 7), LayerPair(0, 3)] if checked else None
+
+        def pairs(self):
+            return self.allowed or [LayerPair(0, 4), LayerPair(3, 11)]
+
+    class Session:
+        writer = type("Writer", (), {"errors": []})()
+
+        def __init__(self, store, engine, sid, merges=None):
+            assert merges is not None and sid == "fork"
+
+        def restore(self):
+            pass
+
+        def store_merged(self):
+            return 11
+
+        def close(self):
+            pass
+
+    class Store:
+        def fork_session(self, sid, rounds, title):
+            return "fork"
+
+        def rounds(self, sid):
+            return [None] * 11
+
+        def segments(self, sid):
+            return [{"byte_size": 780}, {"byte_size": 0}]
+
+    monkeypatch.setattr(merges_module, "ChatMerges", Merges)
+    monkeypatch.setattr(chat_module, "ChatSession", Session)
+    monkeypatch.setattr(fingerprint_module, "model_fingerprint", lambda path, store=None: "fp")
+    engine = type("Engine", (), {"path": "model.gguf"})()
+    fork, figures = _merged_copy(Store(), engine, "chat", model)
+    assert fork == "fork" and made["r_l"] == MERGE_SHARE and made["rest"] == {}
+    assert made["checked"] is checked and figures["merge_checked"] is checked
+    assert made["gamma"] == figures["merge_gamma"] == (GAMMA if checked else 0.0)
+    assert figures["merge_check_accepted"] == (["6+7", "0+3"] if checked else None)
+    assert figures["merge_disk_bytes"] == 780 and figures["merge_rounds"] == 11
+
+    label = "kv-merge (checked)" if checked else "kv-merge (unchecked, γ=0)"
+    m = {"method": "kv-merge", "status": "ok", **figures, "ttft_cold_s": 0.2, "ttft_warm_s": 0.1,
+         "bytes_on_disk": 780, "bytes_per_token": 0.39, "decode_tok_s": 10.0, "reply_tokens": [1]}
+    load = {**m, "method": "kv-load", "bytes_on_disk": 1000, "bytes_per_token": 0.5}
+    for key in [k for k in m if k.startswith("merge_")]:
+        del load[key]
+    assert method_label(m) == label and method_label(load) == "kv-load"
+    line = result_line(model, "2k", m, None)
+    assert f"{model} 2k {label}:" in line
+    assert ("the check accepted 6+7, 0+3" in line) == checked
+    results = {"date": "2026-11-26", "machine": {"device": "2-core CPU", "torch": "x", "llama_cpp_python": "x",
+                                                 "llama_cpp_build": "CPU"},
+               "settings": {"dtype": "float32", "repeats": 1, "reply_tokens": 32},
+               "floor_probes": {"disk_read_mb_s": 1.0, "disk_cold": False, "host_to_device_gb_s": None,
+                                "matmul_tflops": 1.0, "dtype": "float32"},
+               "models": [{"model": model, "workloads": [{"workload": "2k", "tokens": 2000, "rounds": 11,
+                                                          "methods": [load, m]}]}]}
+    table = markdown(results)
+    assert f"| {label} |" in table and f"- 2k: {label} stores 0.780× kv-load's bytes" in table
+    assert ("unchecked" in table) != checked

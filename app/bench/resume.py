@@ -9,9 +9,11 @@ model already loaded and warmed up:
 - kv-split    the restore pipeline: the chat compacted for this machine (kvchat compact), its first rounds
               recomputed while the rest loads, as planned from this machine's measured profile, then answer;
 - llama.cpp   llama.cpp's own state file (llama_state_load_file) on the same GGUF file, then answer;
-- kv-merge    the chat stored with layer pairs merged (Krul; r_l = 0.5: checked pairs on real models, Algorithm 1's
-              own ranking of every layer on random weights, where neither the check nor the I-R test means
-              anything), restored as kv-load, then answer;
+- kv-merge    the chat stored with layer pairs merged (Krul; r_l = 0.5), restored as kv-load, then answer. On real
+              models (embedded, gemma-3-270m) the user's path, `kvchat merge`: only pairs the model's check
+              accepted, at Krul's gamma. On random weights, where neither the check nor the I-R test means
+              anything, the check is off and gamma 0 (Algorithm 1's ranking of every layer): not a path any user
+              gets, so its results say `merge_checked: false` and the tables call it "kv-merge (unchecked, γ=0)";
 - policy:NAME restore as kv-load, then answer under the KV policy NAME (what the new message may attend to;
               krul is measured as kv-merge).
 
@@ -106,7 +108,6 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
     """Runs every child process and returns the results (what --json writes); `checkpoint` gets them after every
     workload, so a run stopped at a time limit keeps what it finished."""
     import torch
-
     from kvchat.app.bench import floor as fl
     from kvchat.app.bench.engine_speed import drop_page_cache, model_file
     from kvchat.app.bench.storage import _disk_read_mb_s

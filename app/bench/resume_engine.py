@@ -15,7 +15,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvchat.app.bench.resume_common import RECALL_TOKENS, REPLY_TOKENS, evict_files, load_workload, recall_ok, summarize
+from kvchat.app.bench.resume_common import (
+    RECALL_TOKENS,
+    REPLY_TOKENS,
+    evict_files,
+    load_workload,
+    recall_ok,
+    summarize,
+)
 from kvchat.engine.timing import sync
 from kvchat.errors import KvchatError
 
@@ -113,7 +120,6 @@ def _warm_up(engine) -> None:
 def _run_engine(spec: dict) -> dict:
     """prefill, kv-load or policy:NAME: the cold run, then the repeats, then (memory chats) the recall questions."""
     import torch
-
     from kvchat.app.session.chat import ChatSession
     from kvchat.engine.generate import generate, prefill
     from kvchat.engine.kv.tiered import TieredKV
@@ -261,20 +267,31 @@ def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:
         "split_profile": profile.to_dict()}
 
 
+def merge_settings(model: str) -> dict:
+    """How kv-merge merges on `model`. On every real model (the embedded one, gemma-3-270m): as `kvchat merge` does
+    for a user, only pairs the model's check accepted, chosen by Krul's I-R test at its gamma. On a random-weight
+    shape: the check off and gamma 0 -- random weights attend almost uniformly, so no layer shows the I-R pattern and
+    the statistics only rank pairs, at the share asked for. That is not a path any user gets: its figures are of
+    speed and bytes only, and every table labels them "unchecked" (resume_tables.method_label)."""
+    from kvchat.engine.policies.merge_selection import GAMMA
+    from kvchat.engine.train.synthetic import SHAPES
+
+    checked = model not in SHAPES
+    return {"checked": checked, "gamma": GAMMA if checked else 0.0}
+
+
 def _merged_copy(store, engine, sid: str, model: str) -> tuple[str, dict]:
     """kv-merge's chat: the stored chat forked and stored again with layer pairs merged (kvchat merge)."""
     from kvchat.app.session.chat import ChatSession
     from kvchat.app.session.merges import ChatMerges
-    from kvchat.engine.train.synthetic import SHAPES
     from kvchat.storage.fingerprint import model_fingerprint
 
     t0 = time.perf_counter()
     fork = store.fork_session(sid, len(store.rounds(sid)), "kv-merge")
-    checked = model not in SHAPES
-    # Random weights attend almost uniformly, so no layer shows Krul's I-R pattern and the statistics only rank
-    # pairs (gamma 0): the figures are of speed and bytes, at the share asked for.
+    how = merge_settings(model)
+    checked = how["checked"]
     merges = ChatMerges(store, fork, engine, model_fingerprint(Path(engine.path), store), MERGE_SHARE,
-                        checked=checked, **({} if checked else {"gamma": 0.0}))
+                        checked=checked, gamma=how["gamma"])
     session = ChatSession(store, engine, fork, merges=merges)
     session.restore()
     merged = session.store_merged()
@@ -283,6 +300,9 @@ def _merged_copy(store, engine, sid: str, model: str) -> tuple[str, dict]:
         raise KvchatError(f"storing the merged chat failed: {session.writer.errors[0]}")
     return fork, {"merge_disk_bytes": sum(s["byte_size"] for s in store.segments(fork)), "merge_rounds": merged,
                   "merge_pairs": [str(p) for p in merges.pairs()], "merge_checked": checked,
+                  "merge_gamma": how["gamma"],
+                  # the pairs the model's check accepted (its merge calibration); None: no check (random weights)
+                  "merge_check_accepted": [str(p) for p in merges.allowed] if checked else None,
                   "merge_share": MERGE_SHARE, "merge_s": time.perf_counter() - t0}
 
 

@@ -6,6 +6,17 @@ from __future__ import annotations
 from kvchat.app.bench.resume_common import LLAMA_CPP
 
 
+def method_label(m: dict) -> str:
+    """A method's name as the log and the tables show it. kv-merge says which path its figure came from: "checked"
+    is what `kvchat merge` does for a user (only pairs the model's check accepted); "unchecked, γ=0" is the
+    random-weight benchmarks' path (check off, Krul's I-R test off), never a figure of what a user gets."""
+    if m.get("method") != "kv-merge" or "merge_checked" not in m:
+        return m["method"]
+    if m["merge_checked"]:
+        return "kv-merge (checked)"
+    return f"kv-merge (unchecked, γ={m.get('merge_gamma', 0.0):g})"
+
+
 def result_line(model: str, wl: str, m: dict, floor: dict | None) -> str:
     if m.get("status") != "ok":
         return f"{model} {wl} {m['method']}: {m.get('status')}"
@@ -14,7 +25,9 @@ def result_line(model: str, wl: str, m: dict, floor: dict | None) -> str:
             f"ms)" if "split_plan" in m else "")
     if "merge_pairs" in m:
         plan = f"; layers {', '.join(m['merge_pairs']) or 'none'} merged in {m['merge_rounds']} rounds"
-    return (f"{model} {wl} {m['method']}: first token {1000 * m['ttft_cold_s']:,.0f} ms cold, "
+        if m.get("merge_check_accepted") is not None:
+            plan += f" (the check accepted {', '.join(m['merge_check_accepted']) or 'no pair'})"
+    return (f"{model} {wl} {method_label(m)}: first token {1000 * m['ttft_cold_s']:,.0f} ms cold, "
             f"{1000 * m['ttft_warm_s']:,.0f} ms warm{ratio}; {m['bytes_per_token']:,.0f} B/token on disk; "
             f"decode {m['decode_tok_s']:,.1f} tok/s{_setup_words(m)}{plan}")
 
@@ -63,12 +76,30 @@ def markdown(results: dict) -> str:
                 rec = mm.get("recall")
                 recall = "" if not rec else f"{rec['correct']}/{rec['questions']}"
                 ratio = f"{mm['floor_ratio_warm']:,.1f}" if "floor_ratio_warm" in mm else ""
-                lines.append(f"| {wl} | {mm['method']} | {_ms(mm['ttft_cold_s'])} | {_ms(mm['ttft_warm_s'])} | "
+                lines.append(f"| {wl} | {method_label(mm)} | {_ms(mm['ttft_cold_s'])} | {_ms(mm['ttft_warm_s'])} | "
                              f"{ratio} | {mm['bytes_per_token']:,.0f} | {mm['decode_tok_s']:,.1f} | {gpu} | "
                              f"{agree} | {recall} |")
         lines.append("")
+        lines += _merge_lines(entry)
         lines += _pipeline_table(entry)
     return "\n".join(lines)
+
+
+def _merge_lines(entry: dict) -> list[str]:
+    """kv-merge's bytes on disk against kv-load's of the same chat, each labelled with the path it came from."""
+    out = []
+    for row in entry["workloads"]:
+        by = {m["method"]: m for m in row.get("methods", []) if m.get("status") == "ok"}
+        merge, load = by.get("kv-merge"), by.get("kv-load")
+        if merge is None or load is None or not load["bytes_on_disk"]:
+            continue
+        accepted = merge.get("merge_check_accepted")
+        check = "" if accepted is None else f"; the check accepted {', '.join(accepted) or 'no pair'}"
+        ratio = merge["bytes_on_disk"] / load["bytes_on_disk"]
+        pairs = ", ".join(merge.get("merge_pairs") or []) or "none"
+        out.append(f"- {row['workload']}: {method_label(merge)} stores {ratio:.3f}× kv-load's bytes (layers {pairs} "
+                   f"merged in {merge.get('merge_rounds', 0)} rounds{check})")
+    return [*out, ""] if out else []
 
 
 def _pipeline_table(entry: dict) -> list[str]:
