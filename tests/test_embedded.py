@@ -34,8 +34,10 @@ def test_every_command_defaults_to_it():
 
 
 def test_it_remembers_across_rounds(engine):
-    result = evaluate(engine, make_policy("full"), heldout_chats(2, 7, 24, 28))
-    assert result.accuracy >= 0.8, result.failures[:3]
+    """In the phrasings it was trained on (held-out values), as the app answers: 16 of 17, pinned (2026-11-26, CPU;
+    tests/test_recall_pinned.py pins held-out phrasings under each chat policy)."""
+    result = evaluate(engine, make_policy("full"), heldout_chats(2, 7, 24, 28), mode="app")
+    assert (result.overall.questions, result.overall.correct) == (17, 16), result.failures[:3]
 
 
 def test_same_greedy_answers_as_llama_cpp(engine):

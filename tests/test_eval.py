@@ -6,23 +6,30 @@ import json
 
 import pytest
 from cli_run import kvchat
-
-from kvchat.engine.engine import Engine
 from kvchat.app.bench.evaluate import evaluate, heldout_chats
+from kvchat.engine.engine import Engine
 from kvchat.engine.policies import POLICIES, make_policy
+from kvchat.engine.text.chat_format import Conversation
 from kvchat.errors import KvchatError
 
 
+@pytest.mark.parametrize("mode", ["app", "compare"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_every_policy_runs_the_same_chats(models, name):
+def test_every_policy_runs_the_same_chats(models, name, mode):
     engine = Engine(models.get(style="chatml", arch="qwen2"), device="cpu")
     chats = heldout_chats(2, 0, 6, 8)
     # calibrations have their own tests
     options = {"watershed": 0} if "round" in name else {"checked": False} if name == "krul" else {}
-    result = evaluate(engine, make_policy(name, engine, **options), chats, max_new_tokens=4)
+    result = evaluate(engine, make_policy(name, engine, **options), chats, max_new_tokens=4, mode=mode)
     assert result.overall.questions == sum(len(c.questions) for c in chats) > 0
-    for table in (result.by_kind, result.by_position, result.by_distance, result.by_stated, result.by_asked):
+    for table in (result.by_kind, result.by_position, result.by_distance, result.by_stated, result.by_asked,
+                  result.by_repeat, result.by_values):
         assert sum(t.questions for t in table.values()) == result.overall.questions
+    # app mode answers every round (the others' replies tallied apart); compare mode only the scored ones
+    scored = result.overall.questions + result.out_of_scope.questions
+    answered = sum(len(c.rounds) for c in chats) if mode == "app" else scored
+    assert sum(result.stop_reasons.values()) == answered
+    assert result.other_replies.questions == answered - scored
     assert result.out_of_scope.questions == sum(len(c.out_of_scope) for c in chats)
     assert result.tokens > 0 and result.min_chat_rounds >= 6
     # a random model answers out-of-scope prompts impolitely: each such failure names the prompt that got it
@@ -79,17 +86,54 @@ def test_eval_passes_policy_options_and_refuses_bad_ones_in_one_line(models):
 
 def test_the_demo_model_is_scored_on_held_out_phrasings_and_out_of_scope_prompts():
     """A random model answers nothing politely; the shipped one does, and its replies stay under the cap."""
+    from kvchat.app.bench.evaluate import sample_replies
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.data.dialogues import POLITE_REPLIES
-    from kvchat.app.bench.evaluate import sample_replies
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
     chats = heldout_chats(3, 4, 16, 20, phrasing="heldout")
     assert {c.phrasing for c in chats} == {"heldout"}
-    result = evaluate(engine, make_policy("full"), chats)
-    assert result.out_of_scope.questions >= 5 and result.out_of_scope.accuracy >= 0.6
-    assert result.accuracy >= 0.4 and result.longest_reply <= 40
+    result = evaluate(engine, make_policy("full"), chats, mode="compare")
+    # pinned (2026-11-26, CPU): polite to 12 of its 13 out-of-scope prompts; its recall on these short held-out
+    # chats is 2 of 13 (the held-out small talk around a question defeats it: docs/embedded-model.md), pinned under
+    # each chat policy in tests/test_recall_pinned.py
+    assert (result.out_of_scope.questions, result.out_of_scope.correct) == (13, 12)
+    assert (result.overall.questions, result.overall.correct) == (13, 2) and result.longest_reply <= 40
     assert sum(result.stop_reasons.values()) == result.overall.questions + result.out_of_scope.questions
     samples = sample_replies(engine, chats, 12, temperature=0.8)
     assert samples.replies == 12 and samples.reply_cap == 40 and samples.longest <= 80
     assert samples.looped <= samples.replies and POLITE_REPLIES
+
+
+def test_report_runs_the_report_sets_and_refuses_a_seed_beside_it(models):
+    from kvchat.app.bench.evaluate import REPORT_SEEDS, report_chats
+
+    model = str(models.get(style="chatml", arch="qwen2"))
+    base = ["eval", "--model", model, "--chats", "1", "--min-rounds", "4", "--max-rounds", "5", "--min-tokens", "0",
+            "--device", "cpu", "--report"]
+    proc = kvchat(*base, "--json", check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["seeds"] == list(REPORT_SEEDS) and out["chats"] == len(REPORT_SEEDS) and out["mode"] == "app"
+    expected = report_chats(1, 4, 5)
+    assert out["questions"] == sum(len(c.questions) for c in expected)
+    # the report seeds are not the development sets, and the chats differ from --seed 0's
+    assert min(REPORT_SEEDS) > 1000 and expected[0].rounds != heldout_chats(1, 0, 4, 5, phrasing="heldout")[0].rounds
+    proc = kvchat(*base, "--seed", "3", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == "kvchat: error: --report and --seed both name the chats: give one"
+
+
+def test_app_mode_keeps_the_models_own_replies_compare_mode_the_expected_ones(models):
+    """A random model's replies are wrong: kept (app mode), the chat the later rounds are asked in holds them, so
+    the tokens read differ from compare mode's, which holds the expected replies."""
+    from kvchat.engine.data.dialogues import dialogues
+
+    engine = Engine(models.get(style="chatml", arch="qwen2"), device="cpu")
+    chats = dialogues("heldout", 1, 0, 6, 6, "heldout")
+    app = evaluate(engine, make_policy("full"), chats, max_new_tokens=4, mode="app")
+    compare = evaluate(engine, make_policy("full"), chats, max_new_tokens=4, mode="compare")
+    scripted = sum(len(s) for s in engine.chat.round_spans(Conversation(chats[0].rounds, chats[0].system)))
+    assert compare.min_chat_tokens == scripted != app.min_chat_tokens
+    assert app.other_replies.questions > 0 and app.other_replies.correct == 0
+    with pytest.raises(ValueError, match="unknown mode 'free'"):
+        evaluate(engine, make_policy("full"), chats, mode="free")

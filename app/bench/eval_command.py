@@ -27,7 +27,15 @@ def register(main: click.Group, model_option, to_device) -> None:
                   type=click.Choice(EVAL_POLICIES),
                   help="Which KV cache the questions are answered from.")
     @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
-    @click.option("--seed", default=0, show_default=True, type=int, help="Which held-out chats (deterministic).")
+    @click.option("--mode", default="app", show_default=True, type=click.Choice(["app", "compare"]),
+                  help="app: recall as the app answers (every reply the model's own, kept in the chat); compare: "
+                       "policy comparison (only questions answered, each rolled back to the expected reply, so every "
+                       "policy sees the identical chat).")
+    @click.option("--seed", default=0, show_default=True, type=int,
+                  help="Which held-out chats (deterministic). 0 and the other small seeds are development sets.")
+    @click.option("--report", "report", is_flag=True,
+                  help="The report sets instead of --seed: --chats chats from each of the four seeds drawn once for "
+                       "the figures docs/embedded-model.md reports (never to choose anything on).")
     @click.option("--min-rounds", default=44, show_default=True, type=click.IntRange(min=2))
     @click.option("--max-rounds", default=52, show_default=True, type=click.IntRange(min=2))
     @click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(min=0),
@@ -60,11 +68,18 @@ def register(main: click.Group, model_option, to_device) -> None:
                   help="An option of the policy --kv-policy names (e.g. pool=1 for loopserve); repeatable.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
     @click.pass_context
-    def eval_(ctx, model_path, policy_name, chats, seed, min_rounds, max_rounds, min_tokens, device, watershed,
+    def eval_(ctx, model_path, policy_name, mode, chats, seed, report, min_rounds, max_rounds, min_tokens, device, watershed,
               r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json) -> None:
         """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
         how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
-        from kvchat.app.bench.evaluate import evaluate, heldout_chats, sample_replies
+        from kvchat.app.bench.evaluate import (
+            MODE_TITLES,
+            REPORT_SEEDS,
+            evaluate,
+            heldout_chats,
+            report_chats,
+            sample_replies,
+        )
         from kvchat.app.chats import calibrating
         from kvchat.app.session.policies import build_policy
         from kvchat.engine.engine import Engine
@@ -81,13 +96,16 @@ def register(main: click.Group, model_option, to_device) -> None:
                        lambda name: _policy_options(name, watershed, r_l, unchecked, given), lengths, positions,
                        as_json, to_device)
             return
+        if report and ctx.get_parameter_source("seed") != click.core.ParameterSource.DEFAULT:
+            raise KvchatError("--report and --seed both name the chats: give one")
         if max_rounds < min_rounds:
             raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
         engine = Engine(model_path, device=to_device(device))
         policy = build_policy(policy_name, engine, calibrating,
                               **_policy_options(policy_name, watershed, r_l, unchecked, given))
         try:
-            dialogues = heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
+            dialogues = report_chats(chats, min_rounds, max_rounds, engine, min_tokens, phrasing) if report else \
+                heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
         except ValueError as exc:
             raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
 
@@ -95,8 +113,9 @@ def register(main: click.Group, model_option, to_device) -> None:
             if not as_json:
                 click.echo(f"\r{done}/{total} chats", nl=False, err=True)
 
-        result = evaluate(engine, policy, dialogues, progress=progress)
+        result = evaluate(engine, policy, dialogues, progress=progress, mode=mode)
         d = result.as_dict() | ({"options": given} if given else {})
+        d["seeds"] = list(REPORT_SEEDS) if report else [seed]
         if samples:
             more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
             d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=None if as_json else (
@@ -105,13 +124,21 @@ def register(main: click.Group, model_option, to_device) -> None:
             click.echo(json.dumps(d))
             return
         click.echo("", err=True)
-        click.echo(f"model {model_path}  policy {policy_name}  device {result.device}")
-        click.echo(f"accuracy {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over {d['chats']} chats of "
-                   f">= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
+        sets = "report sets" if report else f"set {seed}" + (" (a development set)" if seed < 8 else "")
+        click.echo(f"model {model_path}  policy {policy_name}  device {result.device}  {sets}")
+        click.echo(f"recall {MODE_TITLES[mode]}: {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over "
+                   f"{d['chats']} chats of >= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "
                    f"(mean {d['mean_chat_tokens']:.0f}); {d['tokens_per_second']:.0f} tokens/s")
+        if mode == "compare":
+            click.echo("  (expected replies fed back after each question: for comparing KV policies on identical "
+                       "chats; --mode app gives recall as a user gets it)")
+        else:
+            other = d["other_replies"]
+            click.echo(f"  (every reply the model's own and kept; {other['as_expected']}/{other['replies']} replies to "
+                       f"statements and small talk as the chat expected)")
         if "merged_layer_fraction" in d:
             click.echo(f"layers merged: {d['merged_layer_fraction']:.1%} of the model's, on average at a question")
-        for title in ("by_kind", "by_position", "by_distance", "by_stated", "by_asked"):
+        for title in ("by_repeat", "by_values", "by_kind", "by_position", "by_distance", "by_stated", "by_asked"):
             cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in d[title].items())
             click.echo(f"{title.replace('_', ' ')}: {cells}")
         oos = d["out_of_scope"]

@@ -1,14 +1,21 @@
 """Recall accuracy on held-out memory dialogues: the same chats, the same questions, for every KV policy.
 
-Each chat is fed round by round into one KV cache. At a question round the open round (user message and the
-assistant header) is prefilled under the policy and the reply generated greedily, under the generation guard as a
-user gets it; it is correct when it equals the expected reply exactly. The cache is then rolled back and the round
-appended with its expected reply, so every policy sees the identical chat.
+Each chat is fed round by round into one KV cache, in one of two modes:
 
-Recall is reported per question kind, position, distance, and phrasing family (how the fact was told, how the
-question was asked). Out-of-scope prompts (greetings, thanks, requests, questions about something never told) are
-scored too: a reply counts as polite when it is one of the demo model's fixed short replies. `sample_replies`
-samples replies at a temperature with the guard off, to count the ones that loop or run past the cap.
+- **app** ("as the app answers", the headline): the model answers every round, greedily and under the generation
+  guard as a user gets it, and its own reply stays in the chat, settled into the cache as `ChatSession.send` does.
+  A wrong early reply is in the chat that later questions are asked in, as it would be for a user.
+- **compare** ("policy comparison"): only question and out-of-scope rounds are answered; the cache is then rolled
+  back and the round appended with its *expected* reply, so every policy sees the identical chat. This isolates
+  what a KV policy costs, but it feeds the model answers it may not have given: in about a third of held-out
+  questions the expected reply is already in the chat as an earlier expected reply.
+
+A question counts when the reply equals the expected one exactly. Recall is reported per question kind, position,
+distance and phrasing family, apart for *repeated* questions (the same expected reply was an earlier round's) and
+for questions whose values training chats also use (weekdays and months). Out-of-scope prompts (greetings, thanks,
+requests, questions about something never told) are scored too: a reply counts as polite when it is one of the
+demo model's fixed short replies. `sample_replies` samples replies at a temperature with the guard off, to count
+the ones that loop or run past the cap.
 """
 
 from __future__ import annotations
@@ -25,7 +32,16 @@ from kvchat.engine.kv.tiered import TieredKV
 from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard, repeating_tail
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.text.chat_format import Conversation, Round
+
+# How a chat is fed: the model's own replies kept (what a user gets), or the expected ones fed back.
+MODES = ("app", "compare")
+MODE_TITLES = {"app": "as the app answers", "compare": "policy comparison"}
+# The report sets: four held-out seeds drawn at random on 2026-11-26 (Python's `secrets`), after every set looked
+# at before (0-7) had been used to choose something. Each shipped model gets one figure on them, taken once it is
+# chosen; nothing is ever chosen on them. `kvchat eval --report` runs them; the default --seed 0 is a development
+# set. docs/embedded-model.md ("Which sets chose what") keeps the record.
+REPORT_SEEDS = (53296, 87351, 387785, 874335)
 
 
 @dataclass
@@ -54,6 +70,12 @@ class EvalResult:
     by_distance: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
     by_stated: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
     by_asked: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    # "first": the expected reply was no earlier round's; "repeated": it was (the same question asked again).
+    by_repeat: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    # "held-out": every value is one training chats never use; "seen-in-training": a weekday or month.
+    by_values: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    # app mode: the replies to every other round (statements, small talk) equal to the chat's expected reply.
+    other_replies: Tally = field(default_factory=Tally)
     # Out-of-scope prompts: `correct` counts polite replies (one of POLITE_REPLIES), per kind and in all.
     out_of_scope: Tally = field(default_factory=Tally)
     out_of_scope_by_kind: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
@@ -62,6 +84,7 @@ class EvalResult:
     longest_reply: int = 0  # tokens of the longest reply of all
     stop_reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     phrasing: str = "train"
+    mode: str = "app"
     tokens: int = 0
     seconds: float = 0.0
     min_chat_rounds: int = 0
@@ -82,7 +105,7 @@ class EvalResult:
             return {k: {"questions": v.questions, "correct": v.correct, "accuracy": round(v.accuracy, 4)}
                     for k, v in sorted(t.items(), key=lambda kv: _sort_key(kv[0]))}
 
-        plain = ("model", "policy", "device", "phrasing", "chats", "tokens", "seconds", "min_chat_rounds",
+        plain = ("model", "policy", "device", "mode", "phrasing", "chats", "tokens", "seconds", "min_chat_rounds",
                  "min_chat_tokens", "mean_chat_tokens", "longest_reply", "failures")
         d = {k: getattr(self, k) for k in plain}
         if self.kv_fractions:
@@ -94,7 +117,10 @@ class EvalResult:
                 "correct": self.overall.correct, **d, "tokens_per_second": round(self.tokens_per_second, 1),
                 "by_kind": table(self.by_kind), "by_position": table(self.by_position),
                 "by_distance": table(self.by_distance), "by_stated": table(self.by_stated),
-                "by_asked": table(self.by_asked),
+                "by_asked": table(self.by_asked), "by_repeat": table(self.by_repeat),
+                "by_values": table(self.by_values),
+                **({"other_replies": {"replies": self.other_replies.questions,
+                                      "as_expected": self.other_replies.correct}} if self.mode == "app" else {}),
                 "out_of_scope": {"prompts": self.out_of_scope.questions, "polite": self.out_of_scope.correct,
                                  "polite_rate": round(self.out_of_scope.accuracy, 4),
                                  "expected_reply": self.out_of_scope_expected,
@@ -117,6 +143,13 @@ def _sort_key(label: str) -> tuple:
     return (int(digits), label) if digits else (0, label)
 
 
+def report_chats(count: int, min_rounds: int, max_rounds: int, engine: Engine | None = None, min_tokens: int = 0,
+                 phrasing: str = "heldout") -> list[Dialogue]:
+    """`count` held-out chats from each report set (REPORT_SEEDS), in order."""
+    return [dlg for seed in REPORT_SEEDS
+            for dlg in heldout_chats(count, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)]
+
+
 def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int, engine: Engine | None = None,
                   min_tokens: int = 0, phrasing: str = "train") -> list[Dialogue]:
     """`count` held-out chats (held-out values, in `phrasing`'s sentences); with `engine` and `min_tokens`, only
@@ -134,12 +167,17 @@ def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int, engin
 
 
 def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_tokens: int = 64,
-             progress: Callable[[int, int], None] | None = None, guard: ReplyGuard = ReplyGuard()) -> EvalResult:
-    result = EvalResult(engine.path, policy.name, str(engine.device), len(chats))
+             progress: Callable[[int, int], None] | None = None, guard: ReplyGuard = ReplyGuard(),
+             mode: str = "app") -> EvalResult:
+    """Recall over `chats` under `policy`, in `mode` (MODES: "app" keeps the model's own replies, "compare" feeds
+    the expected ones back)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (accepted: {', '.join(MODES)})")
+    result = EvalResult(engine.path, policy.name, str(engine.device), len(chats), mode=mode)
     result.phrasing = chats[0].phrasing if chats else "train"
     lengths, started = [], time.perf_counter()
     for n, dlg in enumerate(chats):
-        lengths.append(_run_chat(engine, policy, dlg, max_new_tokens, result, guard))
+        lengths.append(_run_chat(engine, policy, dlg, max_new_tokens, result, guard, own_replies=mode == "app"))
         if progress:
             progress(n + 1, len(chats))
     result.seconds = time.perf_counter() - started
@@ -150,22 +188,27 @@ def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_to
 
 
 def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, result: EvalResult,
-              guard: ReplyGuard) -> int:
-    """Tiered policies run on a TieredKV, where every round (asked or not) is read under the policy, as in a chat."""
+              guard: ReplyGuard, own_replies: bool) -> int:
+    """Tiered policies run on a TieredKV, where every round (asked or not) is read under the policy, as in a chat.
+    With `own_replies` every round is answered and its reply kept; else only the scored rounds are answered, and
+    rolled back to the expected reply."""
     chat = engine.chat
     tiered = policy.tiered
     cache = TieredKV(engine.model, policy, 4096) if tiered else engine.new_cache(4096)
-    closed = chat.round_spans(Conversation(dlg.rounds, dlg.system))
     questions = {q.round_index: q for q in dlg.questions}
     out_of_scope = {o.round_index: o.kind for o in dlg.out_of_scope}
+    rounds: list[Round] = []  # the chat so far, as the model sees it
     round_starts: list[int] = []
     history: list[int] = []
+    expected_before: set[str] = set()  # the expected replies of the rounds so far: a question's among them repeats
     for i, rnd in enumerate(dlg.rounds):
         start = cache.length
         q = questions.get(i)
-        undo = None
-        if q is not None or i in out_of_scope:
-            prompt = chat.open_round_tokens(Conversation(dlg.rounds[:i], dlg.system), rnd.user)
+        scored = q is not None or i in out_of_scope
+        undo = out = None
+        have: list[int] = []
+        if scored or own_replies:
+            prompt = chat.open_round_tokens(Conversation(rounds, dlg.system), rnd.user)
             if not tiered:  # the history as the policy gives it to a new message (Krul: merged layers)
                 undo = policy.prepare(engine.model, cache, round_starts, history)
                 if hasattr(policy, "last_pairs") and round_starts:
@@ -178,12 +221,15 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             result.stop_reasons[out.stop_reason] += 1
             result.longest_reply = max(result.longest_reply, len(out.tokens))
             result.tokens += len(prompt) + len(out.tokens)
+            have = prompt + out.tokens[:-1]  # what generation computed K/V for (the last token was never fed)
         if q is None and i in out_of_scope:
             _score_out_of_scope(result, out_of_scope[i], rnd.user, out, ok)
         elif q is not None:
+            repeat = "repeated" if rnd.assistant.strip() in expected_before else "first"
+            values = "seen-in-training" if q.values_seen_in_training else "held-out"
             for table, key in ((result.by_kind, q.kind), (result.by_position, q.position),
                                (result.by_distance, q.distance_bucket), (result.by_stated, q.stated),
-                               (result.by_asked, q.asked)):
+                               (result.by_asked, q.asked), (result.by_repeat, repeat), (result.by_values, values)):
                 table[key].add(ok)
             result.overall.add(ok)
             if tiered and round_starts:
@@ -192,19 +238,37 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
                 result.round_fractions.append(kept / len(round_starts))
             if not ok and len(result.failures) < 20:
                 result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})
-        if q is not None or i in out_of_scope:
-            cache.truncate(start)
-            if undo is not None:
-                undo()
+        elif out is not None:
+            result.other_replies.add(ok)
+        expected_before.add(rnd.assistant.strip())
+        rounds.append(Round(rnd.user, out.text if own_replies else rnd.assistant))
+        closed = chat.round_spans(Conversation(rounds, dlg.system))[-1]
+        # As ChatSession settles a round: keep the K/V generation computed where they are the closed round's
+        # tokens, compute the rest; a rolled-back round keeps nothing of its reply.
+        common = _common_prefix(have, closed) if own_replies else 0
+        if cache.length != start + common:
+            cache.truncate(start + common)
+        if undo is not None:
+            undo()
         round_starts.append(start)
-        history += closed[i]
+        history += closed
         if tiered:
-            cache.prefill(closed[i])
+            if common < len(closed):
+                cache.prefill(closed[common:])
             cache.close_round()
-        else:
-            prefill(engine.model, cache, closed[i])
-        result.tokens += len(closed[i])
+        elif common < len(closed):
+            prefill(engine.model, cache, closed[common:])
+        result.tokens += len(closed) - common
     return cache.length
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _score_out_of_scope(result: EvalResult, kind: str, prompt: str, out, expected: bool) -> None:
