@@ -283,3 +283,64 @@ def test_a_merge_setting_that_is_not_a_share_is_a_one_line_error(engine):
     with pytest.raises(KvchatError, match="merge setting 'lots' is not a share"):
         chat_merges(store, store.session(sid), engine, None)
     assert chat_merges(store, {**store.session(sid), "settings": {}}, engine, None) is None
+
+
+@pytest.fixture(scope="module")
+def gemma(models):
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS
+
+    return Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")  # window 8 on 6 of 7 layers
+
+
+def _exact_stats(engine: Engine, session: ChatSession):
+    """The statistics of a probe at each round's end of a cache of the whole chat computed afresh, every slot of
+    every layer (no ring, nothing trimmed): what a probe of a round's end reads, whatever the chat holds now."""
+    from kvchat.engine.generate import prefill
+    from kvchat.engine.policies.layer_stats import LayerStats
+
+    tokens = [t for span in engine.chat.round_spans(session.conversation()) for t in span]
+    cache = engine.model.new_cache(len(tokens))
+    prefill(engine.model, cache, tokens)
+    stats = LayerStats(engine.config.n_layers)
+    stats.add_probes(engine.model, cache, [(r.token_end, tokens[r.token_start:r.token_end]) for r in session.rounds])
+    return stats
+
+
+@pytest.mark.parametrize("slack", [16, None], ids=["ring-moved-on", "ring-holds-all"])
+def test_merging_a_sliding_window_chat_probes_each_round_end_within_its_window(gemma, monkeypatch, slack):
+    """`kvchat merge` of a Gemma 3 chat: the restored cache's rings hold only the chat's last window (and slack) of
+    the sliding-window layers, and zeros where rounds were stored trimmed, yet a probe at an early round's end reads
+    its own rows' windows: the statistics are those of probes on the whole chat computed afresh, and the chat's cache
+    is left as it was. (It raised "layer 0's ring holds slots [..), not all of [..)" once a ring had moved past an
+    early round, and read the trimmed zeros before that.)"""
+    from kvchat.engine.kv import cache as cache_module
+    from kvchat.engine.policies.layer_stats import LayerStats
+
+    if slack is not None:
+        # a ring of 24 (the probe's 16 rows read back 23 slots): wrapped several times by the chat
+        monkeypatch.setattr(cache_module, "RING_SLACK", slack)
+    store = Store()
+    sid = store.create_session(title="t", model_fingerprint=model_fingerprint(gemma.path, store),
+                               model_path=gemma.path, system_prompt="Be brief.")
+    plain = ChatSession(store, gemma, sid)  # stored before it merged: no statistics yet
+    for m in MESSAGES:
+        plain.send(m, max_tokens=8)
+    plain.close()
+    merges = ChatMerges(store, sid, gemma, "", 0.5, allowed=[LayerPair(1, 2)], gamma=0.0)
+    session = ChatSession(store, gemma, sid, merges=merges)
+    session.restore()
+    cache = session.cache
+    assert cache.ring_size and cache.length > cache.ring_size or slack is None
+    held = cache.kv.clone(), cache.ring.clone(), cache.length
+    assert session.store_merged() == len(session.rounds)
+    assert torch.equal(cache.kv, held[0]) and torch.equal(cache.ring, held[1]) and cache.length == held[2]
+    session.close()
+    got, want = LayerStats.from_dict(store.layer_stats(sid)), _exact_stats(gemma, session)
+    assert got.probes == want.probes == len(MESSAGES) - 1  # the first round: too little before its end
+    torch.testing.assert_close(torch.tensor(got.edge_mass), torch.tensor(want.edge_mass), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(got.distance), torch.tensor(want.distance), atol=1e-4, rtol=1e-4)
+    reopened = ChatSession(store, gemma, sid, merges=ChatMerges(store, sid, gemma, "", 0.5, allowed=[LayerPair(1, 2)],
+                                                                   gamma=0.0))
+    assert reopened.restore().tokens_recomputed == 0
+    assert reopened.send("And the capital of Italy?", max_tokens=4).tokens  # the merged chat goes on
+    reopened.close()

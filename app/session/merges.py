@@ -37,9 +37,13 @@ class ChatMerges:
         n_layers = engine.config.n_layers
         self.stats = stats if stats is not None and stats.n_layers == n_layers else LayerStats(n_layers)
 
-    def observe(self, cache, ends_and_tails: list[tuple[int, list[int]]]) -> None:
-        """Probe the full cache at each (end slot, the tokens just before it) and keep the sums in the store."""
-        self.stats.add_probes(self.engine.model, cache, ends_and_tails)
+    def observe(self, cache, ends_and_tails: list[tuple[int, list[int]]], tokens: list[int] | None = None,
+                windows_from: int = 0) -> None:
+        """Probe the full cache at each (end slot, the tokens just before it) and keep the sums in the store.
+        `tokens` (the chat's, from slot 0) and `windows_from` (below it the cache's sliding-window K/V may be
+        zeros): probes whose sliding windows the cache no longer holds are made on a replay of the chat
+        (LayerStats.add_probes), as a chat stored merged at once (`kvchat merge`) needs for its early rounds."""
+        self.stats.add_probes(self.engine.model, cache, ends_and_tails, tokens, windows_from)
         self.store.save_layer_stats(self.sid, self.stats.as_dict())
 
     def pairs(self, within: range | None = None) -> list[LayerPair]:

@@ -147,9 +147,12 @@ class RoundSaver:
 
     def store_merged(self, cache, rounds: list[RoundRow], tokens: list[int]) -> int:
         """Store every round again merged in the pairs the chat's statistics pick, after a probe at each round's
-        end (`tokens`: the chat's); returns how many rounds hold merged pairs."""
+        end (`tokens`: the chat's); returns how many rounds hold merged pairs. A probe reads in a sliding-window
+        layer what its rows' window reaches, which the cache holds only near the chat's end (its rings, the trimmed
+        rounds a restore loaded): earlier rounds are probed on a replay of the chat's tokens."""
         with torch.inference_mode():
-            self.merges.observe(cache, [(r.token_end, tokens[r.token_start:r.token_end]) for r in rounds])
+            self.merges.observe(cache, [(r.token_end, tokens[r.token_start:r.token_end]) for r in rounds],
+                                tokens, self.windows.valid_from)
         self.round_pairs.clear()
         self.store_all(cache, rounds)
         return sum(bool(self.pairs_for(i)) for i in range(len(rounds)))

@@ -14,7 +14,9 @@ a causal matrix even uniform attention puts ~1/3 of its mass on the first and la
 unchanged) to get each layer's queries, then scores them one layer at a time: the device holds [H, rows, S] scores
 of one layer at most, never an attention matrix of the chat. A chat adds a probe at each new message and each reply
 (prefill and decode, Krul §5) and keeps only the sums (`LayerStats`: L + L² numbers), so the statistics grow with
-the chat at no cost in memory.
+the chat at no cost in memory. A chat stored merged at once (`kvchat merge`) probes every round's end: where a
+sliding-window layer (Gemma 3) no longer holds what a round's probe rows read (its ring has moved on, or a restore
+loaded it trimmed), the chat is run again and probed as it goes (`replay_probes`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 PROBE_ROWS = 16
+REPLAY_CHUNK = 4096  # tokens a replay of the chat runs through the layers at once (as prefill's chunks)
 BUCKETS = 100  # relative key positions in 1% steps: the 10% edges fall on bucket edges
 EDGE_BUCKETS = 10
 
@@ -54,11 +57,24 @@ class LayerStats:
         self.edge_mass = [a + float(b) for a, b in zip(self.edge_mass, edge.double())]
         self.distance = [[a + float(b) for a, b in zip(row, new)] for row, new in zip(self.distance, dist)]
 
-    def add_probes(self, model, cache, probes: list[tuple[int, list[int]]]) -> None:
-        """A probe at each (end slot of a full cache, the tokens just before it: its last PROBE_ROWS are probed)."""
+    def add_probes(self, model, cache, probes: list[tuple[int, list[int]]], tokens: list[int] | None = None,
+                   windows_from: int = 0) -> None:
+        """A probe at each (end slot of a full cache, the tokens just before it: its last PROBE_ROWS are probed).
+
+        A probe whose rows' sliding windows (Gemma 3) reach K/V the cache does not hold, a ring that has moved past
+        them or, below `windows_from`, zeros a restore loaded from trimmed segments, is made on a replay of the
+        chat's `tokens` (from slot 0: `replay_probes`), and without them left out. Without sliding windows every
+        probe is made on the cache, as it always was."""
+        held, replayed = [], []
         for end, tail in probes:
-            probed = probe_layers(model, cache, end, tail[-PROBE_ROWS:])
+            tail = tail[-PROBE_ROWS:]
+            (held if windows_held(model.cfg, cache, end - len(tail), windows_from) else replayed).append((end, tail))
+        for end, tail in held:
+            probed = probe_layers(model, cache, end, tail)
             if probed is not None:
+                self.add(*probed)
+        if replayed and tokens is not None:
+            for probed in replay_probes(model, cache, tokens, replayed):
                 self.add(*probed)
 
     def merge(self, other: "LayerStats") -> "LayerStats":
@@ -116,6 +132,61 @@ def probe_layers(model, cache, end: int, tail: list[int]) -> tuple[Tensor, Tenso
         profiles.append(_pool(probs, end))
         edge.append(_edge_share(probs, start))
     return torch.stack(edge).cpu(), torch.stack(profiles).cpu()
+
+
+def windows_held(cfg, cache, start: int, windows_from: int = 0) -> bool:
+    """Whether `cache` holds every sliding-window K/V that query rows from slot `start` on read (keys from
+    start - window + 1 on): not in a ring that has moved past them, nor below `windows_from` (zeros, where a restore
+    loaded trimmed segments). Always, without sliding windows."""
+    if not cfg.sliding_window:
+        return True
+    first = max(0, start - cfg.sliding_window + 1)
+    return first >= windows_from and (not getattr(cache, "ring_size", 0) or cache.holds_window(start))
+
+
+@torch.inference_mode()
+def replay_probes(model, cache, tokens: list[int],
+                  probes: list[tuple[int, list[int]]]) -> list[tuple[Tensor, Tensor]]:
+    """`probe_layers` at each (end slot of `cache`, the probed tokens just before it), made on the chat's `tokens`
+    run again from slot 0 in rings of their own: each probe while the rings still hold its rows' windows.
+
+    A probe at a round's end reads in a sliding-window layer only the keys its window reaches; a chat's cache no
+    longer holds them for its early rounds (its rings keep the last window and RING_SLACK; a restore loads those
+    layers trimmed to what the chat's end reads), and they depend on the hidden states of every layer below, so they
+    are computed again. The replay runs in stretches of up to REPLAY_CHUNK tokens, each as far as the rings can go
+    and still hold the windows of the probes ending in it (about RING_SLACK tokens past the first), which are then
+    probed. It shares the cache's global layers (KVCache.fork_ring): their K/V of each stretch is put back as it was
+    once the stretch is probed, and the cache's rings are not touched, so the cache is left as it was (its global
+    layers bit for bit). A cache without rings (or too small to hold `tokens`) is replayed in a ring cache of its
+    own."""
+    cfg = model.cfg
+    pending = sorted((p for p in probes if 0 < p[0] <= len(tokens)), key=lambda p: p[0])
+    if not pending:
+        return []
+    last = pending[-1][0]
+    shared = bool(getattr(cache, "ring_size", 0)) and last <= cache.capacity
+    replay = cache.fork_ring() if shared else model.new_cache(last, ring=True)
+    replay.length = 0
+    at, out = 0, []
+    while pending:
+        end, tail = pending[0]
+        # the rings then hold slots [stop - ring_size, stop): from the first key the next probe's rows read
+        reach = max(0, end - len(tail) - cfg.sliding_window + 1) + replay.ring_size
+        stop = min(at + REPLAY_CHUNK, max(end, reach), last)
+        saved = replay.kv[:, :, :, at:stop].clone() if shared else None
+        h = model.embed(torch.tensor(tokens[at:stop], dtype=torch.long))
+        model.run_layers(h, torch.arange(at, stop), replay, at)
+        replay.length = stop
+        while pending and pending[0][0] <= stop:
+            end, tail = pending.pop(0)
+            if windows_held(cfg, replay, end - len(tail)):  # (a ring always does, but one shorter than its rows)
+                probed = probe_layers(model, replay, end, tail)
+                if probed is not None:
+                    out.append(probed)
+        if saved is not None:
+            replay.kv[:, :, :, at:stop] = saved  # the global layers' K/V as the cache holds them
+        at = stop
+    return out
 
 
 def _late_attention(cache, layer: int, q: Tensor, start: int, end: int, cfg) -> Tensor:
