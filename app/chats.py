@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from kvchat.app.terminal_text import terminal_line, terminal_text
 from kvchat.errors import KvchatError
 
 
@@ -127,7 +128,12 @@ def register(main: click.Group, model_option, device_option) -> None:
         from kvchat.engine.sampling import SamplingParams
 
         if message == "-":
-            message = sys.stdin.read()
+            try:
+                message = sys.stdin.buffer.read().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise KvchatError(f"the message on stdin is not UTF-8 text (byte {exc.start})") from None
+        if any(0xD800 <= ord(ch) <= 0xDFFF for ch in message):  # bytes the shell's locale could not decode
+            raise KvchatError("the message is not UTF-8 text")
         if not message.strip():
             raise KvchatError("the message is empty")
         reply_guard = make_guard(guard, reply_cap)
@@ -139,7 +145,7 @@ def register(main: click.Group, model_option, device_option) -> None:
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
 
         def stream(_tok: int, piece: str) -> None:
-            sys.stdout.write(piece)
+            sys.stdout.write(terminal_text(piece))  # a generated ESC or BEL is shown, not obeyed
             sys.stdout.flush()
 
         # Restored, answered and saved as the app does it (an untitled chat takes the message as its title).
@@ -217,7 +223,7 @@ def register(main: click.Group, model_option, device_option) -> None:
             return
         for r in rows:
             click.echo(f"{r.id}  {r.updated[:16].replace('T', ' ')}  {r.n_rounds:>4} rounds  "
-                       f"{r.kv_bytes / 2**20:8.2f} MiB  {r.title or '(untitled)'}")
+                       f"{r.kv_bytes / 2**20:8.2f} MiB  {terminal_line(r.title) or '(untitled)'}")
 
     @main.command()
     @click.argument("session")
@@ -243,15 +249,15 @@ def register(main: click.Group, model_option, device_option) -> None:
         if as_json:
             click.echo(json.dumps(out))
             return
-        click.echo(f"{out['id']}  {out['title'] or '(untitled)'}  [{out['model']}]")
+        click.echo(f"{out['id']}  {terminal_line(out['title'] or '') or '(untitled)'}  [{terminal_line(out['model'])}]")
         if out["system_prompt"]:
-            click.echo(f"system: {out['system_prompt']}")
+            click.echo(f"system: {terminal_text(out['system_prompt'])}")
         for r in rounds:
             merged = f", layers {', '.join(r['merged'])} merged" if r["merged"] else ""
             click.echo(f"\n[{r['idx']}] tokens {r['tokens'][0]}-{r['tokens'][1]}  KV {r['kv']} "
                        f"({r['kv_bytes']:,} bytes{merged})")
-            click.echo(f"user: {r['user']}")
-            click.echo(f"assistant: {r['assistant']}")
+            click.echo(f"user: {terminal_text(r['user'])}")
+            click.echo(f"assistant: {terminal_text(r['assistant'])}")
         click.echo(f"\nKV on disk: {out['kv_bytes']:,} bytes ({out['kv_raw_bytes']:,} raw)")
         counts: dict[str, int] = {}
         for r in rounds:

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
+from kvchat.app.terminal_text import terminal_text
 from kvchat.storage.db import RoundRow
 
 WELCOME = ("**No chat open.** Type a message below to start a new chat, or pick one on the left.\n\n"
@@ -27,9 +28,9 @@ class MessageView(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("you" if self.role == "user" else "assistant", classes="role")
         if self.role == "user":
-            yield Static(self.text, markup=False, classes="body")
-        else:
-            yield Markdown(self.text, classes="body")
+            yield Static(terminal_text(self.text), markup=False, classes="body")
+        else:  # shown with control characters escaped (an ESC sequence is seen, not obeyed); copied as stored
+            yield Markdown(terminal_text(self.text), classes="body")
 
     def on_click(self, event: events.Click) -> None:
         chat = self.query_ancestor(ChatView)
@@ -51,14 +52,14 @@ class ReplyView(MessageView):
         self.pieces += 1
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
-        await self._stream.write(piece)
+        await self._stream.write(terminal_text(piece))
 
     async def finish(self, text: str, note: str = "") -> None:
         """The reply as stored (the streamed pieces minus any stop string), with a note such as "stopped"."""
         if self._stream is not None:
             await self._stream.stop()
         self.text = text
-        await self.query_one(Markdown).update(text)
+        await self.query_one(Markdown).update(terminal_text(text))
         if note:
             await self.mount(Label(note, classes="note"))
 

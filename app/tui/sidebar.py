@@ -12,6 +12,7 @@ from textual.widgets import Input, OptionList
 from textual.widgets.option_list import Option
 
 from kvchat.app.session.service import ChatSummary
+from kvchat.app.terminal_text import terminal_line
 from kvchat.app.tui.formatting import UNMEASURED, ago, size
 
 
@@ -57,7 +58,7 @@ class Sidebar(Vertical):
             options.highlighted = ids.index(keep)
 
     def _label(self, c: ChatSummary) -> Text:
-        text = Text(c.title or "(untitled)", style="bold", overflow="ellipsis", no_wrap=True)
+        text = Text(terminal_line(c.title or "") or "(untitled)", style="bold", overflow="ellipsis", no_wrap=True)
         bytes_on_disk = size(c.kv_bytes) if self._measured else UNMEASURED
         text.append(f"\n{ago(c.updated, self._now)} · {bytes_on_disk} · {c.kv_status}", style="dim")
         return text
@@ -89,4 +90,4 @@ class Sidebar(Vertical):
                 return
 
     def title_of(self, sid: str | None) -> str:
-        return next((c.title for c in self.chats if c.id == sid), "") or "(untitled)"
+        return terminal_line(next((c.title for c in self.chats if c.id == sid), "") or "") or "(untitled)"
