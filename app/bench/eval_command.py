@@ -124,7 +124,7 @@ def register(main: click.Group, model_option, to_device) -> None:
             click.echo(json.dumps(d))
             return
         click.echo("", err=True)
-        sets = "report sets" if report else f"set {seed}" + (" (a development set)" if seed < 8 else "")
+        sets = "report sets" if report else f"set {seed}" + ("" if seed in REPORT_SEEDS else " (a development set)")
         click.echo(f"model {model_path}  policy {policy_name}  device {result.device}  {sets}")
         click.echo(f"recall {MODE_TITLES[mode]}: {d['accuracy']:.1%} ({d['correct']}/{d['questions']}) over "
                    f"{d['chats']} chats of >= {d['min_chat_rounds']} rounds, {d['min_chat_tokens']}+ tokens "

@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvchat.app.session.chat import settled_prefix
 from kvchat.engine.data.dialogues import POLITE_REPLIES, Dialogue, dialogues
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
@@ -245,7 +246,7 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
         closed = chat.round_spans(Conversation(rounds, dlg.system))[-1]
         # As ChatSession settles a round: keep the K/V generation computed where they are the closed round's
         # tokens, compute the rest; a rolled-back round keeps nothing of its reply.
-        common = _common_prefix(have, closed) if own_replies else 0
+        common = settled_prefix(have, closed) if own_replies else 0
         if cache.length != start + common:
             cache.truncate(start + common)
         if undo is not None:
@@ -260,15 +261,6 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
             prefill(engine.model, cache, closed[common:])
         result.tokens += len(closed) - common
     return cache.length
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _score_out_of_scope(result: EvalResult, kind: str, prompt: str, out, expected: bool) -> None:

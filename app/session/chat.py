@@ -44,6 +44,17 @@ from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
 
 
+def settled_prefix(have: list[int], closed: list[int]) -> int:
+    """How many of the closed round's tokens generation already computed K/V for (`have`: the prompt and the reply
+    as fed), which settling a round keeps."""
+    common = 0
+    for a, b in zip(have, closed):
+        if a != b:
+            break
+        common += 1
+    return common
+
+
 class ChatSession:
     def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
                  policy: KVPolicy | None = None, planner: Planner | None = None,
@@ -241,11 +252,7 @@ class ChatSession:
         """Make slots [start, ...) hold exactly the closed round's tokens: keep what generation already computed
         where it agrees with the template's tokens, compute the rest (usually just the end-of-turn tail). False:
         the cache was let go instead (the next message restores the chat)."""
-        common = 0
-        for a, b in zip(have, closed):
-            if a != b:
-                break
-            common += 1
+        common = settled_prefix(have, closed)
         if self.windows.gone(self.cache, start + common):
             # A reply that re-reads differently from far back in a long round: the rings no longer hold what the
             # windows read there. The next message restores the chat (recomputing this round's K/V).
