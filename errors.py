@@ -4,6 +4,14 @@
 class KvchatError(Exception):
     """Bad input or an unusable environment, described in one sentence for the user."""
 
+    exit_status = 1  # the CLI's
+
+
+class InterruptedByUser(KvchatError):
+    """Ctrl-C stopped a command part way, and it says what it kept."""
+
+    exit_status = 130
+
 
 class GGUFError(KvchatError):
     """A GGUF file that is missing, truncated, garbled, or describes a model we cannot run."""

@@ -7,14 +7,17 @@ one-line errors on stderr. What each command does with the store and the engine 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
 
 from kvchat.app.terminal_text import terminal_line, terminal_text
-from kvchat.errors import KvchatError
+from kvchat.errors import InterruptedByUser, KvchatError
 
 
 def _store():
@@ -66,6 +69,19 @@ def restore_words(r: dict) -> str:
     return words + (f"; {'; '.join(r['notes'])}" if r["notes"] else "")
 
 
+def reply_note(store, sid: str, state: str) -> str:
+    """What `show` adds after a reply that is not whole (storage.db's reply states)."""
+    from kvchat.storage.chat_lock import is_locked
+
+    if state == "partial":
+        return " [stopped: partial reply]"
+    if state == "pending":
+        if is_locked(store.home, sid):
+            return "[being answered by another kvchat process]"
+        return "[no reply saved: kvchat stopped before the reply ended]"
+    return ""
+
+
 def merged_pairs(segments: list[dict]) -> list[str]:
     """The layer pairs a round's K/V rows hold merged."""
     return sorted({p for s in segments if s["kind"] == "kv" for p in (s.get("merged") or "").split(",") if p})
@@ -86,6 +102,35 @@ def make_guard(guard: bool, reply_cap: int | None):
     if not guard and reply_cap is not None:
         raise KvchatError("--reply-cap needs the guard: drop --no-guard")
     return ReplyGuard(enabled=guard, reply_cap=reply_cap)
+
+
+def kv_problem_words(problem: str) -> str:
+    """A K/V save that failed (KVWriter.errors: 'round N: reason'), as the one line a user reads."""
+    what, _, reason = problem.partition(": ")
+    if what.startswith("round "):
+        return (f"the K/V of {what} was not saved ({reason}); the round's text is saved, and its K/V is recomputed "
+                f"when the chat is next opened")
+    return problem
+
+
+@contextlib.contextmanager
+def stopping_on_signals(stop: threading.Event):
+    """While a reply is generated: the first Ctrl-C or SIGTERM sets `stop` (the reply ends at the next token and
+    what streamed is saved, marked partial); a second Ctrl-C interrupts at once (the message stays saved)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread (in-process tests run there too)
+        return
+
+    def first(signum, frame):
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    old = {sig: signal.signal(sig, first) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def report_stop(stop_reason: str) -> None:
@@ -121,10 +166,21 @@ def register(main: click.Group, model_option, device_option) -> None:
                   help="Store this chat's rounds with up to this share of the layers merged in pairs (Krul; 0: off; "
                        "the chat keeps the setting). Only pairs the model's check accepted are used; under the round "
                        "policy, only in its upper layers.")
+    @click.option("--wait", "wait_s", default=600.0, show_default=True, type=click.FloatRange(min=0.0),
+                  help="Seconds to wait while another kvchat process is writing to this chat (0: refuse at once).")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print one JSON object when the reply ends (the reply, its round, why it stopped, what the "
+                       "restore recomputed, what could not be saved) instead of streaming the reply.")
     @guard_options
     @device_option
-    def send(session, message, max_tokens, policy_name, compact, merge_share, guard, reply_cap, device):
-        """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin."""
+    def send(session, message, max_tokens, policy_name, compact, merge_share, wait_s, as_json, guard, reply_cap,
+             device):
+        """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin.
+
+        The message is saved before it is answered. Ctrl-C (or SIGTERM) stops the reply and keeps what streamed,
+        marked partial; a second Ctrl-C stops at once.
+        """
+        from kvchat.app.session.restore import RestoreCancelled
         from kvchat.engine.sampling import SamplingParams
 
         if message == "-":
@@ -144,21 +200,59 @@ def register(main: click.Group, model_option, device_option) -> None:
         if not Path(model_path).exists():
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
 
+        streamed = []
+
         def stream(_tok: int, piece: str) -> None:
-            sys.stdout.write(terminal_text(piece))  # a generated ESC or BEL is shown, not obeyed
-            sys.stdout.flush()
+            if not as_json:
+                sys.stdout.write(terminal_text(piece))  # a generated ESC or BEL is shown, not obeyed
+                sys.stdout.flush()
+                streamed.append(bool(piece))
+
+        def waiting(holder: dict | None) -> None:
+            from kvchat.storage.chat_lock import holder_words
+
+            notice(f"waiting for another kvchat process writing to this chat ({holder_words(holder)}); up to "
+                   f"{wait_s:g} s")
 
         # Restored, answered and saved as the app does it (an untitled chat takes the message as its title).
-        try:
-            reply = service.send(info["id"], message, max_tokens=max_tokens, sampling=SamplingParams(),
-                                 on_token=stream, kv_policy=policy_name, calibrating=calibrating, guard=reply_guard,
-                                 merge_share=merge_share)
-        finally:
-            problems = service.close()  # the round's K/V reaches the disk before the process ends
-        click.echo()
+        stop = threading.Event()
+        reply = None
+        with stopping_on_signals(stop):
+            try:
+                reply = service.send(info["id"], message, max_tokens=max_tokens, sampling=SamplingParams(),
+                                     on_token=stream, kv_policy=policy_name, calibrating=calibrating,
+                                     guard=reply_guard, merge_share=merge_share, cancel=stop, on_wait=waiting,
+                                     lock_wait_s=wait_s)
+            except KeyboardInterrupt:  # a second Ctrl-C: the session kept the message and what streamed
+                raise InterruptedByUser("interrupted; the message is saved, with the reply as far as it had "
+                                        "streamed (marked partial)") from None
+            except RestoreCancelled:  # Ctrl-C while the chat was being restored, before the reply began
+                raise InterruptedByUser("interrupted before the reply began; the message is saved (with an empty "
+                                        "reply, marked partial: regenerate it in the app with ctrl+r)") from None
+            finally:
+                if reply is None and any(streamed):
+                    click.echo()  # the error goes on a line of its own, after the reply as far as it streamed
+                problems = service.close()  # the round's K/V reaches the disk before the process ends
+                if reply is None:  # a failed send: its error is the line to read, the K/V's fate a warning
+                    for problem in problems:
+                        click.echo(f"kvchat: warning: {kv_problem_words(problem)}", err=True)
+        damaged = reply.restore.damaged if reply.restore is not None else []
+        if as_json:
+            click.echo(json.dumps({"session": info["id"], "round": reply.round.idx, "reply": reply.round.assistant_text,
+                                   "reply_state": reply.round.reply_state, "stop_reason": reply.result.stop_reason,
+                                   "tokens": [reply.round.token_start, reply.round.token_end],
+                                   "kv_recomputed": damaged, "kv_not_saved": problems}))
+        else:
+            click.echo()
         report_stop(reply.result.stop_reason)
+        if reply.round.reply_state == "partial":
+            notice(f"stopped: the reply so far is saved as round {reply.round.idx}, marked partial")
+        if damaged:  # stored K/V that could not be used (damaged, missing, of another model), recomputed from text
+            notice(f"restoring recomputed stored K/V that could not be used: {'; '.join(damaged)}")
         for problem in problems:
-            click.echo(f"kvchat: warning: {problem}", err=True)
+            click.echo(f"kvchat: warning: {kv_problem_words(problem)}", err=True)
+        if reply.round.reply_state == "partial":
+            sys.exit(130)
 
     @main.command()
     @click.argument("session")
@@ -174,8 +268,9 @@ def register(main: click.Group, model_option, device_option) -> None:
         # Every stored round is loaded (no restore plan) so that each can be stored again merged.
         chat = service.wire(info, service.engine(info["model_path"]), merge_share=share, calibrating=calibrating,
                             planned=False)
-        chat.restore()
-        merged = chat.store_merged()
+        with chat.writing(on_wait=lambda holder: notice("waiting for another kvchat process writing to this chat")):
+            chat.restore()
+            merged = chat.store_merged()
         chat.close()
         if chat.writer.errors:
             raise KvchatError(f"the rounds could not all be stored merged ({chat.writer.errors[0]}); those keep "
@@ -199,7 +294,8 @@ def register(main: click.Group, model_option, device_option) -> None:
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
         # Merged rounds recomputed exactly (no restore plan: every other round is loaded as stored).
         chat = service.wire(info, service.engine(info["model_path"]), planned=False, ignore_merges=True)
-        stats = chat.restore()
+        with chat.writing(on_wait=lambda holder: notice("waiting for another kvchat process writing to this chat")):
+            stats = chat.restore()
         chat.close()
         if chat.writer.errors:
             raise KvchatError(f"the merged rounds could not be stored whole ({chat.writer.errors[0]}); nothing "
@@ -239,6 +335,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         for r in store.rounds(info["id"]):
             mine = segs.get(r.idx, [])
             rounds.append({"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text,
+                           "reply_state": r.reply_state,
                            "tokens": [r.token_start, r.token_end], "merged": merged_pairs(mine),
                            "kv": "on disk" if kv_stored(store, mine) else "text only",
                            "kv_bytes": sum(s["byte_size"] for s in mine), "kv_raw_bytes": sum(s["raw_size"] for s in mine)})
@@ -257,7 +354,7 @@ def register(main: click.Group, model_option, device_option) -> None:
             click.echo(f"\n[{r['idx']}] tokens {r['tokens'][0]}-{r['tokens'][1]}  KV {r['kv']} "
                        f"({r['kv_bytes']:,} bytes{merged})")
             click.echo(f"user: {terminal_text(r['user'])}")
-            click.echo(f"assistant: {terminal_text(r['assistant'])}")
+            click.echo(f"assistant: {terminal_text(r['assistant'])}{reply_note(store, out['id'], r['reply_state'])}")
         click.echo(f"\nKV on disk: {out['kv_bytes']:,} bytes ({out['kv_raw_bytes']:,} raw)")
         counts: dict[str, int] = {}
         for r in rounds:

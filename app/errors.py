@@ -21,10 +21,10 @@ class FriendlyGroup(click.Group):
             sys.exit(0)
         except click.ClickException as exc:  # usage errors: one line, not click's three
             _fail(exc.format_message(), exc.exit_code)
-        except click.exceptions.Abort:
-            _fail("aborted", 1)
+        except click.exceptions.Abort:  # click's word for a KeyboardInterrupt (there are no prompts to abort)
+            _fail("interrupted", 130)
         except KvchatError as exc:
-            _fail(str(exc), 1)
+            _fail(str(exc), exc.exit_status)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
         except BrokenPipeError:

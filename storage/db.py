@@ -9,6 +9,8 @@ restores (what the last restores cost).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import threading
 import uuid
@@ -21,7 +23,9 @@ from typing import Callable, Iterator
 from sqlite_utils import Database
 
 from kvchat.errors import KvchatError
-from kvchat.paths import data_dir
+from kvchat.paths import can_read, can_write, data_dir, place_problem, place_words, prepare_home
+
+log = logging.getLogger("kvchat.store")
 
 
 class StoreError(KvchatError):
@@ -42,6 +46,12 @@ SEGMENT_KEY_BOUNDS = "key-bounds"
 SEGMENT_MERGED = "merged"
 SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED)
 _SEGMENT_PK = ("session_id", "round_idx", "layer_start", "kind")
+
+
+# A round's reply: whole ("done"); stopped early by the user (Esc, Ctrl-C, SIGTERM: what had streamed is kept);
+# or not saved ("pending": being answered now by the process holding the chat's lock, or that process stopped first).
+REPLY_DONE, REPLY_PARTIAL, REPLY_PENDING = "done", "partial", "pending"
+REPLY_STATES = (REPLY_DONE, REPLY_PARTIAL, REPLY_PENDING)
 
 
 def check_segment_kind(kind: str) -> None:
@@ -106,11 +116,43 @@ def _m005_merged_layers(db: Database) -> None:
                              not_null={"stats", "updated"}, foreign_keys=[("session_id", "sessions", "id")])
 
 
+def _m006_round_reply_state(db: Database) -> None:
+    # A round's message is committed before its reply is generated (a crash then keeps the message): `reply_state`
+    # says whether the reply is whole, stopped early by the user, or not saved at all. Rows written before are whole.
+    db["rounds"].add_column("reply_state", str, not_null_default=REPLY_DONE)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
                                                             ("003_restore_streams", _m003_restore_streams),
                                                             ("004_window_live_from", _m004_window_live_from),
-                                                            ("005_merged_layers", _m005_merged_layers)]
+                                                            ("005_merged_layers", _m005_merged_layers),
+                                                            ("006_round_reply_state", _m006_round_reply_state)]
+
+
+# Migrations a store may lack and still be read by this kvchat (on a read-only home, where none can run): readers
+# take a missing rounds.reply_state as "done".
+READABLE_WITHOUT = {"006_round_reply_state"}
+SAVING = "save to the chat store"  # what a write was doing, when its caller does not say
+
+
+def _about_the_place(exc: BaseException) -> bool:
+    """Whether a SQLite error is about where the database lives (full, read-only, I/O, locked, unreadable) rather
+    than a bug in what was asked (a constraint, bad SQL: those propagate as they are)."""
+    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, (
+            sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.DataError, sqlite3.InternalError,
+            sqlite3.NotSupportedError)):
+        return False
+    if place_problem(exc) is not None:
+        return True
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    text = str(exc).lower()
+    return (name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CANTOPEN", "SQLITE_CORRUPT", "SQLITE_NOTADB"))
+            or any(w in text for w in ("database is locked", "unable to open database", "malformed", "not a database")))
+
+
+def _can_write(home: Path, db_path: Path) -> bool:
+    return can_write(home) and (not db_path.exists() or can_write(db_path))
 
 
 @dataclass
@@ -121,30 +163,85 @@ class RoundRow:
     token_start: int
     token_end: int
     created: str
+    reply_state: str = REPLY_DONE
 
 
 class Store:
     """The database and the folder of KV segment files beside it (`kv/`)."""
 
     def __init__(self, home: Path | None = None):
+        """The store in `home` (default: $KVCHAT_HOME or the platform's data folder). A home this user cannot write
+        (a read-only mount, a folder or database of someone else's) is opened read-only (`read_only`): everything
+        can be read, and every write raises StoreError saying the home is read-only."""
         self.home = Path(home) if home is not None else data_dir()
         try:
-            self.home.mkdir(parents=True, exist_ok=True)
-            (self.home / "kv").mkdir(exist_ok=True)
-            conn = sqlite3.connect(self.home / "kvchat.db", isolation_level=None, check_same_thread=False,
-                                   timeout=30)
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open the chat store in {self.home}: {exc}") from None
-        self.db = Database(conn)
+            prepare_home(self.home, from_env=home is None and bool(os.environ.get("KVCHAT_HOME")))
+        except KvchatError as exc:
+            raise StoreError(str(exc)) from None
+        path = self.home / "kvchat.db"
+        unreadable = next((p for p in (self.home, path) if p.exists() and not can_read(p)), None)
+        if unreadable is not None:  # not "read-only" nor "not a database": the permission is what is wrong
+            raise StoreError(f"no permission to read {unreadable}")
+        self.read_only = not _can_write(self.home, path)
         self._lock = threading.RLock()  # one writer at a time from this process's threads
         try:
-            self.db.execute("PRAGMA journal_mode=WAL")
+            if self.read_only:
+                conn = self._connect_read_only(path)
+            else:
+                try:
+                    self.kv_dir.mkdir(exist_ok=True)
+                except OSError as exc:
+                    raise self.place_error(exc, "create its kv folder") from None
+                conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+            self.db = Database(conn)
+            if not self.read_only:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=FULL")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.execute("PRAGMA synchronous=FULL")
             self._migrate()
-            self.sweep()
+            if not self.read_only:
+                self.sweep()
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.home / 'kvchat.db'} is not a usable kvchat database ({exc})") from None
+            # A full or read-only disk, an I/O error or another process's lock is about the place, not the file: a
+            # user told the file is unusable might delete a healthy database.
+            if place_problem(exc) is not None or "database is locked" in str(exc):
+                raise self.place_error(exc, "open the chat store") from None
+            raise StoreError(f"{path} is not a usable kvchat database ({exc})") from None
+
+    def _connect_read_only(self, path: Path) -> sqlite3.Connection:
+        """`mode=ro`, which reads the WAL's latest commits through its -shm file; where that file is missing and
+        cannot be created (the folder is read-only), `immutable=1`, which reads the database file alone: exact when
+        the WAL holds nothing (a store closed cleanly leaves none)."""
+        if not path.exists():
+            raise StoreError(f"{self.home} is read-only: cannot create the chat store there")
+        uri = path.resolve().as_uri()
+
+        def connect(query: str) -> sqlite3.Connection:
+            conn = sqlite3.connect(f"{uri}?{query}", uri=True, isolation_level=None, check_same_thread=False,
+                                   timeout=30)
+            try:
+                conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        try:
+            return connect("mode=ro")
+        except sqlite3.OperationalError:
+            wal = path.with_name(path.name + "-wal")
+            if path.is_file() and wal.exists() and wal.stat().st_size > 32:  # 32: a WAL header without frames
+                raise StoreError(f"{self.home} is read-only and its store was not closed cleanly (its latest "
+                                 f"changes are in {wal.name}): open it once where it is writable") from None
+            return connect("mode=ro&immutable=1")
+
+    def place_error(self, exc: BaseException, doing: str) -> StoreError:
+        """An OSError or SQLite error met while trying to `doing`, as one line about the place (the data folder or
+        its disk), not the file that happened to fail first. In a read-only store, a refused write says read-only
+        whatever the refusal was (EROFS, EACCES, SQLITE_READONLY)."""
+        if self.read_only and place_problem(exc) in ("read-only", "permission"):
+            return StoreError(f"{self.home} is read-only: cannot {doing}")
+        return StoreError(place_words(self.home, exc, doing))
 
     def sweep(self, orphan_age_s: float = 300.0) -> list[str]:
         """Remove what interrupted saves left in kv/ (at start-up; safe beside other running kvchat processes)."""
@@ -160,26 +257,62 @@ class Store:
         self.db.conn.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[Database]:
+    def transaction(self, doing: str | None = None) -> Iterator[Database]:
+        """One write transaction. A read-only store, and SQLite errors about the place (a full disk, a read-only
+        one, an I/O error, another process's lock), raise StoreError saying so and what was being done (`doing`,
+        default "save to the chat store"); nothing of the transaction is kept. Other errors propagate unchanged."""
+        doing = doing or SAVING
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
+            self.check_writable(doing)
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                if _about_the_place(exc):
+                    raise self.place_error(exc, doing) from exc
+                raise
             try:
                 yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
+                self.db.execute("COMMIT")
+            except BaseException as exc:
+                self._roll_back()
+                if _about_the_place(exc):
+                    raise self.place_error(exc, doing) from exc
                 raise
-            self.db.execute("COMMIT")
+
+    def check_writable(self, doing: str = SAVING) -> None:
+        """StoreError when the store is read-only (for callers that write files before their rows)."""
+        if self.read_only:
+            raise StoreError(f"{self.home} is read-only: cannot {doing}")
+
+    def _roll_back(self) -> None:
+        # SQLite may have ended the transaction itself (a full disk or an I/O error can); and a ROLLBACK that fails
+        # must not replace the error that brought us here, which is the one to report.
+        if not self.db.conn.in_transaction:
+            return
+        try:
+            self.db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("ROLLBACK failed in %s: %s", self.home, exc)
 
     # Every thread shares the one connection: reads take the writers' lock too and fetch their rows at once, so a
     # read never runs inside another thread's transaction nor interleaves with sqlite-utils' savepoints (seen as
     # "no such savepoint: sqlite_utils_query" when a chat's K/V writer committed during a sidebar refresh).
     def _query(self, sql: str, params=()) -> list[dict]:
-        with self._lock:
+        with self._lock, self._reading():
             return list(self.db.query(sql, params))
 
     def _fetch(self, sql: str, params=()) -> list[tuple]:
-        with self._lock:
+        with self._lock, self._reading():
             return self.db.execute(sql, params).fetchall()
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            if _about_the_place(exc):
+                raise self.place_error(exc, "read the chat store") from exc
+            raise
 
     def _migrate(self) -> None:
         known = [name for name, _ in MIGRATIONS]
@@ -187,17 +320,23 @@ class Store:
         if version > len(MIGRATIONS):
             raise StoreError(f"{self.home / 'kvchat.db'} was written by a newer kvchat (schema {version}; this "
                              f"program knows {len(MIGRATIONS)}); upgrade kvchat to open it")
-        if "_migrations" not in self.db.table_names():
+        tracked = "_migrations" in self.db.table_names()
+        if not tracked and not self.read_only:
             self.db["_migrations"].create({"name": str, "applied": str}, pk="name")
-        applied = {r["name"] for r in self.db["_migrations"].rows}
+        applied = {r["name"] for r in self.db["_migrations"].rows} if tracked or not self.read_only else set()
         unknown = applied - set(known)
         if unknown:
             raise StoreError(f"{self.home / 'kvchat.db'} has migrations this kvchat does not know "
                              f"({', '.join(sorted(unknown))}); upgrade kvchat to open it")
+        if self.read_only:  # nothing can be migrated: read as it is where this kvchat can
+            if set(known) - applied - READABLE_WITHOUT:
+                raise StoreError(f"{self.home} is read-only and its store needs an upgrade by this kvchat; open it "
+                                 f"once where it is writable")
+            return
         for i, (name, apply) in enumerate(MIGRATIONS):
             if name in applied:
                 continue
-            with self.transaction() as db:
+            with self.transaction("upgrade the chat store") as db:
                 apply(db)
                 db["_migrations"].insert({"name": name, "applied": now()})
                 db.execute(f"PRAGMA user_version = {i + 1}")
@@ -210,12 +349,14 @@ class Store:
         return rows[0][0] if rows else None
 
     def remember_file_hash(self, path: Path, size: int, mtime_ns: int, sha256: str) -> None:
+        if self.read_only:  # a cache: a read-only store hashes the file again next time
+            return
         with self.transaction() as db:
             db["model_files"].upsert({"path": str(path), "size": size, "mtime_ns": mtime_ns, "sha256": sha256},
                                      pk="path")
 
     def upsert_model(self, fingerprint: str, **info) -> None:
-        with self.transaction() as db:
+        with self.transaction("create a chat") as db:
             db["models"].upsert({"fingerprint": fingerprint, "created": now(), **info}, pk="fingerprint")
 
     # ---- sessions ----
@@ -224,7 +365,7 @@ class Store:
                        settings: dict | None = None) -> str:
         sid = uuid.uuid4().hex[:12]
         stamp = now()
-        with self.transaction() as db:
+        with self.transaction("create a chat") as db:
             db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
                                    "model_fingerprint": model_fingerprint, "model_path": model_path,
                                    "system_prompt": system_prompt, "settings": json.dumps(settings or {})})
@@ -236,13 +377,14 @@ class Store:
         sid, stamp = uuid.uuid4().hex[:12], now()
         for seg in segments:
             check_segment_kind(seg.get("kind", SEGMENT_KV))
-        with self.transaction() as db:
+        with self.transaction("import a chat") as db:
             db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
                                    "model_fingerprint": model_fingerprint, "model_path": model_path,
                                    "system_prompt": system_prompt, "settings": json.dumps(settings)})
             db["rounds"].insert_all({"session_id": sid, "idx": r.idx, "user_text": r.user_text,
                                      "assistant_text": r.assistant_text, "token_start": r.token_start,
-                                     "token_end": r.token_end, "created": r.created} for r in rounds)
+                                     "token_end": r.token_end, "created": r.created,
+                                     "reply_state": r.reply_state} for r in rounds)
             # Every row names its kind: insert_all fills a key missing from some rows with NULL, not the default.
             db["kv_segments"].insert_all({"session_id": sid, "created": stamp, "kind": SEGMENT_KV, **seg}
                                          for seg in segments)
@@ -266,7 +408,7 @@ class Store:
         return row
 
     def rename_session(self, sid: str, title: str) -> None:
-        with self.transaction() as db:
+        with self.transaction("rename the chat") as db:
             db["sessions"].update(sid, {"title": title, "updated": now()})
 
     def fork_session(self, sid: str, rounds: int, title: str) -> str:
@@ -280,8 +422,8 @@ class Store:
                                    "model_fingerprint": src["model_fingerprint"], "model_path": src["model_path"],
                                    "system_prompt": src["system_prompt"], "settings": json.dumps(src["settings"])})
             db.execute("INSERT INTO rounds (session_id, idx, user_text, assistant_text, token_start, token_end, "
-                       "created) SELECT ?, idx, user_text, assistant_text, token_start, token_end, created "
-                       "FROM rounds WHERE session_id = ? AND idx < ?", [new_sid, sid, rounds])
+                       "created, reply_state) SELECT ?, idx, user_text, assistant_text, token_start, token_end, "
+                       "created, reply_state FROM rounds WHERE session_id = ? AND idx < ?", [new_sid, sid, rounds])
             columns = [c for c in db["kv_segments"].columns_dict if c not in ("session_id", "created")]
             listed = ", ".join(columns)
             db.execute(f"INSERT INTO kv_segments (session_id, created, {listed}) SELECT ?, ?, {listed} "
@@ -309,7 +451,8 @@ class Store:
         """Remove a chat's last round and its K/V rows in one transaction (to regenerate the reply); returns the
         round and the segment files no session references any more (to unlink after the commit)."""
         with self.transaction() as db:
-            row = db.execute("SELECT idx, user_text, assistant_text, token_start, token_end, created FROM rounds "
+            row = db.execute("SELECT idx, user_text, assistant_text, token_start, token_end, created, reply_state "
+                             "FROM rounds "
                              "WHERE session_id = ? ORDER BY idx DESC LIMIT 1", [sid]).fetchone()
             if row is None:
                 return None, []
@@ -322,7 +465,7 @@ class Store:
 
     def delete_session(self, sid: str) -> list[str]:
         """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
-        with self.transaction() as db:
+        with self.transaction("delete the chat") as db:
             files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?", [sid])]
             for table in ("kv_segments", "restores", "rounds", "layer_stats"):
                 db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
@@ -341,15 +484,49 @@ class Store:
     # ---- rounds ----
 
     def rounds(self, sid: str) -> list[RoundRow]:
-        return [RoundRow(r["idx"], r["user_text"], r["assistant_text"], r["token_start"], r["token_end"], r["created"])
+        # A read-only store may predate reply_state (READABLE_WITHOUT): its replies were all whole.
+        return [RoundRow(r["idx"], r["user_text"], r["assistant_text"], r["token_start"], r["token_end"], r["created"],
+                         r.get("reply_state", REPLY_DONE))
                 for r in self._query("SELECT * FROM rounds WHERE session_id = ? ORDER BY idx", [sid])]
 
     def add_round(self, sid: str, row: RoundRow) -> None:
+        """A round as it is (its message and reply in one commit); the next index must be free (the caller holds the
+        chat's writer lock: storage.chat_lock)."""
         with self.transaction() as db:
-            db["rounds"].insert({"session_id": sid, "idx": row.idx, "user_text": row.user_text,
-                                 "assistant_text": row.assistant_text, "token_start": row.token_start,
-                                 "token_end": row.token_end, "created": row.created})
+            self._insert_round(db, sid, row)
+
+    def _insert_round(self, db: Database, sid: str, row: RoundRow) -> None:
+        taken = db.execute("SELECT COUNT(*) FROM rounds WHERE session_id = ? AND idx = ?", [sid, row.idx]).fetchone()
+        if taken[0]:
+            raise StoreError(f"round {row.idx} of chat {sid} was written by another kvchat process meanwhile")
+        if row.reply_state not in REPLY_STATES:
+            raise ValueError(f"unknown reply state {row.reply_state!r}")
+        db["rounds"].insert({"session_id": sid, "idx": row.idx, "user_text": row.user_text,
+                             "assistant_text": row.assistant_text, "token_start": row.token_start,
+                             "token_end": row.token_end, "created": row.created, "reply_state": row.reply_state})
+        db["sessions"].update(sid, {"updated": now()})
+
+    def finish_round(self, sid: str, row: RoundRow) -> None:
+        """Replace a round's reply, span and state (its pending reply, once generated): one UPDATE, one commit."""
+        with self.transaction() as db:
+            changed = db.execute("UPDATE rounds SET assistant_text = ?, token_start = ?, token_end = ?, reply_state = ? "
+                                 "WHERE session_id = ? AND idx = ? AND created = ?",
+                                 [row.assistant_text, row.token_start, row.token_end, row.reply_state, sid, row.idx,
+                                  row.created]).rowcount
+            if changed != 1:
+                raise StoreError(f"round {row.idx} of chat {sid} was removed by another kvchat process meanwhile")
             db["sessions"].update(sid, {"updated": now()})
+
+    def drop_pending_round(self, sid: str, row: RoundRow) -> None:
+        """Remove a message committed ahead of its reply that was then refused (the context cannot hold it)."""
+        with self.transaction() as db:
+            db.execute("DELETE FROM rounds WHERE session_id = ? AND idx = ? AND created = ? AND reply_state = ?",
+                       [sid, row.idx, row.created, REPLY_PENDING])
+
+    def data_version(self) -> int:
+        """Changes whenever another connection (another kvchat process) commits to the database: the app polls it
+        to refresh what it shows."""
+        return self._fetch("PRAGMA data_version")[0][0]
 
     def set_round_spans(self, sid: str, starts: list[int], ends: list[int]) -> list[str]:
         """Give a chat's rounds new token spans (its text now tokenizes differently) and drop its K/V rows, which

@@ -516,6 +516,9 @@ def parse_segment(data: bytes, name: str, *, fingerprint: str | None,
 
 def store_segment_bytes(folder: Path, name: str, data: bytes) -> None:
     """Durably place an already verified segment file (content-addressed `name`) in `folder`."""
-    _ensure_folder(folder)
-    if not _intact(folder / name):
-        _write_atomically(folder, name, (data,))
+    try:
+        _ensure_folder(folder)
+        if not _intact(folder / name):
+            _write_atomically(folder, name, (data,))
+    except OSError as e:
+        raise StorageError(f"cannot save KV segment in {folder}: {_reason(e)}.") from e

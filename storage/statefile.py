@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store, now
+from kvchat.storage.db import (REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store,
+                              now)
 from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
@@ -56,7 +57,7 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
                   "file": Path(info["model_path"]).name},
         "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"]},
         "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
-                    "token_end": r.token_end} for r in rounds],
+                    "token_end": r.token_end, "reply_state": r.reply_state} for r in rounds],
         "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
                                         "codec", "dtype", "byte_size", "raw_size", "checksum", "file", "live_from",
                                         "merged")}
@@ -130,11 +131,13 @@ def import_state(store: Store, path: Path, *, current_fingerprint: str, model_pa
                 not layer_rows_fit(seg["kind"], header.shape[0], seg["layer_end"] - seg["layer_start"]):
             raise StateFileError(f"{path.name}: blob {seg['file'][:12]}… does not hold what the manifest says")
     # Everything is valid: write the blobs first (content-addressed, so harmless if we stop here), then the rows.
+    store.check_writable("import a chat")
     for name, data in blobs.items():
         store_segment_bytes(store.kv_dir, name, data)
     s = manifest["session"]
-    rows = [RoundRow(r["idx"], r["user"], r["assistant"], r["token_start"], r["token_end"], now())
-            for r in manifest["rounds"]]
+    # A file written before reply states were kept holds whole replies.
+    rows = [RoundRow(r["idx"], r["user"], r["assistant"], r["token_start"], r["token_end"], now(),
+                     r.get("reply_state", REPLY_DONE)) for r in manifest["rounds"]]
     sid = store.insert_session(title=s["title"], model_fingerprint=current_fingerprint, model_path=model_path,
                                system_prompt=s["system_prompt"], settings=s["settings"], rounds=rows,
                                segments=[{**seg, "model_fingerprint": current_fingerprint} for seg in segments])
@@ -221,7 +224,7 @@ def _validate_manifest(m, bad) -> dict:
         ok = (isinstance(r, dict) and r.get("idx") == i and isinstance(r.get("user"), str)
               and isinstance(r.get("assistant"), str) and _is_int(r.get("token_start"))
               and _is_int(r.get("token_end")) and r["token_start"] == expect_start
-              and r["token_end"] > r["token_start"])
+              and r["token_end"] > r["token_start"] and r.get("reply_state", REPLY_DONE) in REPLY_STATES)
         if not ok:
             raise bad(f"round {i} is malformed")
         expect_start = r["token_end"]

@@ -36,7 +36,7 @@ def _in_process(args: list[str], env: dict, stdin: str | None) -> subprocess.Com
     hardware_profile._measured.clear()  # as in a new process: the profile comes from this KVCHAT_HOME's file
     result = CliRunner().invoke(main, args, input=stdin, env=env, catch_exceptions=True)
     stderr = result.stderr
-    if result.exc_info is not None and not isinstance(result.exception, SystemExit):
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
         # An exception that got past the command's own handling would have been a traceback in front of the user:
         # show it where the tests look for one.
         stderr += "".join(traceback.format_exception(*result.exc_info))

@@ -67,6 +67,11 @@ def models(tmp_path_factory) -> ModelFiles:
 
 
 def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("KVCHAT_STRESS"):
+        stress = pytest.mark.skip(reason="a stress test: KVCHAT_STRESS=1 runs it")
+        for item in items:
+            if "stress" in item.keywords:
+                item.add_marker(stress)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -12,13 +12,14 @@ from cli_run import kvchat
 from kvchat.app.session.chat import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
-from kvchat.storage.db import Store
+from kvchat.storage.db import REPLY_DONE, REPLY_PARTIAL, REPLY_PENDING, RoundRow, Store
 from kvchat.storage.failpoints import POINTS
 from kvchat.storage.fingerprint import model_fingerprint
 
 SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
 MESSAGES = ["My name is Ada.", "My sister's name is Mira.", "I live in Lisbon.", "What is my sister's name?",
             "Where do I live?"]
+SISTER_NOTED = "Noted: your sister's name is Mira."  # the reply to MESSAGES[1] after MESSAGES[0]
 
 
 @pytest.fixture(scope="module")
@@ -118,32 +119,178 @@ def test_disk_errors_while_saving_kv_lose_no_text(engine, kvchat_home, monkeypat
     assert stats.tokens_recomputed > 0 and "no K/V stored" in stats.notes[0]
 
 
+def _check_store(sid: str, before: list, point: str) -> RoundRow | None:
+    """What every interrupted send must leave: a sound database, the earlier rounds as they were, at most one new
+    round (the message sent), every segment row on a whole file and no stray files once the sweep has run."""
+    store = Store()
+    try:
+        assert store.integrity_ok(), point
+        after = store.rounds(sid)
+        assert after[: len(before)] == before, point
+        assert len(after) in (len(before), len(before) + 1), point
+        for seg in store.segments(sid):  # every committed segment row points at a whole, valid file
+            assert (store.kv_dir / seg["file"]).exists(), point
+        assert not [p for p in store.kv_dir.iterdir() if p.name.startswith(".tmp-")], point  # swept at open
+        store.sweep(orphan_age_s=0)  # a file whose row never committed goes once no save can still claim it
+        assert {p.name for p in store.kv_dir.iterdir()} == store.referenced_files(), point
+        return after[-1] if len(after) > len(before) else None
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO])
+def test_send_says_once_after_the_reply_that_its_kv_was_not_saved(kvchat_home, monkeypatch, error):
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    kvchat("send", sid, MESSAGES[0], "--device", "cpu")
+
+    def failing_fsync(fd):
+        raise OSError(error, os.strerror(error))
+
+    with monkeypatch.context() as m:
+        m.setattr("kvchat.storage.segments.os.fsync", failing_fsync)
+        proc = kvchat("send", sid, MESSAGES[1], "--device", "cpu")
+        assert proc.stdout == SISTER_NOTED + "\n"  # nothing glued to the reply
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvchat: warning: the K/V of round 1 was not saved (")
+        assert os.strerror(error) in lines[0] and lines[0].endswith("recomputed when the chat is next opened")
+        as_json = json.loads(kvchat("send", sid, MESSAGES[2], "--device", "cpu", "--json").stdout)
+        assert as_json["kv_not_saved"] and as_json["reply_state"] == REPLY_DONE
+    # The next send says nothing of the earlier failures: it recomputes those rounds (no damage), and saves them.
+    proc = kvchat("send", sid, MESSAGES[3], "--device", "cpu", "--json")
+    out = json.loads(proc.stdout)
+    assert proc.stderr == "" and out["kv_not_saved"] == [] and out["kv_recomputed"] == []
+    assert out["reply"] == "Your sister's name is Mira." and out["round"] == 3 and out["stop_reason"] == "eog"
+    assert [r["kv"] for r in json.loads(kvchat("show", sid, "--json").stdout)["rounds"]] == ["on disk"] * 4
+
+
+# Every write a send makes to the database, in order; a full disk or an I/O error at each must lose no message.
+SEND_WRITES = ("add_round", "finish_round", "add_segment", "record_restore", "rename_session")
+
+
+@pytest.mark.parametrize("sqlite_error", ["database or disk is full", "disk I/O error"])
+def test_a_full_disk_or_io_error_at_every_database_write_of_a_send_loses_no_message(kvchat_home, monkeypatch,
+                                                                                      sqlite_error):
+    import sqlite3
+
+    place = "is full" if "full" in sqlite_error else "an I/O error"
+    for method in SEND_WRITES:
+        sid = kvchat("new").stdout.strip()  # untitled: the send names it (rename_session)
+        kvchat("send", sid, MESSAGES[0], "--device", "cpu")
+        Store().db.execute("UPDATE sessions SET title = '' WHERE id = ?", [sid])
+
+        def failing(self, *args, **kwargs):
+            with self.transaction():
+                raise sqlite3.OperationalError(sqlite_error)
+
+        with monkeypatch.context() as m:
+            m.setattr(Store, method, failing)
+            proc = kvchat("send", sid, MESSAGES[1], "--device", "cpu", check=False)
+        assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, (method, proc.stderr)
+        lines = proc.stderr.splitlines()
+        rounds = Store().rounds(sid)
+        if method == "add_round":  # the message could not be saved: nothing was answered, and it says so
+            assert proc.returncode == 1 and proc.stdout == "" and len(lines) == 1, (method, proc.stderr)
+            assert place in lines[0] and [r.user_text for r in rounds] == MESSAGES[:1]
+            continue
+        assert [r.user_text for r in rounds] == MESSAGES[:2], method  # the message is kept
+        assert proc.stdout == SISTER_NOTED + "\n", method  # the reply streamed, nothing glued to it
+        if method == "finish_round":  # the reply could not be saved: one line says so, the message waits
+            assert proc.returncode == 1 and len(lines) == 1 and place in lines[0], (method, proc.stderr)
+            assert "the reply was not saved (the message is" in lines[0]
+            assert (rounds[1].assistant_text, rounds[1].reply_state) == ("", REPLY_PENDING)
+            continue
+        assert (rounds[1].assistant_text, rounds[1].reply_state) == (SISTER_NOTED, REPLY_DONE), method
+        if method == "add_segment":  # the K/V could not be indexed: one warning, the round is text
+            assert proc.returncode == 0 and len(lines) == 1 and lines[0].startswith("kvchat: warning: the K/V of round 1")
+        else:  # what is only bookkeeping (the restore's figures, the title) is let go
+            assert proc.returncode == 0 and lines == [], (method, proc.stderr)
+        # The chat goes on, recomputing what could not be stored.
+        assert kvchat("send", sid, MESSAGES[3], "--device", "cpu").stdout == "Your sister's name is Mira.\n"
+        assert Store().integrity_ok()
+
+
+def test_send_says_when_it_recomputed_damaged_kv(kvchat_home):
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    for m in MESSAGES[:2]:
+        kvchat("send", sid, m, "--device", "cpu", "--no-compact")
+
+    def damage_round_1() -> None:
+        store = Store()
+        path = store.kv_dir / [s for s in store.segments(sid) if s["round_idx"] == 1][0]["file"]
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+        store.close()
+
+    damage_round_1()
+    proc = kvchat("send", sid, MESSAGES[3], "--device", "cpu", "--no-compact")
+    assert proc.stdout == "Your sister's name is Mira.\n"
+    assert proc.stderr.startswith("kvchat: notice: restoring recomputed stored K/V that could not be used: round 1: ")
+    assert len(proc.stderr.splitlines()) == 1
+    damage_round_1()  # it was stored again when recomputed
+    out = json.loads(kvchat("send", sid, MESSAGES[4], "--device", "cpu", "--json").stdout)
+    assert len(out["kv_recomputed"]) == 1 and out["kv_recomputed"][0].startswith("round 1: ")
+
+
 def test_crash_loop(kvchat_home):
-    """SIGKILL at every step of saving a round: the database stays sound, the round is wholly there or wholly
-    absent, older rounds are intact, and the chat still answers."""
+    """SIGKILL at every step of sending a message and saving its round: the database stays sound, older rounds are
+    intact, the message is kept from the moment it was committed (its reply pending until the reply's commit, then
+    whole), and the chat still answers."""
     sid = kvchat("new", "--system", SYSTEM).stdout.strip()
     kvchat("send", sid, MESSAGES[0], "--device", "cpu")
     for point in POINTS:
         before = Store().rounds(sid)
         proc = kvchat("send", sid, MESSAGES[1], "--device", "cpu", env={"KVCHAT_CRASH_AT": point}, check=False)
         assert proc.returncode == -9, (point, proc.stderr[-500:])
-        store = Store()
-        assert store.integrity_ok(), point
-        after = store.rounds(sid)
-        assert after[: len(before)] == before, point
-        assert len(after) in (len(before), len(before) + 1), point
-        if len(after) > len(before):
-            new = after[-1]
-            assert new.user_text == MESSAGES[1] and new.assistant_text and new.token_end > new.token_start
-        for seg in store.segments(sid):  # every committed segment row points at a whole, valid file
-            assert (store.kv_dir / seg["file"]).exists(), point
-        assert not [p for p in store.kv_dir.iterdir() if p.name.startswith(".tmp-")], point  # swept at open
-        store.sweep(orphan_age_s=0)  # a file whose row never committed goes once no save can still claim it
-        assert {p.name for p in store.kv_dir.iterdir()} == store.referenced_files(), point
-        store.close()
+        new = _check_store(sid, before, point)
+        if new is None:  # killed before the message's commit: before it, or while the restore stored recomputed K/V
+            assert point == "message-text" or point.startswith("segment-"), point
+            continue
+        assert new.user_text == MESSAGES[1] and new.token_end > new.token_start, point
+        # Killed before the reply's commit: the message waits for a reply; after it, the round is whole. (The K/V
+        # the restore recomputed is saved in the background, so a segment point may come before either.)
+        assert (new.assistant_text == "") == (new.reply_state == REPLY_PENDING), point
+        if point in ("message-committed", "reply-token", "round-text"):
+            assert new.reply_state == REPLY_PENDING, point
+        elif not point.startswith("segment-"):
+            assert new.reply_state == REPLY_DONE, point
+        if new.reply_state == REPLY_PENDING:  # shown as what it is
+            assert "assistant: [no reply saved: kvchat stopped before the reply ended]" in kvchat("show", sid).stdout
+    # The lost replies are empty rounds in the chat: it restores and answers from what it holds.
     reply = kvchat("send", sid, "What is my name?", "--device", "cpu").stdout.strip()
     assert reply == "Your name is Ada."
     assert Store().integrity_ok()
+
+
+@pytest.mark.parametrize("signal_name, point", [("INT", "message-committed"), ("TERM", "reply-token"),
+                                                ("INT", "segment-written"), ("INT2", "reply-token")])
+def test_ctrl_c_and_sigterm_keep_the_reply_streamed(kvchat_home, signal_name, point):
+    """Ctrl-C or SIGTERM during a send: the reply stops at the next token and what streamed is saved, marked
+    partial (exit 130); once the reply is saved a signal changes nothing (exit 0); a second Ctrl-C stops at once
+    and still keeps what streamed. Nothing is lost, the K/V included, and the chat goes on."""
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    kvchat("send", sid, MESSAGES[0], "--device", "cpu")
+    before = Store().rounds(sid)
+    proc = kvchat("send", sid, MESSAGES[1], "--device", "cpu", env={"KVCHAT_CRASH_AT": point,
+                                                                   "KVCHAT_CRASH_SIGNAL": signal_name}, check=False)
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    new = _check_store(sid, before, point)
+    assert new is not None and new.user_text == MESSAGES[1]
+    if POINTS.index(point) >= POINTS.index("round-committed"):
+        assert proc.returncode == 0, proc.stderr
+        assert (new.assistant_text, new.reply_state) == (SISTER_NOTED, REPLY_DONE)
+    else:
+        assert proc.returncode == 130, proc.stderr
+        assert new.reply_state == REPLY_PARTIAL
+        assert new.assistant_text == proc.stdout.strip() and SISTER_NOTED.startswith(new.assistant_text)
+        # Ctrl-C before the reply stops the chat's restore: the message is kept with an empty reply. During the
+        # reply, it stops after the piece streamed.
+        assert bool(new.assistant_text) == (point == "reply-token")
+        assert f"assistant: {new.assistant_text} [stopped: partial reply]" in kvchat("show", sid).stdout
+        assert proc.stderr.strip().splitlines()[-1].startswith("kvchat: ")
+    assert kvchat("send", sid, "What is my name?", "--device", "cpu").stdout.strip() == "Your name is Ada."
+    shown = json.loads(kvchat("show", sid, "--json").stdout)
+    assert [r["kv"] for r in shown["rounds"]] == ["on disk"] * 3
 
 
 def test_bad_session_ids_and_missing_model(kvchat_home, tmp_path):
@@ -342,11 +489,14 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
         old = Store()
         sid = old.create_session(title="old", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
         old.db["kv_segments"].insert({"session_id": sid, "created": store_db.now(), **segment_row(0, "a")})
+        old.db["rounds"].insert({"session_id": sid, "idx": 0, "user_text": "hi", "assistant_text": "hello",
+                                 "token_start": 0, "token_end": 9, "created": store_db.now()})
         assert "kind" not in old.db["kv_segments"].columns_dict
         old.close()
     store = Store()
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 5
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 6
     assert kinds_and_files(store, sid) == [(0, "kv", "a")]
+    assert [r.reply_state for r in store.rounds(sid)] == [REPLY_DONE]  # stored before replies had states: whole
     assert store.segments(sid)[0]["live_from"] == 0  # stored before windows were trimmed: every token held
     assert store.segments(sid)[0]["merged"] == "" and store.layer_stats(sid) is None  # and before merging
     table = store.db["kv_segments"]

@@ -1,7 +1,9 @@
 """A stored chat driven by the engine: restore its KV from disk, answer a new message, save the round.
 
-The round's text is committed the moment the reply ends; its K/V (all layers) is written to a segment file by a
-background thread, and its database row only once the file is durable. Restoring loads every round's stored K/V
+A round's message is committed before it is answered and its reply the moment it ends (or is stopped); its K/V
+(all layers) is written to a segment file by a background thread after, and its database row only once the file is
+durable. One process writes a chat at a time (`writing`: a lock across processes; a session whose chat another
+process wrote to takes that in first). Restoring loads every round's stored K/V
 into the cache at its original slots and recomputes from text any round whose K/V is missing, corrupt, or from
 another model, saying why.
 
@@ -17,6 +19,7 @@ trimming (windows.WindowTrim), the upper tier's reads (tiered.UpperReads) and th
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from pathlib import Path
 from typing import Callable
@@ -38,10 +41,13 @@ from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.text.chat_format import Conversation, Round
-from kvchat.errors import KvchatError
-from kvchat.storage.db import RoundRow, Store, now
+from kvchat.errors import ContextOverflowError, KvchatError
+from kvchat.storage.chat_lock import ChatLock
+from kvchat.storage.db import REPLY_DONE, REPLY_PARTIAL, REPLY_PENDING, RoundRow, Store, StoreError, now
 from kvchat.storage.failpoints import crash_point
 from kvchat.storage.fingerprint import model_fingerprint
+
+log = logging.getLogger("kvchat.session")
 
 
 def settled_prefix(have: list[int], closed: list[int]) -> int:
@@ -80,6 +86,11 @@ class ChatSession:
         self.restored: RestoreStats | None = None
         self.merges = merges
         self.ignore_merges = ignore_merges
+        # One writer per chat across processes (storage.chat_lock): how long a send waits for another one's.
+        self.lock_wait_s = 600.0
+        self._writer_lock: ChatLock | None = None
+        self._stale = False  # a failed save left the store and this session apart: reload before the next write
+        self.sent_restore: RestoreStats | None = None  # the restore the last send made and recorded, if any
         # The helpers that outlive a restore: what is stored of the sliding windows, how rounds are saved, and
         # (tiered) the background read of the upper layers, which the cache pulls rounds from.
         self.windows = WindowTrim(engine.config, trim_windows)
@@ -203,30 +214,123 @@ class ChatSession:
 
     # ---- a new round ----
 
+    # ---- one writer at a time ----
+
+    @contextlib.contextmanager
+    def writing(self, on_wait: Callable[[dict | None], None] | None = None, cancel: threading.Event | None = None):
+        """Hold the chat's writer lock across processes (storage.chat_lock) for what follows, and first take in what
+        another process wrote to the chat since it was read here. The lock is let go by the K/V writer once every
+        round saved meanwhile is on disk, so no other process replaces a round whose K/V is still being written.
+        Re-entrant (regenerating: a retraction, then a send)."""
+        if self._writer_lock is not None:
+            yield
+            return
+        try:
+            lock = ChatLock.acquire(self.store.home, self.sid, wait_s=self.lock_wait_s, on_wait=on_wait,
+                                    cancel=cancel)
+        except OSError as exc:
+            raise self.store.place_error(exc, "lock the chat for writing") from None
+        self._writer_lock = lock
+        try:
+            self.reload_if_changed()
+            yield
+        finally:
+            self._writer_lock = None
+            self.writer.submit_job(lock.release, f"letting go of chat {self.sid}")
+
+    def reload_if_changed(self) -> bool:
+        """Whether the chat's text in the store differs from what this session holds (another process wrote to it,
+        or a save here failed half-way): then the session starts again from the store, and the next message restores
+        the chat — loading the other process's rounds where their K/V is stored, recomputing them where not."""
+        rows, info = self.store.rounds(self.sid), self.store.session(self.sid)
+        if not self._stale and rows == self.rounds and info["system_prompt"] == self.system:
+            return False
+        self.upper_reads.close()
+        self.info, self.rounds, self._stale = info, rows, False
+        self.cache, self.restored = self._new_cache(256), None
+        self.windows = WindowTrim(self.engine.config, self.trim_windows)
+        self.saver = RoundSaver(self.store, self.writer, self.sid, self.engine.config, self.storage_groups,
+                                self.windows, split=self._tiered_split, merges=self.merges)
+        self.upper_reads = UpperReads(self.store, self.engine, self.sid, self.fingerprint, self.split,
+                                      self.ignore_merges)
+        return True
+
+    # ---- a new round ----
+
     def send(self, text: str, *, max_tokens: int = 512, sampling: SamplingParams = SamplingParams(),
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
-             guard: ReplyGuard = ReplyGuard()) -> GenerationResult:
-        """Answer `text` as the chat's next round and save it. An empty message, or one the context cannot hold, is
-        refused before anything is saved."""
+             guard: ReplyGuard = ReplyGuard(), on_wait: Callable[[dict | None], None] | None = None
+             ) -> GenerationResult:
+        """Answer `text` as the chat's next round and save it.
+
+        The message is committed first (its reply pending), so no crash from then on loses it; the reply replaces
+        the pending one when it ends — whole, or as far as it got when stopped (`cancel`, which the CLI's Ctrl-C and
+        SIGTERM set) or interrupted by an exception (marked partial). The K/V is saved after, in the background.
+        An empty message, or one the context cannot hold, is refused and leaves nothing behind. `on_wait` hears when
+        another process is writing to the chat and this send waits for it."""
         if not text.strip():
             raise KvchatError("the message is empty")
-        if self.restored is None:
-            self.restore()
-        idx, start = len(self.rounds), self.cache.length
-        prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
-        mp = self.message_policy
-        starts = [r.token_start for r in self.rounds]
-        view = mp.for_message(self.engine.model, self.cache, starts, [], prompt) if mp is not None else \
-            contextlib.nullcontext()
-        with view as attend, self.answering():
-            result = generate(self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
-                              max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                              stop_strings=self.engine.chat.stop_strings, on_token=on_token, cancel=cancel,
-                              attend=attend, policy=mp, **self.engine.guarding(guard))
+        with self.writing(on_wait, cancel):
+            return self._send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token, cancel=cancel,
+                              guard=guard)
+
+    def _send(self, text: str, *, max_tokens: int, sampling: SamplingParams, on_token: TokenCallback | None,
+              cancel: threading.Event | None, guard: ReplyGuard) -> GenerationResult:
+        idx = len(self.rounds)
+        start = self.rounds[-1].token_end if self.rounds else 0
+        # The message as a round whose reply is empty: a crash before the reply is saved leaves a chat that restores.
+        empty = self.engine.chat.round_spans(self.conversation(Round(text, "")))[-1]
+        pending = RoundRow(idx, text, "", start, start + len(empty), now(), REPLY_PENDING)
+        crash_point("message-text")
+        self.store.add_round(self.sid, pending)  # the message is safe from here on
+        crash_point("message-committed")
+        streamed: list[str] = []
+
+        def collect(token: int, piece: str) -> None:
+            streamed.append(piece)
+            if on_token is not None:
+                on_token(token, piece)
+            if len(streamed) == 1:
+                crash_point("reply-token")
+
+        try:
+            self.sent_restore = None
+            if self.restored is None:
+                self.restore(cancel=cancel)
+            start = self.cache.length
+            prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
+            mp = self.message_policy
+            starts = [r.token_start for r in self.rounds]
+            view = mp.for_message(self.engine.model, self.cache, starts, [], prompt) if mp is not None else \
+                contextlib.nullcontext()
+            with view as attend, self.answering():
+                result = generate(self.engine.model, self.cache, prompt,
+                                  decoder=self.engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
+                                  sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                                  stop_strings=self.engine.chat.stop_strings, on_token=collect, cancel=cancel,
+                                  attend=attend, policy=mp, **self.engine.guarding(guard))
+        except ContextOverflowError:
+            self.store.drop_pending_round(self.sid, pending)  # refused: as if never sent
+            self._stale = True
+            raise
+        except BaseException:
+            # Stopped in the middle (a second Ctrl-C, a failure): what had streamed is kept as a partial reply; the
+            # cache is let go (the next message restores the chat).
+            self._stale = True
+            self._keep_partial(pending, "".join(streamed))
+            raise
+        state = REPLY_PARTIAL if result.stop_reason == "cancelled" else REPLY_DONE
         closed = self.engine.chat.round_spans(self.conversation(Round(text, result.text)))[-1]
-        row = RoundRow(idx, text, result.text, start, start + len(closed), now())
+        row = RoundRow(idx, text, result.text, start, start + len(closed), pending.created, state)
         crash_point("round-text")
-        self.store.add_round(self.sid, row)  # the text is safe from here on
+        try:
+            self.store.finish_round(self.sid, row)  # the reply is safe from here on
+        except StoreError as exc:
+            self._stale = True
+            raise StoreError(f"{exc}; the reply was not saved (the message is, its reply marked not saved)") from None
+        except BaseException:
+            self._stale = True  # the message stays, its reply pending
+            raise
         crash_point("round-committed")
         self.rounds.append(row)
         if not self._settle_cache(start, prompt + result.tokens[:-1], closed):
@@ -240,12 +344,27 @@ class ChatSession:
             self.writer.submit_job(lambda: compactor(self.store, self.sid), f"compacting after round {idx}")
         if self.restored is not None:
             r = self.restored
-            self.store.record_restore(self.sid, tokens_loaded=r.tokens_loaded, tokens_recomputed=r.tokens_recomputed,
-                                      restore_ms=r.restore_ms, ttft_ms=1000 * result.first_token_seconds,
-                                      notes=r.notes, tokens_planned=r.tokens_planned, compute_ms=r.compute_ms,
-                                      load_ms=r.load_ms, gap_ms=r.gap_ms, plan=r.plan)
+            try:
+                self.store.record_restore(self.sid, tokens_loaded=r.tokens_loaded,
+                                          tokens_recomputed=r.tokens_recomputed, restore_ms=r.restore_ms,
+                                          ttft_ms=1000 * result.first_token_seconds, notes=r.notes,
+                                          tokens_planned=r.tokens_planned, compute_ms=r.compute_ms, load_ms=r.load_ms,
+                                          gap_ms=r.gap_ms, plan=r.plan)
+            except StoreError as exc:  # what the open cost is for `show`; the round itself is saved
+                log.warning("the restore's figures were not recorded: %s", exc)
+            if r.tokens_loaded or r.tokens_recomputed or r.notes:
+                self.sent_restore = r
             self.restored = RestoreStats(notes=[])  # recorded once per open
         return result
+
+    def _keep_partial(self, pending: RoundRow, text: str) -> None:
+        """Save what streamed of an interrupted reply over its pending one, if the store still takes writes."""
+        closed = self.engine.chat.round_spans(self.conversation(Round(pending.user_text, text)))[-1]
+        start = self.rounds[-1].token_end if self.rounds else 0  # a restore may have tokenized the chat anew
+        row = RoundRow(pending.idx, pending.user_text, text, start, start + len(closed), pending.created,
+                       REPLY_PARTIAL)
+        with contextlib.suppress(Exception):  # the original failure is the one to report
+            self.store.finish_round(self.sid, row)
 
     @torch.inference_mode()
     def _settle_cache(self, start: int, have: list[int], closed: list[int]) -> bool:
@@ -267,7 +386,8 @@ class ChatSession:
         return True
 
     def retract_last_round(self) -> RoundRow | None:
-        """Remove the last round (text and K/V) from the store and the cache, to answer its message again."""
+        """Remove the last round (text and K/V) from the store and the cache, to answer its message again (under
+        `writing()`, with the send that answers it)."""
         self.writer.drain()  # its K/V may still be on the way to disk
         row, orphans = self.store.delete_last_round(self.sid)
         self.store.unlink_files(orphans)

@@ -26,6 +26,10 @@ Planner = Callable[[list[RoundLayout], tuple[range, ...], tuple[int, ...]], Rest
 GROUP_BYTES_PER_512_TOKENS = 16 << 20
 MAX_GROUPS = 4
 
+# Why a round with no K/V rows is recomputed: expected (a text-only or compacted round, a save that failed and said
+# so then), unlike K/V that is stored but cannot be used.
+NO_KV_STORED = "no K/V stored"
+
 
 def round_layouts(rounds: list[RoundRow], rows: dict[int, list[dict]], fingerprint: str,
                   resident: Callable[[dict], float]) -> list[RoundLayout]:
@@ -91,7 +95,7 @@ def unusable(segments: list[dict], layers: range, fingerprint: str, ignore_merge
     covered = sorted((s["layer_start"], s["layer_end"]) for s in kv
                      if s["layer_start"] < layers.stop and layers.start < s["layer_end"])
     if not covered:
-        return "no K/V stored"
+        return NO_KV_STORED
     expect = layers.start
     for lo, hi in covered:
         if lo > expect:

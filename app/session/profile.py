@@ -35,6 +35,7 @@ from kvchat.engine.restore.plan import HardwareProfile, RestorePlan, observe, pl
 from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.timing import sync
 from kvchat.errors import KvchatError
+from kvchat.paths import can_write, data_dir, place_words
 from kvchat.storage.pagecache import evict
 from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.segments import decode_segment, merge_planes, read_segment_file, tensor_on, write_segment
@@ -83,6 +84,9 @@ def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo:
             return profile
         profile, why = (None, None) if redo else load_profile(fingerprint, device, engine.config.n_layers)
         if profile is None:
+            home = data_dir()
+            if home.is_dir() and not can_write(home):  # said before the notice that it is being measured
+                raise KvchatError(f"{home} is read-only: cannot measure how fast this machine restores chats")
             if notice is not None:
                 notice((f"{why}; measuring it again" if why else
                         "measuring how fast this machine recomputes and loads this model's chats (once per model "
@@ -146,11 +150,14 @@ def profile_for_chat(store, sid: str, device, notice: Notice | None = None) -> H
 
 def measure_profile(engine, fingerprint: str) -> HardwareProfile:
     device = engine.device
-    points, cache = _prefill_points(engine)
-    a, b = fit_prefill(points)
     probe = probe_folder(f".probe-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
+    try:  # first: a home that cannot hold the probe's files (read-only, full) fails before seconds of prefills
         probe.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvchatError(place_words(data_dir(), exc, "measure how fast this machine restores chats")) from None
+    try:
+        points, cache = _prefill_points(engine)
+        a, b = fit_prefill(points)
         files = _write_probe(engine, cache, fingerprint, probe)
         del cache
         disk_bytes = sum(f.stat().st_size for f in files)

@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from kvchat.app.session.layout import Planner, hold_span, listed_pairs, plan_for_chat, segment_files, unusable
+from kvchat.app.session.layout import (NO_KV_STORED, Planner, hold_span, listed_pairs, plan_for_chat, segment_files,
+                                       unusable)
 from kvchat.app.session.saving import RoundSaver
 from kvchat.app.session.tiered import UpperReads, assemble_upper
 from kvchat.app.session.windows import WindowTrim
@@ -56,6 +57,7 @@ class RestoreStats:
     spans_ms: float = 0.0  # rendering and tokenizing the chat, needed only when some round is recomputed
     wait_ms: float = 0.0  # waiting for reads/checks/decompression the worker threads had not finished
     notes: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)  # stored K/V that could not be used (and was recomputed)
     recomputed_rounds: list[int] = field(default_factory=list)  # the fallback's rounds
     tokens_planned: int = 0  # the chat's first tokens, recomputed by plan (a round split by layers counts in both)
     compute_ms: float = 0.0  # how long the recompute stream was busy
@@ -253,6 +255,7 @@ class RestoreRun:
             raise loading.error
         stats.tokens_loaded, fallback = loading.tokens, loading.fallback
         stats.notes += [f"round {i}: {reason}; recomputed" for i, reason in loading.reasons]
+        stats.damaged += [f"round {i}: {reason}" for i, reason in loading.reasons if reason != NO_KV_STORED]
         stats.compute_ms = 1000 * recompute.busy_s
         stats.compute_launch_ms = 1000 * recompute.launched_s
         stats.load_ms = 1000 * (loading.ended - loading.started) if loading.ended is not None else 0.0
@@ -494,7 +497,8 @@ class RestoreRun:
         stats.recomputed_rounds = list(range(len(spans)))
         # The text's tokens are the truth: store the new spans (and forget K/V stored for the old ones).
         self.store.unlink_files(self.store.set_round_spans(self.sid, [e - len(s) for e, s in zip(ends, spans)], ends))
-        self.rounds = self.store.rounds(self.sid)
+        # (A message committed ahead of its reply, past the rounds restored here, is not one of them.)
+        self.rounds = self.store.rounds(self.sid)[:len(self.rounds)]
         return self._restored(stats, started)
 
     def _load_round(self, i: int, start: int, end: int, segments: list[dict], fetcher: SegmentPrefetcher,

@@ -15,6 +15,7 @@ untitled chat is its first message.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,12 +36,16 @@ from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.errors import KvchatError
-from kvchat.storage.db import RoundRow, Store
+from kvchat.storage.chat_lock import ChatLock
+from kvchat.storage.db import RoundRow, Store, StoreError
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.statefile import ImportResult, export_session, import_state
 
 # How many restored chats keep their KV cache in memory; reopening one of them costs nothing.
 CHATS_IN_MEMORY = 4
+# How long deleting a chat or changing its system prompt waits for another process writing to it (a send waits
+# longer: its own message is at stake, and the user chose to send it now).
+CHANGE_WAIT_S = 10.0
 
 Progress = Callable[[int, int], None]  # (done, total)
 
@@ -80,12 +85,13 @@ class Reply:
     round: RoundRow
     result: GenerationResult
     title: str  # the chat's title afterwards (an untitled chat takes its first message)
+    restore: RestoreStats | None = None  # the restore this send made (its notes: K/V recomputed because damaged)
 
 
 @dataclass
 class _OpenChat:
     session: ChatSession
-    stats: RestoreStats
+    stats: RestoreStats | None  # None until it is restored (by its first send)
     kv_policy: str  # the policy name it was restored under: another name reopens it
 
 
@@ -217,13 +223,18 @@ class ChatService:
         return self.chat_stats(sid)
 
     def _session(self, sid: str, kv_policy: str, progress=None, cancel: threading.Event | None = None,
-                 calibrating: Progress | None = None, merge_share: float | None = None) -> ChatSession:
-        """The chat's session restored under `kv_policy`; call with model_lock held."""
+                 calibrating: Progress | None = None, merge_share: float | None = None,
+                 restore: bool = True) -> ChatSession:
+        """The chat's session under `kv_policy`, restored (unless `restore` is off: a send restores it after
+        committing its message); call with model_lock held."""
         with self._state_lock:
             opened = self._open.get(sid)
             if opened is not None and opened.kv_policy == kv_policy:
                 self._open.move_to_end(sid)
-                return opened.session
+        if opened is not None and opened.kv_policy == kv_policy:
+            if restore and opened.session.restored is None:  # opened by a send that did not get to restore it
+                opened.stats = opened.session.restore(progress=progress, cancel=cancel)
+            return opened.session
         if opened is not None:  # restored under another policy: its rounds reach the disk, then it is reopened
             self.forget(sid)
             opened.session.close()
@@ -232,7 +243,7 @@ class ChatService:
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
         session = self.wire(info, self.engine(info["model_path"]), kv_policy=kv_policy, merge_share=merge_share,
                             calibrating=calibrating)
-        stats = session.restore(progress=progress, cancel=cancel)
+        stats = session.restore(progress=progress, cancel=cancel) if restore else None
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)
             while len(self._open) > CHATS_IN_MEMORY:
@@ -266,33 +277,48 @@ class ChatService:
     def send(self, sid: str, text: str, *, max_tokens: int, sampling: SamplingParams,
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
              regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None,
-             guard: ReplyGuard = ReplyGuard(), merge_share: float | None = None) -> Reply:
+             guard: ReplyGuard = ReplyGuard(), merge_share: float | None = None,
+             on_wait: Callable[[dict | None], None] | None = None, lock_wait_s: float | None = None) -> Reply:
         """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
         `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again.
-        `merge_share`: the chat's merge setting from now on, when it is opened here (`kvchat send --merge`)."""
+        `merge_share`: the chat's merge setting from now on, when it is opened here (`kvchat send --merge`).
+        `on_wait(holder)`: told when another kvchat process is writing to the chat and this send waits for it
+        (storage.chat_lock; the wait is bounded, `lock_wait_s` or the session's default: ChatBusyError names the
+        holder)."""
+        self.store.check_writable("send a message")  # before seconds of loading and restoring for nothing
         with self.model_lock:
-            session = self._session(sid, kv_policy, calibrating=calibrating, merge_share=merge_share)
-            if regenerate:
-                row = session.retract_last_round()
-                if row is None:
-                    raise KvchatError("the chat has no reply to regenerate")
-                text = row.user_text
-            if not text.strip():
+            session = self._session(sid, kv_policy, calibrating=calibrating, merge_share=merge_share, restore=False)
+            if lock_wait_s is not None:
+                session.lock_wait_s = lock_wait_s
+            if not regenerate and not text.strip():
                 raise KvchatError("the message is empty")
-            try:
-                result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
-                                      cancel=cancel, guard=guard)
-            except BaseException:
-                if regenerate:  # no new reply: the old one comes back (its K/V is recomputed on the next open)
-                    self.store.add_round(sid, row)
-                    self.forget(sid)
-                raise
+            with session.writing(on_wait, cancel):
+                if regenerate:
+                    row = session.retract_last_round()
+                    if row is None:
+                        raise KvchatError("the chat has no reply to regenerate")
+                    text = row.user_text
+                try:
+                    result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
+                                          cancel=cancel, guard=guard)
+                except BaseException:
+                    # No new round (refused, or failed before its message was committed): the old one comes back
+                    # (its K/V is recomputed on the next open).
+                    if regenerate and len(self.store.rounds(sid)) == row.idx:
+                        self.store.add_round(sid, row)
+                        self.forget(sid)
+                    raise
+            with self._state_lock:
+                opened = self._open.get(sid)
+                if opened is not None and session.sent_restore is not None:
+                    opened.stats = session.sent_restore
             title = session.info["title"]
             if not title:  # as `kvchat send`: an untitled chat takes its first message as title
                 title = " ".join(text.split())[:48]
-                self.store.rename_session(sid, title)
-                session.info["title"] = title
-            return Reply(session.rounds[-1], result, title)
+                with contextlib.suppress(StoreError):  # the round is saved; a title can wait for the next send
+                    self.store.rename_session(sid, title)
+                    session.info["title"] = title
+            return Reply(session.rounds[-1], result, title, session.sent_restore)
 
     def chat_stats(self, sid: str) -> ChatStats:
         info = self.store.session(sid)
@@ -305,10 +331,11 @@ class ChatService:
             stats.context_length = engine.config.context_length
         with self._state_lock:
             opened = self._open.get(sid)
-        if opened is not None:
+        if opened is not None and opened.stats is not None:
             stats.restore, stats.restore_source = opened.stats, "this run"
+        if opened is not None and opened.session.restored is not None:
             stats.context_used = opened.session.cache.length
-        else:
+        if stats.restore is None:
             last = self.store.last_restore(sid)
             if last:
                 stats.restore = RestoreStats(last["tokens_loaded"], last["tokens_recomputed"], last["restore_ms"],
@@ -340,12 +367,26 @@ class ChatService:
             if sid in self._open:
                 self._open[sid].session.info["title"] = title
 
+    @contextlib.contextmanager
+    def _writing(self, sid: str, doing: str):
+        """The chat's writer lock across processes (storage.chat_lock) for a change that is not a send: waited for
+        briefly, then refused in one line naming the process writing to the chat."""
+        try:
+            lock = ChatLock.acquire(self.store.home, sid, wait_s=CHANGE_WAIT_S)
+        except OSError as exc:
+            raise self.store.place_error(exc, doing) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
     def delete(self, sid: str) -> None:
         """As `kvchat rm`: the deletion is committed first, the files no other chat uses are unlinked after."""
         with self.model_lock:  # never while a round of this chat is being answered or saved
             self.drain()
-            self.forget(sid)
-            self.store.unlink_files(self.store.delete_session(sid))
+            with self._writing(sid, "delete the chat"):
+                self.forget(sid)
+                self.store.unlink_files(self.store.delete_session(sid))
 
     def fork(self, sid: str, rounds: int, title: str) -> str:
         """A new chat holding the first `rounds` rounds (and their stored K/V, shared by file)."""
@@ -370,8 +411,9 @@ class ChatService:
         """A new system prompt changes every round's tokens: the stored K/V is dropped and recomputed on open."""
         with self.model_lock:
             self.drain()
-            self.forget(sid)
-            self.store.unlink_files(self.store.update_session(sid, system_prompt=system_prompt))
+            with self._writing(sid, "change the chat's system prompt"):
+                self.forget(sid)
+                self.store.unlink_files(self.store.update_session(sid, system_prompt=system_prompt))
 
     def close(self) -> list[str]:
         """Before the app exits: the reply being generated (already told to stop) is saved, then every finished

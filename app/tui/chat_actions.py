@@ -19,7 +19,7 @@ class ChatActions:
 
     async def action_new_chat(self) -> None:
         self._leave()
-        self.open_sid = self.open_info = None
+        self.open_sid = self.open_info = self.shown = None
         self.sidebar.chat_list.highlighted = None
         await self.chat_view.show_welcome()
         self.composer.set_history([])

@@ -6,9 +6,9 @@ Every worker catches every exception and turns it into an error notification: th
 or storage error.
 
 The screen is put together from its flows, one module each: opening a chat (chat_opening.py), sending and
-streaming a reply (chat_replying.py), the actions on chats and the settings (chat_actions.py); what workers
-hand back is in worker_messages.py. This module holds the bindings, the layout, the worker plumbing, the start
-and the chat list.
+streaming a reply (chat_replying.py), the actions on chats and the settings (chat_actions.py), following what other
+kvchat processes change in the store (chat_live.py); what workers hand back is in worker_messages.py. This module
+holds the bindings, the layout, the worker plumbing, the start and the chat list.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, ProgressBar
 
+from kvchat.app.session.restore import RestoreStats
 from kvchat.app.session.service import default_model, is_demo_model
+from kvchat.app.terminal_text import terminal_line, terminal_text
 from kvchat.app.tui.chat_actions import ChatActions
+from kvchat.app.tui.chat_live import ChatLive, Shown
 from kvchat.app.tui.chat_opening import ChatOpening, Opening
 from kvchat.app.tui.chat_replying import ChatReplying, Generation
 from kvchat.app.tui.chat_view import ChatView
@@ -38,11 +41,14 @@ from kvchat.app.tui.status_bar import LastReply, StatusBar
 from kvchat.app.tui.worker_messages import Later, describe
 
 
-class ChatScreen(ChatOpening, ChatReplying, ChatActions, Screen):
+class ChatScreen(ChatOpening, ChatReplying, ChatActions, ChatLive, Screen):
     """The main screen; its flows (opening a chat, replying, the actions on chats) are mixed in from their modules."""
 
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply being generated (the part written is saved)"),
+        # Before the focused box's own ctrl+c (copy), and only while a reply is written (action_stop_reply);
+        # `system`: not a key of its own in the key table (help.py), the help's note tells it.
+        Binding("ctrl+c", "stop_reply", "Stop", show=False, priority=True, system=True),
         Binding("ctrl+r", "regenerate", "Regenerate", tooltip="Answer the last message again (replaces the reply)"),
         Binding("ctrl+o", "copy", "Copy", tooltip="Copy the selected message (else the last reply) to the clipboard"),
         Binding("ctrl+n", "new_chat", "New", tooltip="Start a new chat (it is created with its first message)"),
@@ -66,6 +72,8 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, Screen):
         self.generation: Generation | None = None
         self.last_replies: dict[str, LastReply] = {}
         self.new_chat_system_prompt: str | None = None
+        self.shown: Shown | None = None  # the stored rounds the chat view shows (chat_live.py)
+        self.told_restores: dict[str, RestoreStats] = {}  # per chat, the last restore whose notes were said
         self._chats_asked = itertools.count(1)  # sequence numbers: an older list never overwrites a newer one
         self._chats_shown = 0
 
@@ -118,6 +126,13 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, Screen):
     def _error(self, text: str, title: str = "Error") -> None:
         self.notify(text, title=title, severity="error", timeout=8)
 
+    def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every notification of the screen as plain text with its control characters escaped: they carry chat
+        titles, file names, error messages and other processes' commands, in which "[b]" or an ESC is text."""
+        super().notify(terminal_text(message), title=terminal_line(title), severity=severity, timeout=timeout,
+                       markup=markup)
+
     def _report(self, exc: BaseException, doing: str) -> None:
         """From a worker: the failure as an error notification."""
         self._later(self._error, describe(exc), doing)
@@ -154,23 +169,29 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, Screen):
         self.backend.notice = lambda text: self._later(partial(self.notify, text[:1].upper() + text[1:],
                                                                timeout=15))
         self.composer.focus()
+        self._follow_store()
         self._start()
         self.set_interval(30, self._redraw_ages)
 
     @work(thread=True, exit_on_error=False, group="start")
     def _start(self) -> None:
+        path = ""
         try:
+            if self._store_version is None:  # taken once, before the list is read (a later start only reloads)
+                self._take_store_version()
             self._load_chats()
         except Exception as exc:  # noqa: BLE001
             self._report(exc, "Cannot open the chat store")
+            self._later(self.status_bar.set_model_failed, path)
             return
         try:  # the model of new chats, loaded now so that the first message is answered at once
-            path = self._model_for_new_chats()
+            path = str(self._model_for_new_chats())
             engine = self.backend.engine(path)
             device = f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}"
-            self._later(self._model_ready, str(path), device)
+            self._later(self._model_ready, path, device)
         except Exception as exc:  # noqa: BLE001
             self._report(exc, "Cannot load the model")
+            self._later(self.status_bar.set_model_failed, path)
 
     async def _model_ready(self, path: str, device: str) -> None:
         await self.chat_view.set_demo(is_demo_model(path))

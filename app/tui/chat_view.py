@@ -8,7 +8,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
 from kvchat.app.terminal_text import terminal_text
-from kvchat.storage.db import RoundRow
+from kvchat.engine.reply_guard import STOP_NOTES
+from kvchat.storage.db import REPLY_PARTIAL, REPLY_PENDING, RoundRow
 
 WELCOME = ("**No chat open.** Type a message below to start a new chat, or pick one on the left.\n\n"
            "Press **F1** for every key.")
@@ -16,14 +17,28 @@ WELCOME = ("**No chat open.** Type a message below to start a new chat, or pick 
 DEMO_LINE = ("*The built-in demo model only remembers what you tell it (names, places, dates, what things are called) "
              "and answers questions about it; for a real assistant choose a GGUF model in the settings (F9) or run "
              "`kvchat --model FILE.gguf`.*")
+# Under a stored reply that is not whole (storage.db's reply states), as under a reply stopped in this run.
+PARTIAL_NOTE = STOP_NOTES["cancelled"]
+ANSWERED_ELSEWHERE_NOTE = "being answered by another kvchat process"
+NO_REPLY_NOTE = "no reply saved: kvchat stopped before the reply ended"
+
+
+def reply_note(row: RoundRow, answered_elsewhere: bool) -> str:
+    """The note under a stored reply: none when whole; `answered_elsewhere`: another process holds the chat's
+    writer lock now (storage.chat_lock), so its pending reply is still coming."""
+    if row.reply_state == REPLY_PARTIAL:
+        return PARTIAL_NOTE
+    if row.reply_state == REPLY_PENDING:
+        return ANSWERED_ELSEWHERE_NOTE if answered_elsewhere else NO_REPLY_NOTE
+    return ""
 
 
 class MessageView(Vertical):
     """One message. A click selects it (for copying)."""
 
-    def __init__(self, role: str, text: str) -> None:
+    def __init__(self, role: str, text: str, note: str = "") -> None:
         super().__init__(classes=f"message {role}")
-        self.role, self.text = role, text
+        self.role, self.text, self.note = role, text, note
 
     def compose(self) -> ComposeResult:
         yield Label("you" if self.role == "user" else "assistant", classes="role")
@@ -31,6 +46,8 @@ class MessageView(Vertical):
             yield Static(terminal_text(self.text), markup=False, classes="body")
         else:  # shown with control characters escaped (an ESC sequence is seen, not obeyed); copied as stored
             yield Markdown(terminal_text(self.text), classes="body")
+        if self.note:
+            yield Label(self.note, classes="note", markup=False)
 
     def on_click(self, event: events.Click) -> None:
         chat = self.query_ancestor(ChatView)
@@ -61,7 +78,8 @@ class ReplyView(MessageView):
         self.text = text
         await self.query_one(Markdown).update(terminal_text(text))
         if note:
-            await self.mount(Label(note, classes="note"))
+            self.note = note
+            await self.mount(Label(note, classes="note", markup=False))
 
 
 class ChatView(VerticalScroll):
@@ -88,15 +106,18 @@ class ChatView(VerticalScroll):
         for welcome in self.query(".no-chat").results(Markdown):
             await welcome.update(self._with_demo_line(WELCOME, demo))
 
-    async def show_rounds(self, rounds: list[RoundRow], system_prompt: str | None, demo: bool = False) -> None:
-        """The chat's rounds; an empty chat on the demo model (`demo`) says what that model can do."""
+    async def show_rounds(self, rounds: list[RoundRow], system_prompt: str | None, demo: bool = False,
+                          answered_elsewhere: bool = False) -> None:
+        """The chat's rounds, a reply not whole with its note (`answered_elsewhere`: the last round's pending reply
+        is being written by another process); an empty chat on the demo model (`demo`) says what that model can do."""
         self.selected = None
         await self.remove_children()
         views = []
         if system_prompt:
-            views.append(Static(f"system: {system_prompt}", markup=False, classes="system"))
-        for r in rounds:
-            views += [MessageView("user", r.user_text), MessageView("assistant", r.assistant_text)]
+            views.append(Static(f"system: {terminal_text(system_prompt)}", markup=False, classes="system"))
+        for i, r in enumerate(rounds):
+            note = reply_note(r, answered_elsewhere and i == len(rounds) - 1)
+            views += [MessageView("user", r.user_text), MessageView("assistant", r.assistant_text, note)]
         if not views:
             views.append(Markdown(self._with_demo_line("*An empty chat: type a message below.*", demo), id="welcome"))
         await self.mount_all(views)

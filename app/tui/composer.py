@@ -7,6 +7,8 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from kvchat.app.terminal_text import terminal_text
+
 
 class Composer(TextArea):
     # Priority: TextArea would otherwise take Enter as a newline before any ordinary binding sees it.
@@ -30,6 +32,12 @@ class Composer(TextArea):
         self.sent: list[str] = []
         self._recalled: int | None = None  # index into history while walking it
         self._draft = ""  # what was typed before walking the history
+
+    def load_text(self, text: str) -> None:
+        """A message put back in the box (recalled from the chat, or given back after a failed send) may be stored
+        text, an imported chat's: its control characters are shown escaped, and sent as shown, never written raw to
+        the terminal."""
+        super().load_text(terminal_text(text))
 
     def set_history(self, messages: list[str]) -> None:
         self.sent = list(messages)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from textual.widgets import Static
 
 from kvchat.app.session.service import ChatStats
+from kvchat.app.terminal_text import terminal_line
 from kvchat.app.tui.formatting import UNMEASURED, kv_line, model_name, restore_line
 
 
@@ -26,9 +27,17 @@ class StatusBar(Static):
         self.stats: ChatStats | None = None
         self.last_reply: LastReply | None = None
         self.activity = ""
+        self.model_failed = False  # the model of new chats could not be loaded: say so instead of "loading…"
 
     def set_model(self, model_path: str, device: str) -> None:
         self.model_path, self.device = model_path, device
+        self.model_failed = False
+        self.redraw()
+
+    def set_model_failed(self, model_path: str) -> None:
+        """The start (the store or the model) failed: the bar leaves "starting…"/"loading…" for what is known."""
+        self.model_path = self.model_path or model_path
+        self.model_failed = not self.device
         self.redraw()
 
     def set_chat(self, stats: ChatStats | None, last_reply: LastReply | None) -> None:
@@ -43,7 +52,8 @@ class StatusBar(Static):
         self.redraw()
 
     def redraw(self) -> None:
-        first = [model_name(self.model_path) or "no model yet", self.device or "loading…"]
+        first = [model_name(self.model_path) or "no model yet",
+                 self.device or ("model not loaded" if self.model_failed else "loading…")]
         second: list[str] = []
         s = self.stats
         if s is None:
@@ -59,4 +69,6 @@ class StatusBar(Static):
             second += [restore_line(s, self.measured), kv_line(s, self.measured)]
         if self.activity:
             first.append(self.activity)
-        self.update(" · ".join(first) + ("\n" + " · ".join(second) if second else ""))
+        # Each line escaped: a model file's name or another process's command (in "waiting for…") is stored text.
+        lines = [terminal_line(" · ".join(first))] + ([terminal_line(" · ".join(second))] if second else [])
+        self.update("\n".join(lines))

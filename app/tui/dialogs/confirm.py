@@ -18,7 +18,7 @@ class ConfirmDialog(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="box"):
-            yield Label(self.question, classes="question")
+            yield Label(self.question, classes="question", markup=False)  # it names a chat: "[b]" is text
             with Horizontal(classes="buttons"):
                 yield Button(f"{self.yes} (y)", variant="error", id="yes")
                 yield Button("Cancel (n)", id="no")

@@ -26,7 +26,7 @@ class ExportDialog(ModalScreen[ExportChoice | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="box"):
-            yield Label(f"Export “{self.chat_title}” to a state file", classes="title")
+            yield Label(f"Export “{self.chat_title}” to a state file", classes="title", markup=False)
             yield Input(self.path, id="export-path")
             yield Checkbox("text only (leave the KV cache out; it is recomputed on import)", id="text-only")
             yield Label("Enter: export · Escape: cancel", classes="hint")

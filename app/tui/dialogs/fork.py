@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -11,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
+from kvchat.app.terminal_text import terminal_line
 from kvchat.storage.db import RoundRow
 
 
@@ -25,13 +27,13 @@ class ForkDialog(ModalScreen[ForkChoice | None]):
 
     def __init__(self, title: str, rounds: list[RoundRow]) -> None:
         super().__init__(classes="dialog")
-        self.chat_title, self.rounds = title, rounds
+        self.chat_title, self.rounds = terminal_line(title), rounds  # the title as the list shows it
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="box"):
-            yield Label(f"Fork “{self.chat_title}” after which round?", classes="title")
-            yield OptionList(*[Option(f"{r.idx + 1}. {' '.join(r.user_text.split())[:70]}", id=str(r.idx + 1))
-                               for r in self.rounds], id="fork-rounds")
+            yield Label(f"Fork “{self.chat_title}” after which round?", classes="title", markup=False)
+            yield OptionList(*[Option(Text(f"{r.idx + 1}. {terminal_line(' '.join(r.user_text.split()))[:70]}"),
+                                      id=str(r.idx + 1)) for r in self.rounds], id="fork-rounds")
             yield Label("Title of the new chat", classes="hint")
             yield Input(f"{self.chat_title} (fork)", id="fork-title")
             yield Label("Enter on a round: fork there · Escape: cancel", classes="hint")

@@ -18,7 +18,8 @@ BEHAVIOUR = [
     ("escape (in a dialog)", "Close it without changing anything"),
 ]
 NOTE = ("Switching to another chat while a reply is being generated stops that reply; the part already written is "
-        "saved as the round, exactly as Escape does. Actions on a chat (rename, fork, delete, export) apply to the "
+        "saved as the round, exactly as Escape does; so does ctrl+c while a reply is being generated (otherwise it "
+        "copies the selected text). Actions on a chat (rename, fork, delete, export) apply to the "
         "chat highlighted in the list.")
 
 
@@ -31,6 +32,8 @@ def key_rows() -> list[tuple[str, str]]:
     rows = []
     for binding in [*Composer.BINDINGS, *ChatScreen.BINDINGS, *KvchatApp.BINDINGS]:
         assert isinstance(binding, Binding)
+        if binding.system:  # a second key for an action listed already (ctrl+c as Escape): told in NOTE
+            continue
         keys = binding.key_display or binding.key.replace(",", " / ")
         rows.append((keys, binding.tooltip or binding.description))
     return rows + BEHAVIOUR

@@ -11,6 +11,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static, TextArea
 
+from kvchat.app.terminal_text import terminal_text
 from kvchat.app.tui.preferences import Preferences
 from kvchat.engine.policies import CHAT_POLICIES
 from kvchat.errors import KvchatError
@@ -37,6 +38,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
     def __init__(self, preferences: Preferences, system_prompt: str | None, chat_title: str | None) -> None:
         super().__init__(classes="dialog")
         self.preferences, self.system_prompt, self.chat_title = preferences, system_prompt or "", chat_title
+        # Edited as shown: control characters escaped (a stored prompt's ESC is seen, not obeyed by the terminal).
+        self.shown_prompt = terminal_text(self.system_prompt)
 
     def compose(self) -> ComposeResult:
         p = self.preferences
@@ -61,10 +64,11 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                 yield Checkbox("Guard replies: stop a reply that keeps repeating itself or runs past the model's "
                                "reply cap", p.reply_guard, id="reply-guard")
                 if self.chat_title is not None:
-                    yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)")
+                    yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)",
+                                markup=False)
                 else:
                     yield Label("System prompt of the next new chat")
-                yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+                yield TextArea(self.shown_prompt, id="system-prompt", soft_wrap=True)
             with Horizontal(classes="buttons"):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")
                 yield Button("Cancel (esc)", id="cancel")
@@ -97,7 +101,7 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
             self.notify(str(exc), title="Settings not saved", severity="error")
             return
         prompt = self.query_one("#system-prompt", TextArea).text.strip()
-        self.dismiss(SettingsChoice(prefs, prompt if prompt != self.system_prompt.strip() else None))
+        self.dismiss(SettingsChoice(prefs, prompt if prompt != self.shown_prompt.strip() else None))
 
     def _read(self) -> Preferences:
         def number(name: str, kind):

@@ -18,7 +18,7 @@ class TextPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="box"):
-            yield Label(self.title_text, classes="title")
+            yield Label(self.title_text, classes="title", markup=False)
             yield Input(self.value, placeholder=self.placeholder, id="answer")
             yield Label(self.hint or "Enter: OK · Escape: cancel", classes="hint")
 
