@@ -42,8 +42,9 @@ class ModelInfo:
 
 class Engine:
     def __init__(self, path: str | os.PathLike[str], device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, numerics: str | None = None):
-        loaded = load_model(path, device, dtype, numerics)
+                 dtype: torch.dtype | None = None, numerics: str | None = None, quantized: bool | None = None):
+        """`quantized`: keep matrices in their GGUF blocks (default: on CUDA; engine.gguf.loader.load_model)."""
+        loaded = load_model(path, device, dtype, numerics, quantized)
         self.numerics = loaded.numerics
         self.path = os.fspath(path)
         self.config: ModelConfig = loaded.config

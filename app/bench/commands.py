@@ -116,7 +116,12 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
                   callback=lambda ctx, param, value: None if value is None else resolve_model(ctx, param, value),
                   help="A GGUF file or known short name to measure instead of the random shapes (a model with "
                        "sliding-window layers is measured with them in rings as well).")
-    def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path, model_path) -> None:
+    @click.option("--weights", type=click.Choice(["auto", "quantized", "dequantized", "both"]), default="auto",
+                  show_default=True,
+                  help="Keep a quantized file's matrices in their GGUF blocks on the device (quantized: the decode "
+                       "GEMVs dequantize in registers), dequantize them at load (bf16), or measure both in one run "
+                       "(auto: quantized on CUDA).")
+    def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path, model_path, weights) -> None:
         """Load time, prefill and decode tokens/s and KV cache memory of the bare engine, on random models of real
         shapes or on --model."""
         from pathlib import Path
@@ -126,10 +131,11 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         from kvchat.errors import KvchatError
         from kvchat.paths import data_dir
 
+        kinds = {"auto": [None], "quantized": [True], "dequantized": [False], "both": [False, True]}[weights]
         if model_path is not None:
             path = Path(model_path)
             results = [as_dict(bench_file(path, path.name, "file", contexts, to_device(device), log=click.echo,
-                                          cold=cold))]
+                                          cold=cold, quantized=q)) for q in kinds]
             if json_path:
                 Path(json_path).write_text(json.dumps(results, indent=2))
             return
@@ -137,8 +143,8 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         if unknown:
             raise KvchatError(f"unknown shape {unknown[0]!r} (accepted: {', '.join(SHAPES)})")
         folder = Path(cache_dir) if cache_dir else data_dir() / "bench-models"
-        results = [as_dict(bench_shape(folder, s, contexts, qtype, to_device(device), log=click.echo, cold=cold))
-                   for s in shapes]
+        results = [as_dict(bench_shape(folder, s, contexts, qtype, to_device(device), log=click.echo, cold=cold,
+                                       quantized=q)) for s in shapes for q in kinds]
         if json_path:
             Path(json_path).write_text(json.dumps(results, indent=2))
 

@@ -46,6 +46,7 @@ class ShapeFigures:
     cold_load: bool = False
     peak_gpu_gib: float | None = None
     contexts: list[ContextFigures] = field(default_factory=list)
+    weights: str = "dequantized"  # "quantized": matrices kept in their GGUF blocks (engine.model.quantized)
 
 
 def model_file(cache_dir: Path, shape: str, qtype: str = "BF16") -> Path:
@@ -114,26 +115,31 @@ def drop_page_cache() -> bool:
 
 
 def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "BF16",
-                device: str | None = None, log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
+                device: str | None = None, log: Callable[[str], None] = print, cold: bool = False,
+                quantized: bool | None = None) -> ShapeFigures:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
-    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold)
+    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold, quantized)
 
 
 def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: str | None = None,
-               log: Callable[[str], None] = print, cold: bool = False) -> ShapeFigures:
-    """Load, prefill and decode figures of one model file (`name`, `qtype`: how to report it)."""
+               log: Callable[[str], None] = print, cold: bool = False, quantized: bool | None = None) -> ShapeFigures:
+    """Load, prefill and decode figures of one model file (`name`, `qtype`: how to report it); `quantized`: keep
+    its matrices in their blocks (default: the engine's, on CUDA)."""
     shape = name
     dropped = drop_page_cache() if cold else False
-    engine = Engine(path, device=device)
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.reset_peak_memory_stats(device)  # this file's peak, not an earlier engine's
+    engine = Engine(path, device=device, quantized=quantized)
     dev = engine.device
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kept = quantized_matrices(engine.model)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(m.nbytes for m in kept)
     figures = ShapeFigures(shape, qtype, _device_name(dev), str(engine.dtype).removeprefix("torch."),
-                           path.stat().st_size, engine.load_seconds, weights / 2**30, cold_load=dropped)
-    log(f"{shape} {qtype}: loaded in {engine.load_seconds:.2f} s {'(page cache dropped first) ' if dropped else ''}"
-        f"({figures.file_bytes / 2**30:.2f} GiB file, {figures.weights_gib:.2f} GiB of weights)")
+                           path.stat().st_size, engine.load_seconds, weights / 2**30, cold_load=dropped,
+                           weights="quantized" if kept else "dequantized")
+    log(f"{shape} {qtype}, weights {figures.weights}: loaded in {engine.load_seconds:.2f} s "
+        f"{'(page cache dropped first) ' if dropped else ''}"
+        f"({figures.file_bytes / 2**30:.2f} GiB file, {figures.weights_gib:.2f} GiB of weights on the device)")
     for ctx in contexts:
         c = measure_context(engine, ctx)
         figures.contexts.append(c)
@@ -153,6 +159,15 @@ def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: s
         figures.peak_gpu_gib = torch.cuda.max_memory_allocated(dev) / 2**30
     del engine
     return figures
+
+
+def quantized_matrices(model) -> list:
+    """The model's matrices kept in their GGUF blocks (engine.model.quantized.QuantizedMatrix)."""
+    from kvchat.engine.model.quantized import QuantizedMatrix
+
+    held = [model.tok_embeddings, model.output] + [getattr(layer, name) for layer in model.layers
+                                                   for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    return [m for m in held if isinstance(m, QuantizedMatrix)]
 
 
 def _device_name(device: torch.device) -> str:

@@ -16,7 +16,9 @@ from kvchat.engine.gguf.dequant import SUPPORTED_TYPES, dequantize
 from kvchat.engine.gguf.numerics import gelu_fp16_table, input_rounding
 from kvchat.engine.gguf.reader import GGUFFile, TensorInfo
 from kvchat.engine.model.decoder import LayerWeights, Transformer, gelu_tanh, identity
+from kvchat.engine.model.quantized import QuantizedMatrix, QuantizedPart
 from kvchat.errors import GGUFError
+from kvchat.kernels.quant_gemv import QUANT_GEMV_TYPES
 
 
 @dataclass
@@ -78,8 +80,17 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return sum(int(np.prod(s)) for s in expected_shapes(cfg).values()) * size
 
 
-def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, path: object) -> None:
+def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, path: object,
+                 quantized_from: GGUFFile | None = None) -> None:
+    """Refuse a model whose weights cannot fit; `quantized_from`: the file whose matrices with a decode kernel stay
+    in their blocks (their stored bytes count, not their dequantized size)."""
     need = weight_bytes(cfg, dtype)
+    if quantized_from is not None:
+        size = torch.tensor([], dtype=dtype).element_size()
+        for name in expected_shapes(cfg):
+            t = quantized_from.tensors[name]
+            if keeps_quantized(t, True):
+                need -= int(np.prod(t.shape)) * size - int(t.data.nbytes)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
@@ -100,11 +111,22 @@ def _available_ram() -> int:
     return 0
 
 
-def read_tensor(t: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def raw_bytes(t: TensorInfo, device: torch.device) -> torch.Tensor:
+    """The tensor's stored bytes on `device`, uint8 [rows, row bytes]."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the memory map is read-only; we only read it
         raw = torch.from_numpy(t.data.reshape(-1).view(np.uint8))
-    return dequantize(raw.to(device, non_blocking=False), t.qtype, t.shape, dtype)
+    return raw.to(device, non_blocking=False).view(t.shape[0] if len(t.shape) > 1 else 1, -1)
+
+
+def read_tensor(t: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(raw_bytes(t, device).reshape(-1), t.qtype, t.shape, dtype)
+
+
+def keeps_quantized(t: TensorInfo, quantized: bool) -> bool:
+    """Whether a matrix stays in its file's blocks: asked for, and its type has a decode kernel (any other type is
+    dequantized at load, as before)."""
+    return quantized and t.qtype in QUANT_GEMV_TYPES and len(t.shape) == 2
 
 
 NUMERICS = ("llama.cpp", "exact")
@@ -117,22 +139,37 @@ def default_numerics(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def load_model(path: str | os.PathLike[str], device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, numerics: str | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, numerics: str | None = None,
+               quantized: bool | None = None) -> LoadedModel:
     """numerics: "llama.cpp" rounds each matrix product's input the way llama.cpp's CPU back end does for that
-    weight type (engine.gguf.numerics); "exact" multiplies by the dequantized weights as they are."""
+    weight type (engine.gguf.numerics); "exact" multiplies by the dequantized weights as they are.
+    quantized: keep the matrices in their GGUF blocks (engine.model.quantized), where their type has a decode
+    kernel; default: on CUDA (on the CPU the kernels have no compiled path, and llama.cpp's numerics need the
+    dequantized weights)."""
     started = time.perf_counter()
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     numerics = numerics or default_numerics(device, dtype)
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r} (accepted: {', '.join(NUMERICS)})")
+    if quantized is None:
+        quantized = device.type == "cuda"
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     check_tensors(gf, cfg)
-    check_memory(cfg, device, dtype, gf.path)
+    check_memory(cfg, device, dtype, gf.path, gf if quantized else None)
 
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         return read_tensor(gf.tensors[name], device, as_dtype)
+
+    def matrix(*names: str) -> torch.Tensor | QuantizedMatrix:
+        """Rows of the named matrices stacked (a fused product): their file's blocks when each type has a decode
+        kernel, else dequantized."""
+        infos = [gf.tensors[n] for n in names]
+        if all(keeps_quantized(t, quantized) for t in infos):
+            parts = [QuantizedPart(raw_bytes(t, device), t.qtype) for t in infos]
+            return QuantizedMatrix(parts, infos[0].shape[1], dtype)
+        return torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
 
     def rounding(*names: str):
         rule = input_rounding([gf.tensors[n].qtype for n in names]) if numerics == "llama.cpp" else None
@@ -149,12 +186,12 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
             bias = torch.cat([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")])
         layers.append(LayerWeights(
             attn_norm=get(p + "attn_norm.weight", torch.float32),
-            wqkv=torch.cat([get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")]),
+            wqkv=matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
             bqkv=bias,
-            wo=get(p + "attn_output.weight"),
+            wo=matrix(p + "attn_output.weight"),
             ffn_norm=get(p + "ffn_norm.weight", torch.float32),
-            w_gate_up=torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
-            w_down=get(p + "ffn_down.weight"),
+            w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+            w_down=matrix(p + "ffn_down.weight"),
             round_qkv=rounding(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
             round_wo=rounding(p + "attn_output.weight"),
             round_gate_up=rounding(p + "ffn_gate.weight", p + "ffn_up.weight"),
@@ -167,10 +204,10 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
         ))
     model = Transformer(
         cfg,
-        tok_embeddings=get("token_embd.weight"),
+        tok_embeddings=matrix("token_embd.weight"),
         layers=layers,
         output_norm=get("output_norm.weight", torch.float32),
-        output=None if cfg.tied_output else get("output.weight"),
+        output=None if cfg.tied_output else matrix("output.weight"),
         freq_factors=get("rope_freqs.weight", torch.float32) if cfg.llama3_rope else None,
         round_output=rounding("token_embd.weight" if cfg.tied_output else "output.weight"),
     ).eval()

@@ -36,6 +36,7 @@ from kvchat.engine.model.attention import (
 )
 from kvchat.kernels._triton import SUPPORTED_DTYPES, triton_kernel_runs_on
 from kvchat.kernels.decode_attention import decode_attention, unsupported_reason
+from kvchat.engine.model.quantized import QuantizedMatrix, linear
 from kvchat.kernels.gemv import gemv
 from kvchat.kernels.rms_norm import add_rms_norm
 from kvchat.kernels.rope_kv import rope_kv
@@ -154,6 +155,17 @@ class LayerWeights:
     gelu: Callable[[Tensor], Tensor] = gelu_tanh  # Gemma's gate activation (engine.gguf.numerics may round it)
 
 
+def weight_attribute(weight: Tensor | QuantizedMatrix) -> nn.Parameter | QuantizedMatrix:
+    """A matrix as a layer holds it: a frozen Parameter, or (kept quantized) the QuantizedMatrix itself."""
+    return weight if isinstance(weight, QuantizedMatrix) else nn.Parameter(weight, requires_grad=False)
+
+
+def any_gemv(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None) -> Tensor:
+    """A decode step's product over either kind of weight (kernels.gemv, or kernels.quant_gemv through the
+    matrix)."""
+    return weight.linear(x, bias) if isinstance(weight, QuantizedMatrix) else gemv(x, weight, bias)
+
+
 def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
     return None if weight is None else RMSNorm(weight, eps)
 
@@ -171,11 +183,11 @@ class DecoderLayer(nn.Module):
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
         # engine.policies.sparse_prefill.SparsePrefill: set for all layers by the Transformer
         self.sparse_prefill = None
-        self.wqkv = nn.Parameter(w.wqkv, requires_grad=False)
+        self.wqkv = weight_attribute(w.wqkv)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
-        self.wo = nn.Parameter(w.wo, requires_grad=False)
-        self.w_gate_up = nn.Parameter(w.w_gate_up, requires_grad=False)
-        self.w_down = nn.Parameter(w.w_down, requires_grad=False)
+        self.wo = weight_attribute(w.wo)
+        self.w_gate_up = weight_attribute(w.w_gate_up)
+        self.w_down = weight_attribute(w.w_down)
         self.rope = rope  # shared by the layers using it, not a child module
         self.rope_slot = rope_slot  # which of the model's Rotations is this layer's
         self.round_qkv, self.round_wo = w.round_qkv, w.round_wo
@@ -189,9 +201,9 @@ class DecoderLayer(nn.Module):
         return h + (y if self.post_ffn_norm is None else self.post_ffn_norm(y))
 
     def _mlp(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
+        gate, up = linear(self.round_gate_up(x), self.w_gate_up).chunk(2, dim=-1)
         act = self.gelu(gate) if self.cfg.gelu_ffn else F.silu(gate)
-        return F.linear(self.round_down(act * up), self.w_down)
+        return linear(self.round_down(act * up), self.w_down)
 
     def _attention(self, x: Tensor, layer: int, rot: Rotations, cache: KVCache, start: int,
                    attend: Tensor | None, step: DecodeStep | None, queries: list | None = None) -> Tensor:
@@ -210,25 +222,25 @@ class DecoderLayer(nn.Module):
                 mask = ring_visible(cache, step, self.window)[None, :]
             else:
                 mask = step_visible(cache, step, self.window)[None, :]
-            return F.linear(self.round_wo(self._sdpa(q, kv[0], kv[1], mask, False)), self.wo)
+            return linear(self.round_wo(self._sdpa(q, kv[0], kv[1], mask, False)), self.wo)
         if in_ring:
             keys, values, mask = ring_window_kv(cache, layer, start, k.transpose(0, 1), v.transpose(0, 1), attend,
                                                  self.window)
-            return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, False)), self.wo)
+            return linear(self.round_wo(self._sdpa(q, keys, values, mask, False)), self.wo)
         cache.update(layer, start, k.transpose(0, 1), v.transpose(0, 1))
         sparse = self.sparse_prefill
         if (sparse is not None and attend is None and not self.window and cache.slot_positions is None
                 and sparse.applies(x.shape[0], start + x.shape[0])):
             out = sparse.attend(q, cache.layer(layer), start, self.cfg.softmax_scale)
             if out is not None:  # None: every head fell back to dense
-                return F.linear(self.round_wo(out), self.wo)
+                return linear(self.round_wo(out), self.wo)
         keys, values, mask, causal = attended_kv(cache, layer, start, x.shape[0], attend, self.window)
-        return F.linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
+        return linear(self.round_wo(self._sdpa(q, keys, values, mask, causal)), self.wo)
 
     def _qkv(self, x: Tensor, rot: Rotations) -> tuple[Tensor, Tensor, Tensor]:
         """Normed hidden states x [T, d] -> q [T, H, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
         cfg, n_new = self.cfg, x.shape[0]
-        qkv = F.linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
+        qkv = linear(self.round_qkv(x), self.wqkv, self.bqkv).view(n_new, -1, cfg.head_dim)  # [T, H+2Hkv, D]
         qk = self._head_norms(qkv[:, : cfg.n_heads + cfg.n_kv_heads])
         qk = self.rope.apply(qk, rot[self.rope_slot])  # queries and keys in one rotation
         return qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, cfg.n_heads + cfg.n_kv_heads :]
@@ -253,7 +265,7 @@ class DecoderLayer(nn.Module):
         over slots [0, step.length), SwiGLU, and the matrix products as GEMVs. ~10 kernels instead of ~26, so a
         captured step spends its time reading weights rather than between small kernels. forward()'s numbers
         within the dtype's rounding."""
-        return self._fused(h, pending, lambda x: self._decode_attention(x, layer, cache, step, queries), gemv)
+        return self._fused(h, pending, lambda x: self._decode_attention(x, layer, cache, step, queries), any_gemv)
 
     def fused_prefill(self, h: Tensor, pending: Tensor | None, layer: int, rot: Rotations, cache: KVCache,
                       start: int, attend: Tensor | None, queries: list | None) -> tuple[Tensor, Tensor]:
@@ -261,7 +273,7 @@ class DecoderLayer(nn.Module):
         kernel, (h, pending) as in fused_decode: a third fewer kernels, which a short prefill (a message over a
         chat, a restore's recomputed rounds) spends its time queuing."""
         return self._fused(h, pending, lambda x: self._attention(x, layer, rot, cache, start, attend, None, queries),
-                           F.linear)
+                           linear)
 
     def _fused(self, h: Tensor, pending: Tensor | None, attention: Callable[[Tensor], Tensor],
                linear: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
@@ -282,7 +294,7 @@ class DecoderLayer(nn.Module):
     def _decode_attention(self, x: Tensor, layer: int, cache: KVCache, step: DecodeStep,
                           queries: list | None) -> Tensor:
         cfg = self.cfg
-        qkv = gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
+        qkv = any_gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
         if self.q_norm is not None:
             n_qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
             qk = self._head_norms(qkv[:, :n_qk].view(-1, cfg.head_dim)[None]).view(1, n_qk)
@@ -305,7 +317,7 @@ class DecoderLayer(nn.Module):
         else:
             attended = decode_attention(q, kv[0], kv[1], step.length, scale=cfg.softmax_scale,
                                         window=self.window).view(1, -1)
-        return gemv(self.round_wo(attended), self.wo)
+        return any_gemv(self.round_wo(attended), self.wo)
 
     def _masked_decode(self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
         """One token's attention q [H, D] over keys/values [Hkv, C, D] where `visible` [C] (bool) -> [1, H * D], in
@@ -366,7 +378,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         device = tok_embeddings.device
-        self.tok_embeddings = nn.Parameter(tok_embeddings, requires_grad=False)  # [V, d]
+        self.tok_embeddings = weight_attribute(tok_embeddings)  # [V, d]
         self.rope = RotaryTable(cfg, freq_factors, device)
         # Gemma 3's sliding-window layers rotate with their own base: a second table, the model's Rotations[1].
         self.rope_local = RotaryTable(cfg, None, device, local=True) if cfg.rope_base_swa else None
@@ -374,7 +386,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(self._layer(cfg, i, w) for i, w in enumerate(layers))
         self.output_norm = RMSNorm(output_norm, cfg.rms_eps)
         # Tied models reuse the embedding matrix as the output projection.
-        self.output = None if output is None else nn.Parameter(output, requires_grad=False)  # [V, d]
+        self.output = None if output is None else weight_attribute(output)  # [V, d]
         self.round_output = round_output
 
     def _layer(self, cfg: ModelConfig, i: int, w: LayerWeights) -> DecoderLayer:
@@ -418,7 +430,8 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [T] -> hidden states [T, d]."""
-        h = F.embedding(tokens.to(self.device), self.tok_embeddings)
+        table = self.tok_embeddings
+        h = table.rows(tokens) if isinstance(table, QuantizedMatrix) else F.embedding(tokens.to(self.device), table)
         return h if self.cfg.embed_scale == 1.0 else (h.float() * self.cfg.embed_scale).to(h.dtype)
 
     def run_layers(self, h: Tensor, positions: Tensor | None, cache: KVCache, start: int | None,
@@ -462,7 +475,7 @@ class Transformer(nn.Module):
     def head(self, h: Tensor) -> Tensor:
         """Final norm and output projection: [T, d] -> logits [T, V] in fp32."""
         weight = self.tok_embeddings if self.output is None else self.output
-        logits = F.linear(self.round_output(self.output_norm(h)), weight).float()
+        logits = linear(self.round_output(self.output_norm(h)), weight).float()
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits
