@@ -50,6 +50,7 @@ class Engine:
         self.config: ModelConfig = loaded.config
         self.model: Transformer = loaded.model
         self.load_seconds = loaded.load_seconds
+        self.dequantized_types = loaded.dequantized_types  # quant types without a decode kernel (engine.gguf.loader)
         self.tokenizer = Tokenizer(path)
         self.chat = ChatFormat(self.tokenizer, chat_template(loaded.gguf.metadata))
         self.metadata = loaded.gguf.metadata

@@ -166,3 +166,15 @@ def test_gpu_quant_gemv(shape, qtype, dtype):
     if shape[1] % GGML_QUANT_SIZES[qtype][0]:
         pytest.skip("the row is not whole blocks of this type")
     check_quant_gemv(qtype, dtype, "cuda", *shape)
+
+
+def test_a_type_without_a_kernel_is_dequantized_at_load_and_said(models):
+    """Kept quantized where it can be: a Q5_K file's matrices (no kernel yet) are dequantized, and the loader names
+    the type for the notice a user sees (app/session/service.py); a type with a kernel names nothing."""
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.model.quantized import QuantizedMatrix
+
+    q5 = Engine(models.get(qtype=_T.Q5_K, style="mistral", seed=4), device="cpu", quantized=True)
+    assert q5.dequantized_types == ("Q5_K",) and not isinstance(q5.model.layers[0].wqkv, QuantizedMatrix)
+    assert Engine(models.get(**MODEL_SPECS[0]), device="cpu", quantized=True).dequantized_types == ()
+    assert Engine(models.get(qtype=_T.Q5_K, style="mistral", seed=4), device="cpu").dequantized_types == ()

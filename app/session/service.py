@@ -140,6 +140,10 @@ class ChatService:
             if not Path(key).exists():
                 raise KvchatError(f"the model file {key} is missing")
             engine = Engine(key, device=self.device)
+            if engine.dequantized_types and self.notice is not None:
+                self.notice(f"{Path(key).name}: its {', '.join(engine.dequantized_types)} matrices have no GPU kernel "
+                            f"yet and were dequantized to {str(engine.dtype).removeprefix('torch.')} at load (more "
+                            f"GPU memory, same answers)")
             with self._state_lock:
                 self._engines[key] = engine
             return engine

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.dequant import SUPPORTED_TYPES, dequantize
@@ -28,6 +29,9 @@ class LoadedModel:
     gguf: GGUFFile
     load_seconds: float
     numerics: str
+    # Quant types a matrix of this file came in that have no decode kernel, so were dequantized at load although
+    # the rest stays quantized (engine.model.quantized): said once, by whoever loads the model for a user.
+    dequantized_types: tuple[str, ...] = ()
 
 
 def default_device() -> torch.device:
@@ -123,6 +127,10 @@ def read_tensor(t: TensorInfo, device: torch.device, dtype: torch.dtype) -> torc
     return dequantize(raw_bytes(t, device).reshape(-1), t.qtype, t.shape, dtype)
 
 
+# Types that are no quantization: a BF16/F16/F32 file keeps today's path, with nothing to say about it.
+FLOATS = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
 def keeps_quantized(t: TensorInfo, quantized: bool) -> bool:
     """Whether a matrix stays in its file's blocks: asked for, and its type has a decode kernel (any other type is
     dequantized at load, as before)."""
@@ -162,6 +170,8 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         return read_tensor(gf.tensors[name], device, as_dtype)
 
+    fallbacks: set[str] = set()
+
     def matrix(*names: str) -> torch.Tensor | QuantizedMatrix:
         """Rows of the named matrices stacked (a fused product): their file's blocks when each type has a decode
         kernel, else dequantized."""
@@ -169,6 +179,8 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
         if all(keeps_quantized(t, quantized) for t in infos):
             parts = [QuantizedPart(raw_bytes(t, device), t.qtype) for t in infos]
             return QuantizedMatrix(parts, infos[0].shape[1], dtype)
+        if quantized:
+            fallbacks.update(t.qtype.name for t in infos if t.qtype not in QUANT_GEMV_TYPES and t.qtype not in FLOATS)
         return torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
 
     def rounding(*names: str):
@@ -213,4 +225,4 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
     ).eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return LoadedModel(cfg, model, gf, time.perf_counter() - started, numerics)
+    return LoadedModel(cfg, model, gf, time.perf_counter() - started, numerics, tuple(sorted(fallbacks)))
