@@ -22,7 +22,8 @@ interpreted = pytest.mark.skipif(not INTERPRET,
                                  reason="run by test_the_kernels_in_triton_s_interpreter with TRITON_INTERPRET=1")
 TYPES = sorted(QUANT_GEMV_TYPES, key=lambda t: t.name)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-FP16_FIELDS = {_T.Q8_0: (0,), _T.Q4_K: (0, 2), _T.Q5_K: (0, 2), _T.Q6_K: (208,)}  # byte offsets of each block's fp16 scales
+# Byte offsets of each block's fp16 scales.
+FP16_FIELDS = {_T.Q8_0: (0,), _T.Q4_K: (0, 2), _T.Q5_K: (0, 2), _T.Q6_K: (208,)}
 
 
 def random_matrix(qtype: GGMLQuantizationType, n_out: int, n_in: int, seed: int = 0) -> torch.Tensor:
