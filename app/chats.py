@@ -180,9 +180,6 @@ def register(main: click.Group, model_option, device_option) -> None:
         The message is saved before it is answered. Ctrl-C (or SIGTERM) stops the reply and keeps what streamed,
         marked partial; a second Ctrl-C stops at once.
         """
-        from kvchat.app.session.restore import RestoreCancelled
-        from kvchat.engine.sampling import SamplingParams
-
         if message == "-":
             try:
                 message = sys.stdin.buffer.read().decode("utf-8")
@@ -192,6 +189,10 @@ def register(main: click.Group, model_option, device_option) -> None:
             raise KvchatError("the message is not UTF-8 text")
         if not message.strip():
             raise KvchatError("the message is empty")
+        # After the message's checks: these bring in torch (seconds), which a refused message never needs.
+        from kvchat.app.session.restore import RestoreCancelled
+        from kvchat.engine.sampling import SamplingParams
+
         reply_guard = make_guard(guard, reply_cap)
         service = _service(device)
         service.compact_kv = compact

@@ -13,8 +13,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def embedded_profile(tmp_path_factory):
-    """This machine's profile of the embedded model on the CPU, measured once for the whole run."""
-    from kvchat.app.session.profile import ensure_profile
+    """This machine's profile of the embedded model on the CPU, measured once for the whole run (the triton
+    interpreter's child pytest reads the one its parent measured)."""
+    import shutil
+
+    import triton_interpreter
+    from kvchat.app.session.artifacts import profile_path
+    from kvchat.app.session.profile import device_name, ensure_profile
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.engine.engine import Engine
     from kvchat.storage.db import Store
@@ -24,8 +29,16 @@ def embedded_profile(tmp_path_factory):
     with pytest.MonkeyPatch.context() as m:
         m.setenv("KVCHAT_HOME", str(home))
         store = Store(home)
-        profile = ensure_profile(Engine(DEFAULT_MODEL, device="cpu"), model_fingerprint(DEFAULT_MODEL, store))
+        engine = Engine(DEFAULT_MODEL, device="cpu")
+        fingerprint = model_fingerprint(DEFAULT_MODEL, store)
+        path = profile_path(fingerprint, device_name(engine.device))
+        measured = os.environ.get(triton_interpreter.PROFILE_ENV)
+        if measured:  # the interpreter's child pytest: the profile its parent run measured, read as any stored one
+            path.parent.mkdir(parents=True)
+            shutil.copyfile(measured, path)
+        profile = ensure_profile(engine, fingerprint)
         store.close()
+    triton_interpreter.profile_file = path  # handed to that child: measuring takes seconds
     return profile
 
 

@@ -55,8 +55,21 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+# A module's imports by what they are computed from: the tests check the package and copies of it that differ in one
+# file, so all but that file's are read from here instead of parsed again.
+_found: dict[tuple[str, bool, str, frozenset[str]], list[Import]] = {}
+
+
 def imports_of(module: str, path: Path, modules: set[str]) -> list[Import]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    text = path.read_text()
+    key = (module, path.name == "__init__.py", text, frozenset(modules))
+    if key not in _found:
+        _found[key] = _imports_of(module, path, text, modules)
+    return list(_found[key])
+
+
+def _imports_of(module: str, path: Path, text: str, modules: set[str]) -> list[Import]:
+    tree = ast.parse(text, filename=str(path))
     is_package = path.name == "__init__.py"
     found: list[Import] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -12,6 +13,7 @@ from kvchat.engine.data.dialogues import dialogues
 from kvchat.engine.engine import Engine
 from kvchat.app.bench.parity import reference_logits, relative_error
 from kvchat.engine.text.tokenizer import Tokenizer
+from kvchat.engine.text.vocab import ByteBPEVocab
 from kvchat.engine.train.trainer import (PROMPT, TrainConfig, TrainModel, average_models, build_vocab, encode_dialogue,
                                  export_gguf, load_checkpoint, load_gguf_weights, save_checkpoint, split_losses,
                                  vocab_from_gguf, vocab_from_state)
@@ -20,8 +22,14 @@ from kvchat.errors import KvchatError
 SMALL = TrainConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=256, n_merges=200)
 
 
+_vocabs: dict[str, ByteBPEVocab] = {}
+
+
 def trained_like(cfg: TrainConfig):
-    vocab = build_vocab(cfg)
+    # build_vocab is deterministic in the config: learned once per config in this module, each caller given a copy
+    if repr(cfg) not in _vocabs:
+        _vocabs[repr(cfg)] = build_vocab(cfg)
+    vocab = copy.deepcopy(_vocabs[repr(cfg)])
     model = TrainModel(cfg.model_config(len(vocab.tokens)))
     with torch.no_grad():  # weights of a trained model's size, not the tiny init, so every layer matters
         for name, p in model.named_parameters():

@@ -227,8 +227,9 @@ async def test_fork_at_a_chosen_round_opens_the_fork_restored_from_the_shared_kv
     app.backend.close()
 
 
-async def test_export_then_import_and_a_bad_file_changes_nothing(tmp_path):
+async def test_export_then_import_and_a_bad_file_changes_nothing(tmp_path, monkeypatch):
     sid = seed_chat("to export", ["My name is Ada."])
+    monkeypatch.chdir(tmp_path)  # the paths typed below are the files' names: each key costs a redraw
     out = tmp_path / "ada.kvstate"
     bad = tmp_path / "bad.kvstate"
     bad.write_bytes(b"PK\x03\x04 this is not a zip at all")
@@ -246,14 +247,14 @@ async def test_export_then_import_and_a_bad_file_changes_nothing(tmp_path):
 
         await pilot.press("f4")
         assert isinstance(app.screen, TextPrompt)
-        await pilot.press(*str(bad), "enter")
+        await pilot.press(*bad.name, "enter")
         await wait_idle(pilot)
         [error] = notifications(app, "error")
         assert "bad.kvstate is not a valid kvchat state file" in error
         assert [s["id"] for s in store().sessions()] == [sid]
 
         await pilot.press("f4")
-        await pilot.press(*str(out), "enter")
+        await pilot.press(*out.name, "enter")
         await wait_for(pilot, lambda: len(store().sessions()) == 2, what="the import")
         await wait_idle(pilot)
         imported = screen(app).open_sid

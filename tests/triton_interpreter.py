@@ -16,6 +16,8 @@ from pathlib import Path
 collected_files: set[Path] = set()
 _ROOT = Path(__file__).resolve().parents[1]  # pytest's rootdir: the names in its report are relative to it
 TIMEOUT_S = 600  # all four kernel files take ~40 s on two cores
+PROFILE_ENV = "KVCHAT_TEST_EMBEDDED_PROFILE"  # the child's conftest reads the parent's profile of this machine there
+profile_file: Path | None = None  # that profile (set by conftest once measured)
 _outcomes: dict[Path, dict[str, list[str]]] | None = None
 _report = ""
 
@@ -37,7 +39,8 @@ def _run_children(files: list[Path]) -> dict[Path, dict[str, list[str]]]:
         return _outcomes
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-k", "interpreted", *map(str, files)],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=_ROOT, capture_output=True, text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1", **({PROFILE_ENV: str(profile_file)} if profile_file else {})},
+        cwd=_ROOT, capture_output=True, text=True,
         timeout=TIMEOUT_S)
     # `-rA` ends with one line per test: "PASSED test_x.py::test_interpreted_y[...]".
     found: dict[Path, dict[str, list[str]]] = {f: {} for f in files}

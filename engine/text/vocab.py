@@ -10,6 +10,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import pairwise
 
 # llama.cpp token types
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
@@ -48,10 +49,11 @@ class ByteBPEVocab:
     @classmethod
     def train(cls, texts: list[str], n_merges: int, specials: list[str], **kw) -> "ByteBPEVocab":
         b2u = byte_to_unicode()
-        words = Counter()
+        counts = Counter()
         for text in texts:
-            for w in _WORDS.findall(text):
-                words[tuple(b2u[b] for b in w.encode("utf-8"))] += 1
+            counts.update(_WORDS.findall(text))
+        # each distinct word spelt in the byte alphabet once (distinct words have distinct spellings)
+        words = Counter({tuple(b2u[b] for b in w.encode("utf-8")): c for w, c in counts.items()})
         merges = _learn_merges(words, n_merges)
         tokens = [b2u[b] for b in range(256)] + [a + b for a, b in merges]
         types = [NORMAL] * len(tokens)
@@ -67,20 +69,38 @@ class ByteBPEVocab:
 
 
 def _learn_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
-    words = {w: c for w, c in words.items() if len(w) > 1}
+    """The most frequent adjacent pair, merged everywhere, `n_merges` times. The pair counts are kept up to date by
+    recounting only the words a merge changes (the ones holding its pair), which gives the very merges a recount of
+    every word after each merge gives, in a fraction of the time."""
+    items = [(w, c) for w, c in words.items() if len(w) > 1]
+    pairs: Counter = Counter()
+    where: dict[tuple[str, str], set[int]] = {}  # pair -> the words (indices into items) holding it
+    for i, (w, c) in enumerate(items):
+        for pair in pairwise(w):
+            pairs[pair] += c
+            where.setdefault(pair, set()).add(i)
     merges: list[tuple[str, str]] = []
     for _ in range(n_merges):
-        pairs: Counter = Counter()
-        for w, c in words.items():
-            for pair in zip(w, w[1:]):
-                pairs[pair] += c
         if not pairs:
             break
-        best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]  # ties broken by the pair itself: deterministic
+        top = max(pairs.values())  # ties broken by the pair itself: deterministic
+        best = max(pair for pair, n in pairs.items() if n == top)
         merges.append(best)
         joined = best[0] + best[1]
-        words = {_merge(w, best, joined): c for w, c in words.items()}
-        words = {w: c for w, c in words.items() if len(w) > 1}
+        for i in sorted(where[best]):
+            w, c = items[i]
+            merged = _merge(w, best, joined)
+            before, after = Counter(pairwise(w)), Counter(pairwise(merged))
+            for pair, n in before.items():
+                pairs[pair] -= n * c
+                if not pairs[pair]:
+                    del pairs[pair]
+                if pair not in after:
+                    where[pair].discard(i)
+            for pair, n in after.items():
+                pairs[pair] += n * c
+                where.setdefault(pair, set()).add(i)
+            items[i] = (merged, c)
     return merges
 
 
