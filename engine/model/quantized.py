@@ -96,8 +96,9 @@ class QuantizedMatrix:
         return out
 
     def _dequantized(self, part: QuantizedPart, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
-        """Rows [r0, r1) in `dtype`: one Triton kernel where the type has one (on CUDA), else the torch decoders."""
-        w = dequantize_rows(part.raw[r0:r1], part.qtype, dtype)
+        """Rows [r0, r1) in `dtype`: one Triton kernel where the type has one, on CUDA (in the CPU's interpreter the
+        torch decoders are faster, and equal), else the torch decoders."""
+        w = dequantize_rows(part.raw[r0:r1], part.qtype, dtype) if part.raw.is_cuda else None
         return w if w is not None else dequantize(part.raw[r0:r1].reshape(-1), part.qtype, (r1 - r0, self.n_in),
                                                   dtype)
 
