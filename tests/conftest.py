@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,20 @@ def pytest_collection_finish(session):
 
     triton_interpreter.collected_files.update(Path(item.path).resolve() for item in session.items
                                               if item.name.endswith("_in_triton_s_interpreter"))
+
+
+@pytest.fixture
+def slow_tokens(monkeypatch):
+    """Each generated token takes a while, so a test can act while a reply is being written (the app's tests)."""
+    import kvchat.app.session.chat as chat_session
+
+    real = chat_session.generate
+
+    def slow_generate(*args, on_token=None, **kwargs):
+        def slowly(token, piece):
+            time.sleep(0.12)
+            if on_token is not None:
+                on_token(token, piece)
+        return real(*args, on_token=slowly, **kwargs)
+
+    monkeypatch.setattr(chat_session, "generate", slow_generate)

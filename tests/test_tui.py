@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -34,23 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def store() -> Store:
     return Store(data_dir())
-
-
-@pytest.fixture
-def slow_tokens(monkeypatch):
-    """Each generated token takes a while, so a test can act while a reply is being written."""
-    import kvchat.app.session.chat as chat_session
-
-    real = chat_session.generate
-
-    def slow_generate(*args, on_token=None, **kwargs):
-        def slowly(token, piece):
-            time.sleep(0.12)
-            if on_token is not None:
-                on_token(token, piece)
-        return real(*args, on_token=slowly, **kwargs)
-
-    monkeypatch.setattr(chat_session, "generate", slow_generate)
 
 
 def assert_restored_from_disk(app) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
-import pytest
 
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.writer import KVWriter
@@ -37,23 +35,6 @@ def store() -> Store:
 
 def notes(app) -> list[str]:
     return [str(n.render()) for n in screen(app).query(".note")]
-
-
-@pytest.fixture
-def slow_tokens(monkeypatch):
-    """Each generated token takes a while, so a test can act while a reply is being written."""
-    import kvchat.app.session.chat as chat_session
-
-    real = chat_session.generate
-
-    def slow_generate(*args, on_token=None, **kwargs):
-        def slowly(token, piece):
-            time.sleep(0.12)
-            if on_token is not None:
-                on_token(token, piece)
-        return real(*args, on_token=slowly, **kwargs)
-
-    monkeypatch.setattr(chat_session, "generate", slow_generate)
 
 
 class LockHolder:
