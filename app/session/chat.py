@@ -91,12 +91,7 @@ class ChatSession:
         self._writer_lock: ChatLock | None = None
         self._stale = False  # a failed save left the store and this session apart: reload before the next write
         self.sent_restore: RestoreStats | None = None  # the restore the last send made and recorded, if any
-        # The helpers that outlive a restore: what is stored of the sliding windows, how rounds are saved, and
-        # (tiered) the background read of the upper layers, which the cache pulls rounds from.
-        self.windows = WindowTrim(engine.config, trim_windows)
-        self.saver = RoundSaver(store, self.writer, sid, engine.config, self.storage_groups, self.windows,
-                                split=self._tiered_split, merges=merges)
-        self.upper_reads = UpperReads(store, engine, sid, self.fingerprint, self.split, ignore_merges)
+        self._start_helpers()
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
         if self.policy is None:
@@ -248,12 +243,17 @@ class ChatSession:
         self.upper_reads.close()
         self.info, self.rounds, self._stale = info, rows, False
         self.cache, self.restored = self._new_cache(256), None
+        self._start_helpers()
+        return True
+
+    def _start_helpers(self) -> None:
+        """The helpers that outlive a restore, fresh: what is stored of the sliding windows, how rounds are saved,
+        and (tiered) the background read of the upper layers, which the cache pulls rounds from."""
         self.windows = WindowTrim(self.engine.config, self.trim_windows)
         self.saver = RoundSaver(self.store, self.writer, self.sid, self.engine.config, self.storage_groups,
                                 self.windows, split=self._tiered_split, merges=self.merges)
         self.upper_reads = UpperReads(self.store, self.engine, self.sid, self.fingerprint, self.split,
                                       self.ignore_merges)
-        return True
 
     # ---- a new round ----
 

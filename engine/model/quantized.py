@@ -52,10 +52,6 @@ class QuantizedMatrix:
         self.n_out = sum(p.rows for p in parts)
 
     @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.n_out, self.n_in))
-
-    @property
     def device(self) -> torch.device:
         return self.parts[0].raw.device
 
@@ -81,19 +77,10 @@ class QuantizedMatrix:
 
     def rows(self, ids: Tensor) -> Tensor:
         """The rows `ids` [T] dequantized, [T, K] in `dtype`: an embedding lookup reads T rows, not the table."""
+        # A token table is one matrix (one part); no host-side test, so a captured decode step can embed too.
+        (part,) = self.parts
         ids = ids.to(self.device)
-        if len(self.parts) == 1:  # a token table: no host-side test, so a captured decode step can embed too
-            part = self.parts[0]
-            return dequantize(part.raw[ids].reshape(-1), part.qtype, (ids.shape[0], self.n_in), self.dtype)
-        out = torch.empty(ids.shape[0], self.n_in, dtype=self.dtype, device=self.device)
-        start = 0
-        for part in self.parts:
-            mine = (ids >= start) & (ids < start + part.rows)
-            if bool(mine.any()):
-                picked = part.raw[ids[mine] - start]
-                out[mine] = dequantize(picked.reshape(-1), part.qtype, (picked.shape[0], self.n_in), self.dtype)
-            start += part.rows
-        return out
+        return dequantize(part.raw[ids].reshape(-1), part.qtype, (ids.shape[0], self.n_in), self.dtype)
 
     def _dequantized(self, part: QuantizedPart, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
         """Rows [r0, r1) in `dtype`: one Triton kernel where the type has one, on CUDA (in the CPU's interpreter the
