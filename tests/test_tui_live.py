@@ -85,18 +85,18 @@ async def test_rounds_titles_and_deletions_made_by_another_process_show_up():
     async with app.run_test(size=(120, 35)) as pilot:
         await open_chat(pilot, sid)
         other.add_round(sid, next_row(sid, "I live in Lisbon.", "Noted: you live in Lisbon."))
-        await wait_for(pilot, lambda: len(shown_messages(app)) == 4, timeout=5, what="the new round")
+        await wait_for(pilot, lambda: len(shown_messages(app)) == 4, what="the new round")
         await wait_idle(pilot)
         assert shown_messages(app)[2:] == [("user", "I live in Lisbon."), ("assistant", "Noted: you live in Lisbon.")]
         assert screen(app).composer.sent == ["My name is Ada.", "I live in Lisbon."]  # Up recalls it too
 
         other.rename_session(other_sid, "Bob, renamed elsewhere")
-        await wait_for(pilot, lambda: screen(app).sidebar.title_of(other_sid) == "Bob, renamed elsewhere", timeout=5,
+        await wait_for(pilot, lambda: screen(app).sidebar.title_of(other_sid) == "Bob, renamed elsewhere",
                        what="the new title")
         assert screen(app).open_sid == sid and len(shown_messages(app)) == 4
 
         other.unlink_files(other.delete_session(sid))
-        await wait_for(pilot, lambda: screen(app).open_sid is None, timeout=5, what="the open chat closed")
+        await wait_for(pilot, lambda: screen(app).open_sid is None, what="the open chat closed")
         await wait_idle(pilot)
         assert [c.id for c in screen(app).sidebar.chats] == [other_sid]
         assert "“ada” was deleted by another kvchat process." in notifications(app, "warning")
@@ -115,19 +115,19 @@ async def test_a_reply_pending_in_another_process_then_finished_or_abandoned():
         with LockHolder(sid) as holder:
             pending = next_row(sid, "Where do I live?", "", REPLY_PENDING)
             other.add_round(sid, pending)
-            await wait_for(pilot, lambda: notes(app) == [ANSWERED_ELSEWHERE_NOTE], timeout=5, what="the pending note")
+            await wait_for(pilot, lambda: notes(app) == [ANSWERED_ELSEWHERE_NOTE], what="the pending note")
             assert shown_messages(app)[-2:] == [("user", "Where do I live?"), ("assistant", "")]
 
             other.finish_round(sid, RoundRow(pending.idx, pending.user_text, "In Lisbon.", pending.token_start,
                                              pending.token_end, pending.created, REPLY_DONE))
-            await wait_for(pilot, lambda: shown_messages(app)[-1] == ("assistant", "In Lisbon."), timeout=5,
+            await wait_for(pilot, lambda: shown_messages(app)[-1] == ("assistant", "In Lisbon."),
                            what="the finished reply")
             assert notes(app) == []
 
             other.add_round(sid, next_row(sid, "And my dog?", "", REPLY_PENDING))
-            await wait_for(pilot, lambda: notes(app) == [ANSWERED_ELSEWHERE_NOTE], timeout=5, what="a pending note")
+            await wait_for(pilot, lambda: notes(app) == [ANSWERED_ELSEWHERE_NOTE], what="a pending note")
             holder.release()  # that process ends without a commit: only its lock goes
-            await wait_for(pilot, lambda: notes(app) == [NO_REPLY_NOTE], timeout=5, what="the abandoned note")
+            await wait_for(pilot, lambda: notes(app) == [NO_REPLY_NOTE], what="the abandoned note")
         assert not notifications(app, "error")
     app.backend.close()
 
@@ -206,16 +206,16 @@ async def test_a_send_waits_for_another_process_writing_the_chat_and_says_so():
         with LockHolder(sid) as holder:
             await pilot.press(*"What is my name?", "enter")
             waiting = f"waiting for another kvchat process writing to this chat (pid {holder.proc.pid}, `kvchat"
-            await wait_for(pilot, lambda: waiting in status_text(app), timeout=10, what="the waiting status")
+            await wait_for(pilot, lambda: waiting in status_text(app), what="the waiting status")
             await pilot.press("escape")  # gives up waiting: nothing was sent, the message comes back
-            await wait_idle(pilot, timeout=10)
+            await wait_idle(pilot)
             [error] = notifications(app, "error")
             assert f"is being written by pid {holder.proc.pid}" in error and "nothing was sent" in error
             assert screen(app).composer.text == "What is my name?"
             assert "waiting" not in status_text(app) and len(store().rounds(sid)) == 1
 
             await pilot.press("enter")
-            await wait_for(pilot, lambda: waiting in status_text(app), timeout=10, what="waiting again")
+            await wait_for(pilot, lambda: waiting in status_text(app), what="waiting again")
         await wait_idle(pilot)  # the lock is let go: the reply comes
         assert shown_messages(app)[-1] == ("assistant", "Your name is Ada.")
         assert "waiting" not in status_text(app) and "context" in status_text(app)
@@ -241,7 +241,7 @@ async def test_the_status_bar_recovers_after_a_failed_send_create_restore_open_a
         # A first message whose chat cannot be made.
         monkeypatch.setattr(backend, "create_chat", broken)
         await pilot.press(*"Hello", "enter")
-        await wait_idle(pilot, timeout=10)
+        await wait_idle(pilot)
         assert activity(app) == "" and "generating" not in status_text(app)
         assert screen(app).composer.text == "Hello" and screen(app).query("#welcome")
         monkeypatch.undo()
@@ -249,7 +249,7 @@ async def test_the_status_bar_recovers_after_a_failed_send_create_restore_open_a
         # A restore that fails: the chat stays open, the bar says what the store knows of it.
         monkeypatch.setattr(backend, "restore", broken)
         screen(app).open_chat(sid)
-        await wait_idle(pilot, timeout=10)
+        await wait_idle(pilot)
         assert "restoring" not in status_text(app) and "not restored yet" in status_text(app)
         assert shown_messages(app) == [("user", ADA[0]), ("assistant", ADA[1])]
         monkeypatch.undo()
@@ -258,7 +258,7 @@ async def test_the_status_bar_recovers_after_a_failed_send_create_restore_open_a
         monkeypatch.setattr(backend, "send", broken)
         screen(app).composer.load_text("What is my name?")
         await pilot.press("enter")
-        await wait_idle(pilot, timeout=10)
+        await wait_idle(pilot)
         assert "generating" not in status_text(app) and screen(app).composer.text == "What is my name?"
         monkeypatch.undo()
 
@@ -273,7 +273,7 @@ async def test_the_status_bar_recovers_after_a_failed_send_create_restore_open_a
         await pilot.press("ctrl+n")  # so that opening it again is an opening
         monkeypatch.setattr(backend, "transcript", broken)
         screen(app).open_chat(sid)
-        await wait_idle(pilot, timeout=10)
+        await wait_idle(pilot)
         assert screen(app).open_sid is None and "restoring" not in status_text(app)
         assert "no chat open" in status_text(app)
         monkeypatch.undo()
@@ -415,9 +415,9 @@ async def test_no_control_character_of_stored_text_reaches_the_screen():
         await pilot.press("n")
         await wait_idle(pilot)
         other.rename_session(sid, f"[b]{TITLE}[/c]")  # markup in a title is text too
-        await wait_for(pilot, lambda: "[b]" in screen(app).sidebar.title_of(sid), timeout=5, what="the new title")
+        await wait_for(pilot, lambda: "[b]" in screen(app).sidebar.title_of(sid), what="the new title")
         other.unlink_files(other.delete_session(sid))
-        await wait_for(pilot, lambda: screen(app).open_sid is None, timeout=5, what="the chat closed")
+        await wait_for(pilot, lambda: screen(app).open_sid is None, what="the chat closed")
         await pilot.pause(0.2)
         [deleted] = [n for n in notifications(app) if "was deleted by another kvchat process" in n]
         assert deleted.startswith("“[b]T") and "\\x1b[31m" in deleted
