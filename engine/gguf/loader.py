@@ -17,9 +17,9 @@ from kvchat.engine.gguf.dequant import SUPPORTED_TYPES, dequantize
 from kvchat.engine.gguf.numerics import gelu_fp16_table, input_rounding
 from kvchat.engine.gguf.reader import GGUFFile, TensorInfo
 from kvchat.engine.model.decoder import LayerWeights, Transformer, gelu_tanh, identity
-from kvchat.engine.model.quantized import QuantizedMatrix, QuantizedPart
+from kvchat.engine.model.quantized import QuantizedMatrix
 from kvchat.errors import GGUFError
-from kvchat.kernels.quant_gemv import QUANT_GEMV_TYPES
+from kvchat.kernels.quant_gemv import QUANT_GEMV_TYPES, repack
 
 
 @dataclass
@@ -177,7 +177,8 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
         kernel, else dequantized."""
         infos = [gf.tensors[n] for n in names]
         if all(keeps_quantized(t, quantized) for t in infos):
-            parts = [QuantizedPart(raw_bytes(t, device), t.qtype) for t in infos]
+            # Repacked on the device: the file's bytes go over once, and the field arrays replace them.
+            parts = [repack(raw_bytes(t, device), t.qtype, t.shape[1]) for t in infos]
             return QuantizedMatrix(parts, infos[0].shape[1], dtype)
         if quantized:
             fallbacks.update(t.qtype.name for t in infos if t.qtype not in QUANT_GEMV_TYPES and t.qtype not in FLOATS)
