@@ -19,3 +19,7 @@ class GGUFError(KvchatError):
 
 class ContextOverflowError(KvchatError):
     """A prompt or chat that does not fit in the model's context window."""
+
+
+class GPUMemoryError(KvchatError):
+    """The model, or a chat's K/V, does not fit in the GPU memory budget (`--gpu-memory`: engine.memory_plan)."""

@@ -26,11 +26,12 @@ def _store():
     return Store()  # opening sweeps what interrupted saves left behind
 
 
-def _service(device: str | None = None):
-    """The chat service over $KVCHAT_HOME's store, its models loaded on `device` (default: cuda when available)."""
+def _service(device: str | None = None, gpu_memory: int | None = None):
+    """The chat service over $KVCHAT_HOME's store, its models loaded on `device` (default: cuda when available),
+    within `gpu_memory` bytes of the GPU (default: what it has free)."""
     from kvchat.app.session.service import ChatService
 
-    service = ChatService(device=device)
+    service = ChatService(device=device, gpu_memory=gpu_memory)
     service.notice = notice  # a profile being measured is said on stderr
     return service
 
@@ -94,6 +95,26 @@ def guard_options(f):
                           "model's is 40).")(f)
     return click.option("--guard/--no-guard", default=True, show_default=True,
                         help="Stop a reply that keeps repeating itself or runs past the reply cap, and say so.")(f)
+
+
+def parse_gpu_memory(ctx, param, value: str | None) -> int | None:
+    """--gpu-memory SIZE as bytes (engine.memory_plan.parse_size); a bad size is a one-line usage error."""
+    if value is None:
+        return None
+    from kvchat.engine.memory_plan import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def gpu_memory_option(f):
+    """--gpu-memory SIZE: what kvchat may allocate on a CUDA GPU (engine/memory_plan.py); no effect on the CPU."""
+    return click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=parse_gpu_memory,
+                        help="GPU memory kvchat may use (8GiB, 12GB, 7.5G, 8192MiB; default: what the GPU has free). "
+                             "A chat whose K/V does not fit whole runs on the tiered cache (Round Attention); one "
+                             "that does not fit even so is refused. No effect on the CPU.")(f)
 
 
 def make_guard(guard: bool, reply_cap: int | None):
@@ -173,8 +194,9 @@ def register(main: click.Group, model_option, device_option) -> None:
                        "restore recomputed, what could not be saved) instead of streaming the reply.")
     @guard_options
     @device_option
+    @gpu_memory_option
     def send(session, message, max_tokens, policy_name, compact, merge_share, wait_s, as_json, guard, reply_cap,
-             device):
+             device, gpu_memory):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin.
 
         The message is saved before it is answered. Ctrl-C (or SIGTERM) stops the reply and keeps what streamed,
@@ -194,7 +216,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         from kvchat.engine.sampling import SamplingParams
 
         reply_guard = make_guard(guard, reply_cap)
-        service = _service(device)
+        service = _service(device, gpu_memory)
         service.compact_kv = compact
         info = service.chat_info(session)
         model_path = info["model_path"]
@@ -241,6 +263,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         if as_json:
             click.echo(json.dumps({"session": info["id"], "round": reply.round.idx, "reply": reply.round.assistant_text,
                                    "reply_state": reply.round.reply_state, "stop_reason": reply.result.stop_reason,
+                                   "kv_policy": reply.kv_policy,
                                    "tokens": [reply.round.token_start, reply.round.token_end],
                                    "kv_recomputed": damaged, "kv_not_saved": problems}))
         else:

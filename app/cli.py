@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from kvchat.app.chats import guard_options, make_guard, report_stop
+from kvchat.app.chats import gpu_memory_option, guard_options, make_guard, report_stop
 from kvchat.app.errors import FriendlyGroup
 
 
@@ -27,24 +27,25 @@ from kvchat.app.errors import FriendlyGroup
               help="The app only: the KV policy chats run under, full, round (Round Attention on a tiered KV "
                    "cache; calibrates the model on first use) or loopserve (sparse prefill of long messages, "
                    "progressive selection of what the reply reads). Default: the settings' choice, else full.")
+@gpu_memory_option
 @click.pass_context
-def main(ctx: click.Context, model_path, device, kv_policy) -> None:
+def main(ctx: click.Context, model_path, device, kv_policy, gpu_memory) -> None:
     """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read.
 
     With no command, kvchat opens the terminal app (press F1 there for its keys).
     """
     if ctx.invoked_subcommand is not None:
-        if model_path is not None or device is not None or kv_policy is not None:
+        if model_path is not None or device is not None or kv_policy is not None or gpu_memory is not None:
             from kvchat.errors import KvchatError
 
-            raise KvchatError(f"--model, --device and --kv-policy before a command apply to the app only; give "
-                              f"them after `{ctx.invoked_subcommand}`")
+            raise KvchatError(f"--model, --device, --kv-policy and --gpu-memory before a command apply to the app "
+                              f"only; give them after `{ctx.invoked_subcommand}`")
         return
     from kvchat.app.tui.app import run_app
 
     if model_path is not None:
         model_path = _resolve_model(ctx, None, model_path)
-    run_app(model_path, _device(device) and device, kv_policy)
+    run_app(model_path, _device(device) and device, kv_policy, gpu_memory)
 
 
 def _model_option(f):
@@ -84,19 +85,32 @@ def _resolve_model(ctx, param, value):
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the tokens and text instead.")
 @guard_options
+@gpu_memory_option
 @click.argument("prompt")
 def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as_json, guard, reply_cap,
-             prompt) -> None:
+             gpu_memory, prompt) -> None:
     """Complete a raw PROMPT (no chat template), streaming the text. PROMPT '-' reads standard input."""
+    from dataclasses import replace
+
+    from kvchat.app.session import memory
+    from kvchat.app.session.memory import chat_needs, check_weights
     from kvchat.engine.engine import Engine
+    from kvchat.engine.memory_plan import plan_memory
     from kvchat.engine.sampling import SamplingParams
+    from kvchat.errors import GPUMemoryError
 
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
     reply_guard = make_guard(guard, reply_cap)
+    budget = memory.memory_budget(_device(device), gpu_memory)
+    check_weights(model_path, budget)
     engine = Engine(model_path, device=_device(device))
     tokens = engine.encode_prompt(prompt)
+    if budget is not None:  # a raw completion has no rounds to tier: its K/V fits whole or not at all
+        plan = plan_memory(replace(chat_needs(engine, budget, 0, len(tokens) + max_tokens + 1, []), can_tier=False))
+        if plan.kind == "refused":
+            raise GPUMemoryError(plan.message)
 
     def stream(_token: int, piece: str) -> None:
         sys.stdout.write(piece)

@@ -153,6 +153,56 @@ def test_plot_writes_pngs(small_run):
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
+def test_a_gpu_memory_budget_plans_each_method_as_the_app_plans_a_chat(small_run, monkeypatch, tmp_path):
+    """`kvchat bench --gpu-memory`: each method child plans the chat within the budget (the CPU standing in for a
+    GPU with one, in this process): between the tiered cache's need and the full cache's, kv-load runs on the tiered
+    cache and says so, prefill (the full cache or nothing) is skipped; below the tiered cache's need, all are."""
+    import torch
+
+    from kvchat.app.bench import resume_engine
+    from kvchat.app.bench.resume_common import load_workload
+    from kvchat.app.bench.resume_tables import method_label
+    from kvchat.app.session import memory
+    from kvchat.app.session.artifacts import save_calibration
+    from kvchat.engine.calibrate.watershed import Calibration
+    from kvchat.engine import memory_plan
+    from kvchat.engine.engine import Engine
+    from kvchat.storage.db import Store
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    _, _, folder = small_run
+    out = folder / "work" / "embedded"
+    wl = load_workload(str(out / "2k.json"))
+    monkeypatch.setenv("KVCHAT_HOME", wl["home"])  # the child sets it; put back afterwards
+    monkeypatch.setattr(memory, "memory_budget", lambda device, requested, name="--gpu-memory": memory.Budget(
+        torch.device("cpu"), requested, name))
+    monkeypatch.setattr(memory_plan, "GRAPH_POOL", 0)  # the embedded model's K/V is a few MiB: see test_memory_plan
+    store = Store(Path(wl["home"]))
+    save_calibration(Calibration(model_fingerprint(DEFAULT_MODEL, store), "embedded", 8, 4, [0.0] * 8, 1,
+                                 "memory-dialogues", 0, "today"))  # its watershed, without 40 s of calibrating
+    engine = Engine(DEFAULT_MODEL, device="cpu")
+    lengths = [r.token_end - r.token_start for r in store.rounds(wl["sid"])]
+    needs = memory.chat_needs(engine, memory.Budget(torch.device("cpu"), 1 << 40, "--gpu-memory"), wl["tokens"],
+                              wl["n_ctx"] - wl["tokens"], lengths)
+    full = memory_plan.plan_memory(needs)
+
+    def run(method: str, budget: int) -> dict:
+        spec = {"kind": "method", "method": method, "model": "embedded", "path": str(DEFAULT_MODEL),
+                "workload": str(out / "2k.json"), "out": str(out), "device": "cpu", "repeats": 1, "seed": 0,
+                "workloads": ["2k"], "budget_s": 0, "folder": str(tmp_path), "gpu_memory": budget}
+        return {"method": method, **resume_engine.run_child(spec)}
+
+    tiered = run("kv-load", full.needed - 1)
+    assert tiered["status"] == "ok" and tiered["memory_plan"]["kind"] == "tiered"
+    assert tiered["memory_plan"]["split"] == 5 and 0 < tiered["tiered_kv_fraction"] < 1
+    assert method_label(tiered) == "kv-load (tiered: GPU memory)"
+    prefill = run("prefill", full.needed - 1)
+    assert prefill["status"].startswith("skipped: prefill needs the full cache, and the K/V of a 2,")
+    assert run("kv-load", full.needed)["memory_plan"]["kind"] == "full"
+    refused = run("kv-load", needs.weights + needs.workspace + 1)
+    assert refused["status"].startswith("skipped: the K/V of a 2,") and "even on the tiered cache" in refused["status"]
+
+
 def test_plot_refuses_other_json(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"a": 1}')

@@ -312,6 +312,28 @@ async def test_settings_change_reply_length_and_the_chats_system_prompt():
     app.backend.close()
 
 
+async def test_the_gpu_memory_setting_is_checked_saved_and_planned_within():
+    app = make_app()
+    async with app.run_test(size=(120, 35)) as pilot:
+        await wait_idle(pilot)
+        assert app.backend.gpu_memory is None  # default: what the GPU has free
+        await pilot.press("f9")
+        app.screen.query_one("#gpu-memory").value = "12 gigs"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsDialog)  # refused, with a notification saying why
+        assert any("GPU memory: '12 gigs' is not a size" in n for n in notifications(app, "error"))
+        app.screen.query_one("#gpu-memory").value = "12GiB"
+        await pilot.press("ctrl+s")
+        await wait_idle(pilot)
+        assert json.loads((data_dir() / "app-settings.json").read_text())["gpu_memory"] == "12GiB"
+        assert (app.backend.gpu_memory, app.backend.gpu_memory_name) == (12 << 30, "the GPU memory setting")
+    app.backend.close()
+    (data_dir() / "app-settings.json").write_text(json.dumps({"gpu_memory": "lots", "max_tokens": 7}))
+    assert (Preferences.load().gpu_memory, Preferences.load().max_tokens) == ("", 7)  # a hand edit: only it is reset
+    override = make_app(gpu_memory=8 << 30)  # `kvchat --gpu-memory 8GiB`: this run, over the setting
+    assert (override.backend.gpu_memory, override.backend.gpu_memory_name) == (8 << 30, "--gpu-memory")
+
+
 async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_chat_reopens_under_it():
     sid = seed_chat("ada", ["My name is Ada."])  # stored under the full cache: all layers per round
     app = make_app()

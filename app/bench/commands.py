@@ -16,6 +16,9 @@ import click
 
 from kvchat.app.bench import eval_command
 
+# `bench engine --qtype`: BF16 and app/bench/engine_speed.py's QTYPES (named here: importing that module imports torch)
+BENCH_QTYPES = ["BF16", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+
 
 def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     """Add `eval` and the `bench` group to `main`. `model_option` decorates a command with --model; `to_device`
@@ -47,9 +50,17 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results here.")
     @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
                   help="Write the tables here (markdown).")
+    @click.option("--qtype", "resume_qtype", default="BF16", show_default=True, type=click.Choice(["BF16", "Q4_K_M"]),
+                  help="The random-weight models' type (built once into --cache-dir; the embedded and known models "
+                       "keep their own).")
+    @click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_gpu_memory,
+                  help="GPU memory each kvchat method may use (8GiB, 12GiB; default: unlimited), planned as the app "
+                       "plans a chat: a chat whose K/V does not fit whole runs on the tiered cache (kv-load, "
+                       "kv-split: at the watershed a policy:round@W method names, else the model's calibration), or "
+                       "its method is skipped (prefill, kv-merge); llama.cpp is not bound by it.")
     @click.pass_context
     def bench(ctx, models, workloads, methods, repeats, device, cache_dir, work_dir, llama_cpp_budget, disk_probe_mib,
-              json_path, markdown_path) -> None:
+              json_path, markdown_path, resume_qtype, gpu_memory) -> None:
         """Benchmarks that print numbers (record them in docs/benchmarks.md with device and date).
 
         Without a subcommand: the resume benchmark. Time to the first token of a new message in an old chat, by
@@ -69,7 +80,8 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
                     methods=parse_names(methods, method_names(), "method") if methods else default_methods(),
                     repeats=repeats, device=str(to_device(device)) if device else None,
                     cache_dir=Path(cache_dir) if cache_dir else None, work_dir=Path(work_dir) if work_dir else None,
-                    llama_cpp_budget_s=llama_cpp_budget, disk_probe_bytes=disk_probe_mib << 20)
+                    llama_cpp_budget_s=llama_cpp_budget, disk_probe_bytes=disk_probe_mib << 20, qtype=resume_qtype,
+                    gpu_memory=gpu_memory)
         steps = 1 + sum(1 + (1 if "llama.cpp" in plan.methods else 0) + len(plan.workloads) * len(plan.methods)
                         for _ in plan.models)
         with click.progressbar(length=steps, label="kvchat bench", file=sys.stderr, show_pos=True,
@@ -106,7 +118,9 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
                   help="Random-weight model shaped like a public one (repeatable).")
     @click.option("--context", "contexts", default="1024,8192", show_default=True, callback=_int_list,
                   help="Context lengths for prefill and decode.")
-    @click.option("--qtype", default="BF16", show_default=True, type=click.Choice(["BF16", "Q4_K_M"]))
+    @click.option("--qtype", default="BF16", show_default=True, type=click.Choice(BENCH_QTYPES),
+                  help="The random model's weight type: BF16, or that file quantized by llama.cpp's quantizer "
+                       "(built once into --cache-dir).")
     @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
     @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                   help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
@@ -307,3 +321,15 @@ def _int_list(ctx, param, value: str) -> list[int]:
     if not items or any(v < 1 for v in items):
         raise click.BadParameter(f"expected positive whole numbers, got {value!r}")
     return items
+
+
+def _gpu_memory(ctx, param, value: str | None) -> int | None:
+    """--gpu-memory SIZE as bytes (engine.memory_plan.parse_size); a bad size is a one-line usage error."""
+    if value is None:
+        return None
+    from kvchat.engine.memory_plan import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

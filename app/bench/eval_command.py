@@ -11,6 +11,8 @@ import json
 
 import click
 
+from kvchat.app.chats import gpu_memory_option
+
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
 # command then paid for at start, `kvchat --help` and `kvchat sessions` too.
 EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round-adaptive", "round-threshold",
@@ -67,9 +69,11 @@ def register(main: click.Group, model_option, to_device) -> None:
     @click.option("--option", "given_options", multiple=True, metavar="KEY=VALUE",
                   help="An option of the policy --kv-policy names (e.g. pool=1 for loopserve); repeatable.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
+    @gpu_memory_option
     @click.pass_context
     def eval_(ctx, model_path, policy_name, mode, chats, seed, report, min_rounds, max_rounds, min_tokens, device, watershed,
-              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json) -> None:
+              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json,
+              gpu_memory) -> None:
         """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
         how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
         from kvchat.app.bench.evaluate import (
@@ -86,6 +90,10 @@ def register(main: click.Group, model_option, to_device) -> None:
         from kvchat.errors import KvchatError
 
         given = _parse_options(given_options)
+        if gpu_memory is not None:  # torch's allocator capped, and the weights checked against it, before loading
+            from kvchat.app.session import memory
+
+            memory.check_weights(model_path, memory.memory_budget(to_device(device), gpu_memory))
         if text:
             source = click.core.ParameterSource
             named = ctx.get_parameter_source("policy_name") != source.DEFAULT

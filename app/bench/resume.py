@@ -96,6 +96,8 @@ class Plan:
     disk_probe_bytes: int = 1 << 30
     child_timeout_s: float = 900.0
     seed: int = 0
+    qtype: str = "BF16"  # the random-weight models' type (engine_speed.model_file): BF16 or Q4_K_M
+    gpu_memory: int | None = None  # bytes each method child may allocate on the GPU (--gpu-memory); None: no cap
 
 
 
@@ -132,7 +134,8 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
         "settings": {"models": plan.models, "workloads": plan.workloads, "methods": plan.methods,
                      "repeats": plan.repeats, "reply_tokens": REPLY_TOKENS, "seed": plan.seed,
                      "llama_cpp_budget_s": plan.llama_cpp_budget_s, "device": str(device),
-                     "dtype": str(dtype).removeprefix("torch.")},
+                     "dtype": str(dtype).removeprefix("torch."), "qtype": plan.qtype,
+                     "gpu_memory": plan.gpu_memory},
         "floor_probes": {"disk_read_mb_s": disk, "disk_cold": cold, "host_to_device_gb_s": h2d,
                          "matmul_tflops": tflops, "dtype": str(dtype).removeprefix("torch.")},
         "models": [],
@@ -143,7 +146,7 @@ def run_benchmark(plan: Plan, progress: Callable[[str], None] = lambda label: No
         elif is_known_model(model):
             path = resolve_model(model)
         else:
-            path = model_file(Path(plan.cache_dir or _default_cache()), model)
+            path = model_file(Path(plan.cache_dir or _default_cache()), model, plan.qtype)
         out = work / model
         setup = _child(plan, {"kind": "setup", "model": model, "path": str(path), "out": str(out)}, out / "setup")
         progress(f"{model}: chats stored")
@@ -217,7 +220,13 @@ def _child(plan: Plan, spec: dict, folder: Path) -> dict:
     """Run one child process; its result, or {"status": "failed: <why>"}."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "device": plan.device, "repeats": plan.repeats, "seed": plan.seed,
-            "workloads": plan.workloads, "budget_s": plan.llama_cpp_budget_s, "folder": str(folder)}
+            "workloads": plan.workloads, "budget_s": plan.llama_cpp_budget_s, "folder": str(folder),
+            # the GPU memory budget binds the methods only: the setup prefills and stores each chat unbounded
+            "gpu_memory": plan.gpu_memory if spec["kind"] == "method" else None,
+            # where the budget tiers a chat: the watershed a policy:round...@W method names (random weights have no
+            # calibration worth making), else the model's calibration
+            "tiered_watershed": next((int(m.partition("@")[2]) for m in plan.methods
+                                      if m.startswith("policy:round") and "@" in m), None)}
     (folder / "spec.json").write_text(json.dumps(spec))
     result_path = folder / "result.json"
     result_path.unlink(missing_ok=True)

@@ -118,22 +118,39 @@ def _warm_up(engine) -> None:
 
 
 def _run_engine(spec: dict) -> dict:
-    """prefill, kv-load or policy:NAME: the cold run, then the repeats, then (memory chats) the recall questions."""
+    """prefill, kv-load or policy:NAME: the cold run, then the repeats, then (memory chats) the recall questions.
+    Under a GPU memory budget (`kvchat bench --gpu-memory`) the chat is planned as the app plans it: a method whose
+    full cache does not fit runs on the tiered cache as the app would (kv-load, kv-split, policy:loopserve) or is
+    skipped (prefill, kv-merge: what they measure is the full cache), and nothing runs where nothing fits."""
     import torch
     from kvchat.app.session.chat import ChatSession
     from kvchat.engine.generate import generate, prefill
     from kvchat.engine.kv.tiered import TieredKV
     from kvchat.engine.text.chat_format import Conversation, Round
+    from kvchat.errors import GPUMemoryError
     from kvchat.storage.db import Store
 
     method = spec["method"]
     os.environ["KVCHAT_HOME"] = load_workload(spec["workload"])["home"]  # the profile is kept with the bench's store
-    engine = _engine(spec)
+    try:
+        budget = _budget(spec)
+        engine = _engine(spec)
+    except GPUMemoryError as exc:
+        return {"status": f"skipped: {exc}", "memory_plan": {"kind": "refused", "message": str(exc)}}
     policy = _policy(method, engine) if method.startswith("policy:") else None
     tiered = policy is not None and policy.tiered
     wl = load_workload(spec["workload"])
     chat, model = engine.chat, engine.model
     store = Store(Path(wl["home"]))
+    memory_plan = None
+    if budget is not None:
+        memory_plan, policy = _memory_plan(engine, budget, store, wl, policy, spec.get("tiered_watershed"))
+        if memory_plan["kind"] == "refused" or (memory_plan["kind"] == "tiered" and not tiered
+                                                and method in ("prefill", "kv-merge")):
+            why = memory_plan["message"] if memory_plan["kind"] == "refused" else \
+                f"{method} needs the full cache, and {memory_plan['full_message']}"
+            return {"status": f"skipped: {why}", "memory_plan": memory_plan}
+        tiered = policy is not None and policy.tiered
     sid, planner, split = wl["sid"], None, {}
     if method == "kv-split":
         sid, planner, split = _compacted_copy(store, engine, wl["sid"])
@@ -246,7 +263,46 @@ def _run_engine(spec: dict) -> dict:
     result["bytes_per_token"] = result["bytes_on_disk"] / wl["tokens"]
     if engine.device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+        # what torch's allocator held at its peak: what the memory budget caps and the plan predicts
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(engine.device) / 2**30
+    if memory_plan is not None:
+        result["memory_plan"] = memory_plan
     return result
+
+
+def _budget(spec: dict):
+    """The GPU memory budget of a method child (`kvchat bench --gpu-memory`): torch's allocator capped before the
+    model loads, which must fit (GPUMemoryError); None without a budget or off CUDA."""
+    if spec.get("gpu_memory") is None:
+        return None
+    from kvchat.app.session.memory import check_weights, memory_budget
+
+    budget = memory_budget(spec["device"], spec["gpu_memory"])
+    check_weights(spec["path"], budget)
+    return budget
+
+
+def _memory_plan(engine, budget, store, wl: dict, policy, watershed: int | None = None) -> tuple[dict, object]:
+    """How the workload's chat fits in the budget, as the app plans it (app.session.service.fitting_policy): the
+    plan's figures, and the policy the method runs under (the tiered cache's where only it fits: the round policy
+    at `watershed`, or at the model's calibration)."""
+    from kvchat.app.session.memory import plan_chat
+    from kvchat.app.session.policies import build_policy
+    from kvchat.engine.policies import make_policy
+
+    rounds = store.rounds(wl["sid"])
+    lengths = [r.token_end - r.token_start for r in rounds]
+    new_tokens = wl["n_ctx"] - wl["tokens"]  # the longest question and its answer
+    tiered = policy is not None and policy.tiered
+    plan = plan_chat(engine, budget, wl["tokens"], new_tokens, lengths, policy.split if tiered else None)
+    full_message = plan.message
+    if plan.kind == "tiered" and not tiered:
+        policy = (build_policy("round", engine) if watershed is None  # calibrated on first use, as a chat's
+                  else make_policy("round", engine, watershed=watershed))
+        plan = plan_chat(engine, budget, wl["tokens"], new_tokens, lengths, policy.split)
+    return {"kind": plan.kind, "budget_gib": plan.budget / 2**30, "needed_gib": plan.needed / 2**30,
+            "kv_gib": plan.kv / 2**30, "message": plan.message, "full_message": full_message,
+            "split": policy.split if policy is not None and policy.tiered else None}, policy
 
 
 def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:

@@ -9,7 +9,10 @@ from kvchat.app.bench.resume_common import LLAMA_CPP
 def method_label(m: dict) -> str:
     """A method's name as the log and the tables show it. kv-merge says which path its figure came from: "checked"
     is what `kvchat merge` does for a user (only pairs the model's check accepted); "unchecked, γ=0" is the
-    random-weight benchmarks' path (check off, Krul's I-R test off), never a figure of what a user gets."""
+    random-weight benchmarks' path (check off, Krul's I-R test off), never a figure of what a user gets. A method
+    the GPU memory budget put on the tiered cache says so."""
+    if (m.get("memory_plan") or {}).get("kind") == "tiered" and not m["method"].startswith("policy:round"):
+        return f"{m['method']} (tiered: GPU memory)"
     if m.get("method") != "kv-merge" or "merge_checked" not in m:
         return m["method"]
     if m["merge_checked"]:
@@ -46,7 +49,9 @@ def markdown(results: dict) -> str:
     m, p, s = results["machine"], results["floor_probes"], results["settings"]
     lines = [f"**{m['device']}, {s['dtype']}, {results['date']}** (torch {m['torch']}, llama-cpp-python "
              f"{m['llama_cpp_python']}, {m['llama_cpp_build']} build; warm = median of {s['repeats']}; reply "
-             f"{s['reply_tokens']} greedy tokens)", "",
+             f"{s['reply_tokens']} greedy tokens"
+             + (f"; random models in {s['qtype']}" if s.get("qtype", "BF16") != "BF16" else "")
+             + (f"; GPU memory budget {s['gpu_memory'] / 2**30:g} GiB" if s.get("gpu_memory") else "") + ")", "",
              f"Floor probes: disk read {p['disk_read_mb_s']:,.0f} MB/s "
              f"({'page cache dropped' if p['disk_cold'] else 'page cache NOT dropped'}), host-to-device "
              + ("n/a (no GPU)" if p["host_to_device_gb_s"] is None else f"{p['host_to_device_gb_s']:,.1f} GB/s")
@@ -69,6 +74,9 @@ def markdown(results: dict) -> str:
                     lines.append(f"| {wl} | {mm['method']} | {mm['status']} | | | | | | | |")
                     continue
                 gpu = "n/a (CPU)" if mm.get("peak_gpu_gib") is None else f"{mm['peak_gpu_gib']:.2f} GiB"
+                if mm.get("memory_plan") and mm.get("peak_reserved_gib") is not None:  # against the plan
+                    gpu += (f" ({mm['peak_reserved_gib']:.2f} reserved, {mm['memory_plan']['needed_gib']:.2f} "
+                            f"planned)")
                 if mm["method"] == LLAMA_CPP and mm.get("device") == "cuda":
                     gpu = "n/a (not torch)"
                 agree = "" if "agree_tokens" not in mm else (

@@ -91,6 +91,12 @@ class ChatSession:
         self._writer_lock: ChatLock | None = None
         self._stale = False  # a failed save left the store and this session apart: reload before the next write
         self.sent_restore: RestoreStats | None = None  # the restore the last send made and recorded, if any
+        # Slots a restore leaves past the chat for the message and reply to come (a send sets it to what it needs:
+        # answering then grows no cache, which would hold the old and the new side by side for a moment).
+        self.room = 512
+        # Said with every restore (its notes, so `kvchat show` has them): e.g. that the GPU memory budget put the
+        # chat on the tiered cache.
+        self.restore_notes: list[str] = []
         self._start_helpers()
 
     def _new_cache(self, capacity: int) -> KVCache | TieredKV:
@@ -135,9 +141,10 @@ class ChatSession:
                          split=self.split, tiered=self.policy is not None, new_cache=self._new_cache,
                          planner=self.planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
                          upper_source=self._fetch_upper, token_source=self._round_tokens,
-                         ignore_merges=self.ignore_merges)
+                         ignore_merges=self.ignore_merges, room=self.room)
         try:
             stats = run.run(progress, cancel)
+            stats.notes[:0] = self.restore_notes
         except RestoreCancelled:
             self.rounds = run.rounds
             self.cache, self.restored = self._new_cache(256), None
@@ -295,10 +302,12 @@ class ChatSession:
 
         try:
             self.sent_restore = None
+            self.room = max(self.room, len(empty) + max_tokens + 1)
             if self.restored is None:
                 self.restore(cancel=cancel)
             start = self.cache.length
             prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
+            self._make_room(start + len(prompt) + max_tokens + 1)
             mp = self.message_policy
             starts = [r.token_start for r in self.rounds]
             view = mp.for_message(self.engine.model, self.cache, starts, [], prompt) if mp is not None else \
@@ -356,6 +365,14 @@ class ChatSession:
                 self.sent_restore = r
             self.restored = RestoreStats(notes=[])  # recorded once per open
         return result
+
+    def _make_room(self, slots: int) -> None:
+        """Grow the cache once, to exactly what the message and its reply need, rather than by doubling as it
+        fills (what the GPU memory plan counts; the decode graph reserves the same)."""
+        slots = min(slots, self.engine.config.context_length + 1)
+        device_tier = self.cache.lower if isinstance(self.cache, TieredKV) else self.cache
+        if device_tier.capacity < slots:
+            device_tier.reserve(slots, exact=True)
 
     def _keep_partial(self, pending: RoundRow, text: str) -> None:
         """Save what streamed of an interrupted reply over its pending one, if the store still takes writes."""

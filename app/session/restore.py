@@ -86,14 +86,17 @@ class RestoreRun:
                  fingerprint: str, split: int, tiered: bool, new_cache: Callable[[int], object],
                  planner: Planner | None, windows: WindowTrim, saver: RoundSaver, upper_reads: UpperReads,
                  upper_source: Callable[[int], torch.Tensor | None], token_source: Callable[[int], list[int]],
-                 ignore_merges: bool = False):
+                 ignore_merges: bool = False, room: int = 512):
         """`split`: layers [0, split) are restored now (all of them for the full cache); `tiered`: the chat runs
         under a tiered policy, whose cache gets `upper_source`/`token_source` and the upper reads' hurry;
-        `new_cache(capacity)`: an empty cache of the chat's kind; the rest are the session's collaborators."""
+        `new_cache(capacity)`: an empty cache of the chat's kind; `room`: slots the new cache keeps past the chat
+        (the message and reply to come, so that answering grows nothing); the rest are the session's
+        collaborators."""
         self.store, self.engine, self.sid, self.rounds, self.system = store, engine, sid, rounds, system
         self.fingerprint, self.split, self.tiered, self.new_cache = fingerprint, split, tiered, new_cache
         self.planner, self.windows, self.saver, self.upper_reads = planner, windows, saver, upper_reads
         self.upper_source, self.token_source, self.ignore_merges = upper_source, token_source, ignore_merges
+        self.room = room
         self.cache = None
         self.restored: RestoreStats | None = None
         self._waited = 0.0
@@ -142,7 +145,7 @@ class RestoreRun:
         stats.plan = plan.summary(ends)
         if plan.predicted is not None:
             stats.predicted_ms = 1000 * plan.predicted.total_s
-        self.cache, self._ring_fork = self.new_cache(total + 512), None
+        self.cache, self._ring_fork = self.new_cache(total + self.room), None
         stats.mark("cache", started)
         # What the plan loads: per round, the segments holding any layer it does not recompute (the upper tier of
         # a tiered chat comes later, in the background, unless it came in one segment with the lower layers).
@@ -486,7 +489,7 @@ class RestoreRun:
                        "recomputed from text"]
         ends = list(itertools.accumulate(len(s) for s in spans))
         total = ends[-1]
-        self.cache, self._ring_fork = self.new_cache(total + 512), None
+        self.cache, self._ring_fork = self.new_cache(total + self.room), None
         self._recompute([(0, [t for s in spans for t in s])], stats, loads_running=False)  # nothing is loaded
         if not self.tiered:
             self.cache.length = total

@@ -9,8 +9,11 @@ storage calls that must not interleave with a round being saved (delete, fork, e
 the same lock and first wait until the chat's K/V writer has put every finished round on disk. A chat runs under
 the KV policy the caller names (the app's setting or `kvchat send --kv-policy`: the full cache, Round Attention on a
 tiered cache, or LoopServe); the policy is built once per model (app/session/policies.py, calibrating the model on
-its first use). The app and the commands share the semantics: same store, same state files, the title of an
-untitled chat is its first message.
+its first use). On CUDA every model and chat is planned within the GPU memory budget (`gpu_memory`:
+app/session/memory.py, engine/memory_plan.py): a model whose weights cannot fit is refused before it loads, a chat
+whose K/V cannot fit whole runs on the tiered cache (Round Attention) whatever policy was asked for, saying so once,
+and one that cannot fit even so is refused before its message is committed. The app and the commands share the
+semantics: same store, same state files, the title of an untitled chat is its first message.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvchat.app.session import memory
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.compaction import compact_session
+from kvchat.app.session.memory import OPEN_ROOM, Budget, check_weights, plan_chat
 from kvchat.app.session.merges import chat_merges
 from kvchat.app.session.policies import chat_policy
 from kvchat.app.session.profile import ensure_profile, profile_planner
@@ -32,10 +37,11 @@ from kvchat.app.session.writer import KVWriter
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
-from kvchat.engine.policies import KVPolicy
+from kvchat.engine.policies import KVPolicy, chat_policy_class
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
-from kvchat.errors import KvchatError
+from kvchat.engine.text.chat_format import Conversation
+from kvchat.errors import GPUMemoryError, KvchatError
 from kvchat.storage.chat_lock import ChatLock
 from kvchat.storage.db import RoundRow, Store, StoreError
 from kvchat.storage.fingerprint import model_fingerprint
@@ -76,6 +82,7 @@ class ChatStats:
     kv_raw_bytes: int = 0
     restore: RestoreStats | None = None
     restore_source: str = ""  # "this run": restored now; "earlier": the store's record of the last open
+    memory: str = ""  # why the chat runs on the tiered cache although another policy was asked for, if it does
 
 
 @dataclass
@@ -86,6 +93,7 @@ class Reply:
     result: GenerationResult
     title: str  # the chat's title afterwards (an untitled chat takes its first message)
     restore: RestoreStats | None = None  # the restore this send made (its notes: K/V recomputed because damaged)
+    kv_policy: str = "full"  # the policy it ran under (the GPU memory budget may have put it on the tiered cache)
 
 
 @dataclass
@@ -102,8 +110,13 @@ class Transcript:
 
 
 class ChatService:
-    def __init__(self, home: Path | None = None, device: str | None = None):
+    def __init__(self, home: Path | None = None, device: str | None = None, gpu_memory: int | None = None):
         self.home, self.device = home, device
+        # Bytes kvchat may allocate on CUDA (`--gpu-memory`, the app's setting; None: what the card has free), and
+        # how a refusal names it. Read whenever a model loads or a chat is planned, so a new setting applies to both.
+        self.gpu_memory = gpu_memory
+        self.gpu_memory_name = "--gpu-memory"
+        self._memory_notes: dict[str, str] = {}  # chat -> why the budget put it on the tiered cache (said once)
         self._store: Store | None = None
         self._engines: dict[str, Engine] = {}
         self._writers: dict[str, KVWriter] = {}  # one background writer per model fingerprint
@@ -139,6 +152,7 @@ class ChatService:
                     return self._engines[key]
             if not Path(key).exists():
                 raise KvchatError(f"the model file {key} is missing")
+            check_weights(key, self.budget())  # and torch's allocator capped at the budget, before the model loads
             engine = Engine(key, device=self.device)
             if engine.dequantized_types and self.notice is not None:
                 self.notice(f"{Path(key).name}: its {', '.join(engine.dequantized_types)} matrices have no GPU kernel "
@@ -147,6 +161,42 @@ class ChatService:
             with self._state_lock:
                 self._engines[key] = engine
             return engine
+
+    def budget(self) -> Budget | None:
+        """The GPU memory budget on the device models load on (torch's allocator capped at `gpu_memory`); None off
+        CUDA."""
+        return memory.memory_budget(self.device, self.gpu_memory, self.gpu_memory_name)
+
+    def fitting_policy(self, sid: str, engine: Engine, kv_policy: str, new_tokens: int,
+                       calibrating: Progress | None = None) -> str:
+        """The policy the chat can run under within the GPU memory budget, with room for `new_tokens` more (a
+        message and its reply): `kv_policy` if its K/V fits; the tiered cache ("round") if only that fits, said
+        once through `notice` and in the chat's restore notes; GPUMemoryError, in one line with the bytes it
+        needs, if nothing fits. The split of the tiered cache is the model's watershed (calibrated on first use)."""
+        budget = self.budget()
+        if budget is None:
+            return kv_policy
+        rounds = self.store.rounds(sid)
+        lengths = [r.token_end - r.token_start for r in rounds]
+        chat_tokens = rounds[-1].token_end if rounds else 0
+        cls = chat_policy_class(kv_policy)
+        asked_tiered = cls is not None and cls.tiered
+        split = self.policy(engine, kv_policy, calibrating).split if asked_tiered else None
+        plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths, split)
+        if plan.kind == "tiered" and split is None:  # the full cache does not fit: the tiered cache, at its split
+            kv_policy = "round"
+            plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths,
+                             self.policy(engine, kv_policy, calibrating).split)
+            if plan.kind == "tiered" and self._memory_notes.get(sid) is None and self.notice is not None:
+                self.notice(plan.message)
+        if plan.kind == "refused":
+            raise GPUMemoryError(plan.message)
+        with self._state_lock:
+            if plan.kind == "tiered" and not asked_tiered:
+                self._memory_notes[sid] = plan.message
+            else:
+                self._memory_notes.pop(sid, None)
+        return kv_policy
 
     def loaded_engine(self, model_path: str | Path) -> Engine | None:
         with self._state_lock:
@@ -223,8 +273,23 @@ class ChatService:
         """Bring the chat's KV cache into memory under `kv_policy` (from disk where it can); RestoreCancelled when
         `cancel` is set. `calibrating` hears about the calibration the round policy may need first."""
         with self.model_lock:
+            kv_policy = self._fit(sid, kv_policy, OPEN_ROOM, calibrating)
             self._session(sid, kv_policy, progress, cancel, calibrating)
         return self.chat_stats(sid)
+
+    def _fit(self, sid: str, kv_policy: str, new_tokens: int, calibrating: Progress | None,
+             message: str = "") -> str:
+        """fitting_policy for the chat `sid` on its model (loaded here, within the budget), with room for
+        `new_tokens` and the tokens of `message` as its round renders them (its template's too)."""
+        if self.budget() is None:
+            return kv_policy
+        info = self.store.session(sid)
+        if not Path(info["model_path"]).exists():
+            raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
+        engine = self.engine(info["model_path"])
+        if message:
+            new_tokens += len(engine.chat.open_round_tokens(Conversation([], info["system_prompt"]), message))
+        return self.fitting_policy(info["id"], engine, kv_policy, new_tokens, calibrating)
 
     def _session(self, sid: str, kv_policy: str, progress=None, cancel: threading.Event | None = None,
                  calibrating: Progress | None = None, merge_share: float | None = None,
@@ -247,6 +312,9 @@ class ChatService:
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
         session = self.wire(info, self.engine(info["model_path"]), kv_policy=kv_policy, merge_share=merge_share,
                             calibrating=calibrating)
+        session.room = OPEN_ROOM
+        note = self._memory_notes.get(sid)
+        session.restore_notes = [note] if note else []
         stats = session.restore(progress=progress, cancel=cancel) if restore else None
         with self._state_lock:
             self._open[sid] = _OpenChat(session, stats, kv_policy)
@@ -291,6 +359,10 @@ class ChatService:
         holder)."""
         self.store.check_writable("send a message")  # before seconds of loading and restoring for nothing
         with self.model_lock:
+            # Within the GPU memory budget, before the message is committed: a chat that cannot fit is refused with
+            # nothing written (the message's tokens counted as if it opened the chat, with its template).
+            if regenerate or text.strip():
+                kv_policy = self._fit(sid, kv_policy, max_tokens + 1, calibrating, "" if regenerate else text)
             session = self._session(sid, kv_policy, calibrating=calibrating, merge_share=merge_share, restore=False)
             if lock_wait_s is not None:
                 session.lock_wait_s = lock_wait_s
@@ -322,7 +394,7 @@ class ChatService:
                 with contextlib.suppress(StoreError):  # the round is saved; a title can wait for the next send
                     self.store.rename_session(sid, title)
                     session.info["title"] = title
-            return Reply(session.rounds[-1], result, title, session.sent_restore)
+            return Reply(session.rounds[-1], result, title, session.sent_restore, kv_policy)
 
     def chat_stats(self, sid: str) -> ChatStats:
         info = self.store.session(sid)
@@ -337,6 +409,8 @@ class ChatService:
             opened = self._open.get(sid)
         if opened is not None and opened.stats is not None:
             stats.restore, stats.restore_source = opened.stats, "this run"
+        if opened is not None:
+            stats.memory = self._memory_notes.get(sid, "")
         if opened is not None and opened.session.restored is not None:
             stats.context_used = opened.session.cache.length
         if stats.restore is None:

@@ -27,8 +27,8 @@ class KvchatApp(App[None]):
                                 "disk before the app exits)")]
 
     def __init__(self, *, model_path: str | None = None, device: str | None = None, kv_policy: str | None = None,
-                 home: Path | None = None, clock: Callable[[], datetime] = utc_now, show_measurements: bool = True,
-                 cursor_blink: bool = True) -> None:
+                 gpu_memory: int | None = None, home: Path | None = None, clock: Callable[[], datetime] = utc_now,
+                 show_measurements: bool = True, cursor_blink: bool = True) -> None:
         """`clock`, `show_measurements` and `cursor_blink` exist so snapshot tests can freeze the screen: ages are
         computed from `clock()`, timings and compressed sizes are drawn as "…" when measurements are hidden."""
         super().__init__()
@@ -39,8 +39,18 @@ class KvchatApp(App[None]):
             self.preferences.model_path = str(Path(model_path).resolve())
         if kv_policy:  # --kv-policy: likewise for this run only
             self.preferences.kv_policy = kv_policy
+        self.gpu_memory = gpu_memory  # --gpu-memory: this run's budget, over the settings' (which may change)
         self.backend.compact_kv = self.preferences.compact_kv
+        self.apply_gpu_memory(self.preferences)
         self.clock, self.show_measurements, self.cursor_blink = clock, show_measurements, cursor_blink
+
+    def apply_gpu_memory(self, preferences: Preferences) -> None:
+        """The GPU memory budget the chat service plans within: --gpu-memory, else the settings'."""
+        if self.gpu_memory is not None:
+            self.backend.gpu_memory, self.backend.gpu_memory_name = self.gpu_memory, "--gpu-memory"
+        else:
+            self.backend.gpu_memory = preferences.gpu_memory_bytes
+            self.backend.gpu_memory_name = "the GPU memory setting"
 
     def on_mount(self) -> None:
         self.push_screen(ChatScreen())
@@ -52,8 +62,9 @@ class KvchatApp(App[None]):
         self.exit()
 
 
-def run_app(model_path: str | None = None, device: str | None = None, kv_policy: str | None = None) -> None:
-    app = KvchatApp(model_path=model_path, device=device, kv_policy=kv_policy)
+def run_app(model_path: str | None = None, device: str | None = None, kv_policy: str | None = None,
+            gpu_memory: int | None = None) -> None:
+    app = KvchatApp(model_path=model_path, device=device, kv_policy=kv_policy, gpu_memory=gpu_memory)
     try:
         app.run()
     finally:

@@ -1,5 +1,5 @@
-"""The app's own settings (model file for new chats, sampling, reply length, KV policy, compaction), kept as JSON in
-$KVCHAT_HOME.
+"""The app's own settings (model file for new chats, sampling, reply length, KV policy, compaction, GPU memory), kept
+as JSON in $KVCHAT_HOME.
 
 A chat's system prompt is not here: it belongs to the chat and lives in the store, as with `kvchat new --system`.
 """
@@ -31,6 +31,14 @@ class Preferences:
     kv_policy: str = "full"  # one of CHAT_POLICIES: what the chats opened from now on run under
     compact_kv: bool = True  # after each saved round, drop the K/V that restoring on this machine recomputes anyway
     reply_guard: bool = True  # stop a reply that loops or runs past the model's reply cap (engine.reply_guard)
+    gpu_memory: str = ""  # what kvchat may use of the GPU, as written ("8GiB"); empty: what it has free
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """The GPU memory budget in bytes (engine.memory_plan), None: what the GPU has free."""
+        from kvchat.engine.memory_plan import parse_size
+
+        return parse_size(self.gpu_memory) if self.gpu_memory else None
 
     @property
     def guard(self) -> ReplyGuard:
@@ -46,6 +54,12 @@ class Preferences:
             raise KvchatError(f"the reply length must be at least 1 token, not {self.max_tokens}")
         if self.kv_policy not in CHAT_POLICIES:
             raise KvchatError(f"unknown KV policy {self.kv_policy!r} for chats (accepted: {', '.join(CHAT_POLICIES)})")
+        if not isinstance(self.gpu_memory, str):
+            raise KvchatError("the GPU memory must be a size such as 8GiB")
+        try:
+            self.gpu_memory_bytes
+        except ValueError as exc:
+            raise KvchatError(f"GPU memory: {exc}") from None
         return self
 
     @classmethod
@@ -62,6 +76,10 @@ class Preferences:
                 prefs.compact_kv = True
             if not isinstance(prefs.reply_guard, bool):
                 prefs.reply_guard = True
+            try:
+                prefs.gpu_memory_bytes
+            except (ValueError, TypeError, AttributeError):  # a hand edit: only it is reset
+                prefs.gpu_memory = ""
             return prefs.validate()
         except (OSError, ValueError, TypeError, KvchatError):
             return cls()

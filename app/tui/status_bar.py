@@ -67,6 +67,8 @@ class StatusBar(Static):
                 else:
                     first += [f"{UNMEASURED} tok/s", f"first token {UNMEASURED} ms"]
             second += [restore_line(s, self.measured), kv_line(s, self.measured)]
+            if s.memory:  # the GPU memory budget put the chat on the tiered cache
+                second.append("K/V tiered to fit the GPU memory budget")
         if self.activity:
             first.append(self.activity)
         # Each line escaped: a model file's name or another process's command (in "waiting for…") is stored text.

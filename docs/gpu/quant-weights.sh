@@ -5,7 +5,15 @@
 #   bash docs/gpu/quant-weights.sh tests     # the GPU tests of the quantized GEMVs and of quantized models
 #   bash docs/gpu/quant-weights.sh probe     # each kernel's tiles against the bf16 GEMV, 8B-shape matrices
 #   bash docs/gpu/quant-weights.sh engine    # kvchat bench engine, 8B shape Q4_K_M, both weight kinds, 1k/8k/32k
+#   bash docs/gpu/quant-weights.sh agreement # the same answers? the 8B Q4_K_M file kept in its blocks against
+#                                            # dequantized at load: 1,000 prefill positions, 200 decoded (JSON)
+#   bash docs/gpu/quant-weights.sh floor     # both paths in bf16 against float32: bf16's own share of the above
+#   bash docs/gpu/quant-weights.sh engine-types                # kvchat bench engine, 8B shape in Q5_K_M, Q6_K and
+#   QTYPES=Q8_0 bash docs/gpu/quant-weights.sh engine-types    # Q8_0 (or those named), weights kept quantized only
 #   bash docs/gpu/quant-weights.sh tests probe engine engine engine   # all of it, the bench three times
+# The random 8B models are kept in /tmp/bench-models (the BF16 source 16 GB, then each type: ~40 GB for all five);
+# each is built on first use (llama.cpp's quantizer, a minute or two). One part per command keeps each under the
+# runner's 10 minutes: engine-types with all three types may not be.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -18,6 +26,7 @@ for part in "${@:-tests}"; do
   case "$part" in
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_gemv.py tests/test_decode_kernels.py \
+        tests/test_quant_bench.py \
         2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt" ;;
     probe)
       python3 docs/probes/quant_gemv.py > "$OUT/quant-gemv.jsonl" 2> "$OUT/quant-gemv.log"; tail -3 "$OUT/quant-gemv.log" ;;
@@ -25,5 +34,21 @@ for part in "${@:-tests}"; do
       run=$(( ${run:-0} + 1 ))
       kvchat bench engine --shape llama-3.1-8b --qtype Q4_K_M --weights both --context 1024,8192,32768 \
         --cache-dir /tmp/bench-models --json "$OUT/engine-q4km-run$run.json" 2>&1 | tee "$OUT/engine-q4km-run$run.txt" ;;
+    agreement)  # both models on the GPU one after the other (15 GiB dequantized, then 4.6 GiB in blocks)
+      python3 docs/probes/quant_agreement.py --shape llama-3.1-8b --qtype Q4_K_M --cache-dir /tmp/bench-models \
+        > "$OUT/quant-agreement-q4km.json" 2> "$OUT/quant-agreement-q4km.log"
+      tail -3 "$OUT/quant-agreement-q4km.log"; cat "$OUT/quant-agreement-q4km.json" ;;
+    floor)  # what bf16 itself costs: both paths in bf16 against the dequantized one in float32 (30 GiB), same tokens
+      python3 -c "from pathlib import Path; from kvchat.app.bench.engine_speed import model_file; \
+model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M')"
+      python3 docs/probes/quant_agreement.py --shape llama-3.1-8b --qtype Q4_K_M --cache-dir /tmp/bench-models \
+        --float32-floor > "$OUT/quant-agreement-floor.json" 2> "$OUT/quant-agreement-floor.log"
+      tail -3 "$OUT/quant-agreement-floor.log" ;;
+    engine-types)  # one run each (each figure the median of 3); per-context peak GPU memory in the table
+      for q in ${QTYPES:-Q5_K_M Q6_K Q8_0}; do
+        kvchat bench engine --shape llama-3.1-8b --qtype "$q" --weights quantized --context 1024,8192,32768 \
+          --cache-dir /tmp/bench-models --json "$OUT/engine-$q.json" 2>&1 | tee "$OUT/engine-$q.txt"
+      done ;;
+    *) echo "unknown part $part (tests, probe, engine, agreement, floor, engine-types)" >&2 ;;
   esac
 done

@@ -95,14 +95,15 @@ class KVCache(nn.Module):
         """Places in each ring (slot s at s % ring_size); 0 without rings."""
         return self.ring.shape[3]
 
-    def reserve(self, n_slots: int) -> None:
-        """Grow (by doubling) so that slots [0, n_slots) exist; every existing slot is kept, valid or not yet
-        (a restore writes spans before it sets `length`). Rings grow with the cache until they reach their full size."""
+    def reserve(self, n_slots: int, exact: bool = False) -> None:
+        """Grow (by doubling; with `exact`, to n_slots: a send that knows what it needs, within a GPU memory plan)
+        so that slots [0, n_slots) exist; every existing slot is kept, valid or not yet (a restore writes spans
+        before it sets `length`). Rings grow with the cache until they reach their full size."""
         if n_slots <= self.capacity:
             return
         if self.forked:
             raise RuntimeError(f"a forked cache cannot grow past its {self.capacity} slots (asked for {n_slots})")
-        new_cap = max(n_slots, 2 * self.capacity)
+        new_cap = n_slots if exact else max(n_slots, 2 * self.capacity)
         grown = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         grown[:, :, :, : self.capacity] = self.kv
         if self.slot_positions is not None:

@@ -1,5 +1,5 @@
-"""Settings: the model file for new chats, sampling, reply length, KV policy and compaction (the app's), and the
-chat's system prompt."""
+"""Settings: the model file for new chats, sampling, reply length, KV policy, compaction and GPU memory (the app's),
+and the chat's system prompt."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ POLICY_CHOICES = {
 # Round Attention is offered, not recommended: on the embedded model its recall is still below the full cache's.
 ROUND_HINT = ("round: lower layers of every round on the GPU, upper layers only of the rounds each message picks "
               "(docs/benchmarks.md: recall below the full cache on the embedded model)")
+
+GPU_MEMORY_HINT = ("A chat whose K/V does not fit beside the weights runs on the tiered cache (Round Attention), one "
+                   "that does not fit even so is refused; from the next message on. No effect on the CPU.")
 
 
 @dataclass
@@ -63,6 +66,9 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                                "machine recomputes anyway", p.compact_kv, id="compact-kv")
                 yield Checkbox("Guard replies: stop a reply that keeps repeating itself or runs past the model's "
                                "reply cap", p.reply_guard, id="reply-guard")
+                yield Label("GPU memory kvchat may use (e.g. 8GiB; empty: what the GPU has free)")
+                yield Input(p.gpu_memory, placeholder="what the GPU has free", id="gpu-memory")
+                yield self._hint(GPU_MEMORY_HINT)
                 if self.chat_title is not None:
                     yield Label(f"System prompt of “{self.chat_title}” (changing it recomputes the chat's KV)",
                                 markup=False)
@@ -118,7 +124,8 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                        max_tokens=number("max-tokens", int),
                        kv_policy=self.query_one("#kv-policy", Select).value,
                        compact_kv=self.query_one("#compact-kv", Checkbox).value,
-                       reply_guard=self.query_one("#reply-guard", Checkbox).value).validate()
+                       reply_guard=self.query_one("#reply-guard", Checkbox).value,
+                       gpu_memory=self.query_one("#gpu-memory", Input).value.strip()).validate()
 
     def action_cancel(self) -> None:
         self.dismiss(None)

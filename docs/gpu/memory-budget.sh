@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU memory budget (issue 41) on a CUDA machine (H100): the resume benchmark on the Llama-3.1-8B shape in Q4_K_M
+# at 32k under --gpu-memory 8GiB, 12GiB and no budget, each method's allocator peak beside what the plan predicted.
+# Run from the repository root with the wheels in .whl/ (as docs/gpu/bench-resume.sh); each part fits one 10-minute
+# command, run one after another on the same machine (the model is built into /tmp/bench-models by the first):
+#
+#   bash docs/gpu/memory-budget.sh 12gib       # builds the model (~4 min the first time), then the bench at 12 GiB
+#   bash docs/gpu/memory-budget.sh 8gib        # the chat tiered at the watershed the 8B benchmarks use (@4)
+#   bash docs/gpu/memory-budget.sh unlimited
+#
+# Results (JSON, markdown, the log) go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt"
+part() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m kvchat.app.cli bench --models llama-3.1-8b --qtype Q4_K_M --workloads 32k \
+    --device cuda --methods "${METHODS:-prefill,kv-load,policy:round@4}" --repeats "${REPEATS:-1}" \
+    --cache-dir /tmp/bench-models --work-dir "/tmp/bench-memory-$name" --llama-cpp-budget 0 \
+    --disk-probe-mib 256 --json "$OUT/memory-$name.json" --markdown "$OUT/memory-$name.md" "$@" \
+    2> "$OUT/memory-$name.log"
+  echo "part $name: exit status $? (124: stopped at the time limit; the JSON holds what finished)"
+  rm -rf "/tmp/bench-memory-$name"
+}
+case "${1:-12gib}" in
+  12gib)     part 12gib 560 --gpu-memory 12GiB ;;
+  8gib)      part 8gib 560 --gpu-memory 8GiB ;;
+  unlimited) part unlimited 560 ;;
+  *) echo "usage: $0 12gib|8gib|unlimited" >&2; exit 2 ;;
+esac
