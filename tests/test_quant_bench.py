@@ -2,8 +2,9 @@
 (llama.cpp's quantizer, cached), its per-context peak GPU memory, and docs/probes/quant_agreement.py (the same file
 kept in its blocks against dequantized at load: top-1 agreement and logit differences, prefill and decode apart).
 
-The probe runs here on small models on the CPU: its decode through the quantized GEMV kernels in triton's
-interpreter (a child pytest, as in test_quant_gemv), else through the bands every product dequantizes."""
+The probe runs here on small models on the CPU, through the bands every product dequantizes (that a quantized
+model's decode runs the GEMV kernels, in triton's interpreter, is test_quant_gemv's), and on CUDA through the
+captured decode step."""
 
 from __future__ import annotations
 
@@ -16,12 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvchat.app.bench import engine_speed
-from kvchat.kernels._triton import INTERPRET
 from kvchat.kernels.quant_gemv import QUANT_GEMV_TYPES
-from triton_interpreter import passed_in_interpreter
 
-interpreted = pytest.mark.skipif(not INTERPRET,
-                                 reason="run by test_the_probe_in_triton_s_interpreter with TRITON_INTERPRET=1")
 PROBE = Path(__file__).resolve().parents[1] / "docs" / "probes" / "quant_agreement.py"
 # test_quant_gemv's first and last models (built once per run for both files); the second's output is its token table
 Q4_MODEL = {"qtype": Q.Q4_K}
@@ -198,20 +195,3 @@ def test_gpu_probe_through_the_captured_decode(models, spec):
     for part in ("prefill", "decode"):
         # (test_quant_gemv's bound for these models' logits: 1e-3 plus 1e-3 of each logit)
         assert result[part]["top1_agreement"] == 1.0 and result[part]["max_abs_logit_diff"] < 1e-2, result[part]
-
-
-@interpreted
-def test_interpreted_probe_decodes_through_the_quantized_gemvs(models, monkeypatch):
-    from kvchat.engine.model import quantized
-
-    calls = []
-    real = quantized.quant_gemv
-    monkeypatch.setattr(quantized, "quant_gemv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    check_probe(models.get(**Q4_MODEL), 24, 3, monkeypatch)
-    assert len(calls) >= 3 * 4  # every decoded token's products ran the kernels
-
-
-def test_the_probe_in_triton_s_interpreter():
-    if INTERPRET:
-        pytest.skip("already in the interpreter")
-    assert passed_in_interpreter(__file__) == 1
