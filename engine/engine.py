@@ -16,7 +16,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
-from kvchat.engine.text.chat_format import ChatFormat, chat_template
+from kvchat.engine.text.chat_format import FORMAT_TEMPLATE, ChatFormat, chat_format_kind, chat_template
 from kvchat.engine.text.tokenizer import Tokenizer
 from kvchat.errors import ContextOverflowError
 
@@ -29,6 +29,9 @@ class ModelInfo:
     config: ModelConfig
     name: str
     tensor_types: dict[str, int]
+    # How chats are put to the model (engine.text.chat_format: its template, Gemma's turns, or a base model's
+    # plain transcript)
+    chat_format: str = FORMAT_TEMPLATE
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> "ModelInfo":
@@ -37,7 +40,8 @@ class ModelInfo:
         types: dict[str, int] = {}
         for t in gf.tensors.values():
             types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
-        return cls(os.fspath(path), cfg, str(gf.metadata.get("general.name", "")), types)
+        return cls(os.fspath(path), cfg, str(gf.metadata.get("general.name", "")), types,
+                   chat_format_kind(gf.metadata))
 
 
 class Engine:
@@ -54,6 +58,7 @@ class Engine:
         self.tokenizer = Tokenizer(path)
         self.chat = ChatFormat(self.tokenizer, chat_template(loaded.gguf.metadata))
         self.metadata = loaded.gguf.metadata
+        self.chat_format = chat_format_kind(self.metadata)
 
     @property
     def device(self) -> torch.device:

@@ -16,6 +16,7 @@ from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import Sampler, SamplingParams
+from kvchat.engine.text.reply_text import ReplyText
 from kvchat.errors import ContextOverflowError
 
 # What the callback receives for each token: the token id and the text it completes (may be "" mid-character).
@@ -56,13 +57,15 @@ def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, 
              stop_strings: tuple[str, ...] = (), on_token: TokenCallback | None = None,
              cancel: threading.Event | None = None, context_length: int | None = None,
              cuda_graph: bool | None = None, attend: Attend = None, guard: ReplyGuard | None = None,
-             reply_cap: int | None = None, policy=None) -> GenerationResult:
+             reply_cap: int | None = None, policy=None, strip: bool = False) -> GenerationResult:
     """Generate after `prompt` (appended to whatever `cache` already holds). `decoder` is a tokenizer's
-    StreamDecoder. Stop tokens end up in `tokens` but not in the text. The cache (any KVStore) then holds the prompt
-    and every generated token but the last (nothing has attended to it yet). A cache may choose what the prompt sees
-    itself (a TieredKV picks the rounds its upper layers see: `attend` does not apply). `guard` stops a looping
-    reply; `reply_cap` (the model's, from ReplyGuard.cap_for) stops one that runs on. `policy` (a KVPolicy) may
-    bring its own decode step."""
+    StreamDecoder. Stop tokens end up in `tokens` but not in the text. A stop string is cut off the text, and what
+    `on_token` is handed adds up to the text exactly (engine.text.reply_text: an end that could still become a stop
+    string is handed on a token later; `strip` leaves out the whitespace around the reply, for a base model's
+    transcript). The cache (any KVStore) then holds the prompt and every generated token but the last (nothing has
+    attended to it yet). A cache may choose what the prompt sees itself (a TieredKV picks the rounds its upper
+    layers see: `attend` does not apply). `guard` stops a looping reply; `reply_cap` (the model's, from
+    ReplyGuard.cap_for) stops one that runs on. `policy` (a KVPolicy) may bring its own decode step."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     limit = context_length or model.cfg.context_length
@@ -78,17 +81,16 @@ def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, 
     result.prefill_seconds = result.first_token_seconds = time.perf_counter() - started
     step = None  # built once the first token is out: capturing decode graphs would delay it
     decode_started = time.perf_counter()
-    pieces: list[str] = []
+    text = ReplyText(stop_strings, strip)
     while True:
         result.tokens.append(token)
         if token in stop_tokens:
             result.stop_reason = "eog"
             break
-        piece = decoder.feed(token)
-        pieces.append(piece)
+        piece = text.feed(decoder.feed(token))
         if on_token is not None:
             on_token(token, piece)
-        if stop_strings and _ends_with_stop(pieces, stop_strings):
+        if text.stopped:
             result.stop_reason = "stop_string"
             break
         if len(result.tokens) >= max_tokens:
@@ -111,10 +113,11 @@ def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, 
             step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
             result.decode_setup_seconds = time.perf_counter() - setup_started
         token = sampler(step(token))
-    tail = decoder.flush()
+    tail = text.feed(decoder.flush())
+    tail += text.finish()
     if tail and on_token is not None:
         on_token(-1, tail)
-    result.text = _strip_stop("".join(pieces) + tail, stop_strings)
+    result.text = text.text
     result.decode_seconds = time.perf_counter() - decode_started - result.decode_setup_seconds
     return result
 
@@ -127,20 +130,3 @@ def decode_steps(model: Transformer, cache: KVStore, max_tokens: int, limit: int
     since."""
     return cache.decode_step(model, max_tokens, limit, attend=attend, first=first, cuda_graph=cuda_graph,
                              policy=policy)
-
-
-def _ends_with_stop(pieces: list[str], stops: tuple[str, ...]) -> bool:
-    tail, need = "", max(len(s) for s in stops) + 16
-    for piece in reversed(pieces):  # only the recent text can newly contain a stop string
-        tail = piece + tail
-        if len(tail) >= need:
-            break
-    return any(s in tail for s in stops)
-
-
-def _strip_stop(text: str, stops: tuple[str, ...]) -> str:
-    for s in stops:
-        at = text.find(s)
-        if at >= 0:
-            text = text[:at]
-    return text

@@ -122,17 +122,40 @@ def _m006_round_reply_state(db: Database) -> None:
     db["rounds"].add_column("reply_state", str, not_null_default=REPLY_DONE)
 
 
+def _m007_message_search(db: Database) -> None:
+    # Full-text search over every message and reply (`kvchat search`, the app's search): an FTS5 index of the
+    # rounds, kept current by triggers, filled here with the rounds already stored (storage/search.py).
+    from kvchat.storage.search import create_index
+
+    create_index(db.conn)
+
+
+# A chat's own generation parameters (`kvchat params`, the app's chat parameters dialog): NULL is the global default
+# (the app's settings, `kvchat send`'s own). The system prompt has its own column since 001.
+CHAT_PARAMETERS = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "reply_cap": int}
+
+
+def _m008_chat_parameters(db: Database) -> None:
+    have = db["sessions"].columns_dict
+    for column, kind in CHAT_PARAMETERS.items():
+        if column not in have:  # a store whose record of this migration was lost keeps its columns
+            db["sessions"].add_column(column, kind)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
                                                             ("003_restore_streams", _m003_restore_streams),
                                                             ("004_window_live_from", _m004_window_live_from),
                                                             ("005_merged_layers", _m005_merged_layers),
-                                                            ("006_round_reply_state", _m006_round_reply_state)]
+                                                            ("006_round_reply_state", _m006_round_reply_state),
+                                                            ("007_message_search", _m007_message_search),
+                                                            ("008_chat_parameters", _m008_chat_parameters)]
 
 
 # Migrations a store may lack and still be read by this kvchat (on a read-only home, where none can run): readers
-# take a missing rounds.reply_state as "done".
-READABLE_WITHOUT = {"006_round_reply_state"}
+# take a missing rounds.reply_state as "done", missing chat parameters as the defaults; a search without the
+# message index builds one in memory.
+READABLE_WITHOUT = {"006_round_reply_state", "007_message_search", "008_chat_parameters"}
 SAVING = "save to the chat store"  # what a write was doing, when its caller does not say
 
 
@@ -153,6 +176,12 @@ def _about_the_place(exc: BaseException) -> bool:
 
 def _can_write(home: Path, db_path: Path) -> bool:
     return can_write(home) and (not db_path.exists() or can_write(db_path))
+
+
+def chat_parameters(info: dict) -> dict:
+    """A chat's generation parameters from its row (`Store.session`), None where it takes the global default (and
+    where a store read as it is predates them)."""
+    return {name: info.get(name) for name in CHAT_PARAMETERS}
 
 
 @dataclass
@@ -372,7 +401,8 @@ class Store:
         return sid
 
     def insert_session(self, *, title: str, model_fingerprint: str, model_path: str, system_prompt: str | None,
-                       settings: dict, rounds: list[RoundRow], segments: list[dict]) -> str:
+                       settings: dict, rounds: list[RoundRow], segments: list[dict],
+                       parameters: dict | None = None) -> str:
         """A whole chat in one transaction (imports): it is there completely or not at all."""
         sid, stamp = uuid.uuid4().hex[:12], now()
         for seg in segments:
@@ -380,7 +410,8 @@ class Store:
         with self.transaction("import a chat") as db:
             db["sessions"].insert({"id": sid, "title": title, "created": stamp, "updated": stamp,
                                    "model_fingerprint": model_fingerprint, "model_path": model_path,
-                                   "system_prompt": system_prompt, "settings": json.dumps(settings)})
+                                   "system_prompt": system_prompt, "settings": json.dumps(settings),
+                                   **{k: v for k, v in (parameters or {}).items() if v is not None}})
             db["rounds"].insert_all({"session_id": sid, "idx": r.idx, "user_text": r.user_text,
                                      "assistant_text": r.assistant_text, "token_start": r.token_start,
                                      "token_end": r.token_end, "created": r.created,
@@ -420,7 +451,8 @@ class Store:
         with self.transaction() as db:
             db["sessions"].insert({"id": new_sid, "title": title, "created": stamp, "updated": stamp,
                                    "model_fingerprint": src["model_fingerprint"], "model_path": src["model_path"],
-                                   "system_prompt": src["system_prompt"], "settings": json.dumps(src["settings"])})
+                                   "system_prompt": src["system_prompt"], "settings": json.dumps(src["settings"]),
+                                   **chat_parameters(src)})
             db.execute("INSERT INTO rounds (session_id, idx, user_text, assistant_text, token_start, token_end, "
                        "created, reply_state) SELECT ?, idx, user_text, assistant_text, token_start, token_end, "
                        "created, reply_state FROM rounds WHERE session_id = ? AND idx < ?", [new_sid, sid, rounds])
@@ -446,6 +478,28 @@ class Store:
                 db.execute("DELETE FROM kv_segments WHERE session_id = ?", [sid])
             db["sessions"].update(sid, changes)
         return self.unreferenced(dropped)
+
+    def set_chat_parameters(self, sid: str, parameters: dict) -> None:
+        """Set the chat's generation parameters named in `parameters` (None: back to the global default)."""
+        unknown = set(parameters) - set(CHAT_PARAMETERS)
+        if unknown:
+            raise ValueError(f"unknown chat parameters {', '.join(sorted(unknown))}")
+        with self.transaction("change the chat's parameters") as db:
+            db["sessions"].update(sid, {**parameters, "updated": now()})
+
+    def delete_rounds_from(self, sid: str, first: int) -> tuple[list[RoundRow], list[str]]:
+        """Remove rounds `first`, `first` + 1, … of a chat and their K/V rows in one transaction (a message edited:
+        the chat goes on from before it); returns the rounds and the segment files no session references any more
+        (to unlink after the commit)."""
+        with self.transaction("edit the chat") as db:
+            rows = db.execute("SELECT idx, user_text, assistant_text, token_start, token_end, created, reply_state "
+                              "FROM rounds WHERE session_id = ? AND idx >= ? ORDER BY idx", [sid, first]).fetchall()
+            files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ? AND "
+                                              "round_idx >= ?", [sid, first])]
+            db.execute("DELETE FROM kv_segments WHERE session_id = ? AND round_idx >= ?", [sid, first])
+            db.execute("DELETE FROM rounds WHERE session_id = ? AND idx >= ?", [sid, first])
+            db["sessions"].update(sid, {"updated": now()})
+        return [RoundRow(*r) for r in rows], self.unreferenced(files)
 
     def delete_last_round(self, sid: str) -> tuple[RoundRow | None, list[str]]:
         """Remove a chat's last round and its K/V rows in one transaction (to regenerate the reply); returns the
@@ -527,6 +581,23 @@ class Store:
         """Changes whenever another connection (another kvchat process) commits to the database: the app polls it
         to refresh what it shows."""
         return self._fetch("PRAGMA data_version")[0][0]
+
+    def search(self, query: str, limit: int = 20, snippet_tokens: int = 12) -> list:
+        """Every chat's rounds whose message or reply holds each word of `query` (as the beginning of a word, in any
+        case, accents folded), best first, as storage.search.SearchHit with a snippet of the match. Nothing in
+        `query` is FTS syntax; one with no word of letters or digits raises SearchError (a one-line KvchatError)."""
+        from kvchat.storage import search as message_search
+
+        message_search.query_words(query)  # refused before any index is built
+        with self._lock, self._reading():
+            if not self._fetch("SELECT 1 FROM main.sqlite_master WHERE name = ?", [message_search.FTS_TABLE]):
+                # A store read as it is, from before the index (READABLE_WITHOUT): one in memory, built again
+                # whenever another process has changed the store.
+                version = self.data_version()
+                if getattr(self, "_temporary_search_version", None) != version:
+                    message_search.temporary_index(self.db.conn)
+                    self._temporary_search_version = version
+            return message_search.search(self.db.conn, query, limit, snippet_tokens)
 
     def set_round_spans(self, sid: str, starts: list[int], ends: list[int]) -> list[str]:
         """Give a chat's rounds new token spans (its text now tokenizes differently) and drop its K/V rows, which

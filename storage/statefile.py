@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import (REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store,
-                              now)
+from kvchat.storage.db import (CHAT_PARAMETERS, REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED,
+                              RoundRow, Store, chat_parameters, now)
 from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
@@ -55,7 +55,10 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
                                                     for s in segments) else 1, "exported": now(),
         "model": {"fingerprint": info["model_fingerprint"], "name": model_name,
                   "file": Path(info["model_path"]).name},
-        "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"]},
+        "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"],
+                    # The chat's own parameters (NULL: the default); an older kvchat ignores the key, so the version
+                    # stays.
+                    "parameters": chat_parameters(info)},
         "rounds": [{"idx": r.idx, "user": r.user_text, "assistant": r.assistant_text, "token_start": r.token_start,
                     "token_end": r.token_end, "reply_state": r.reply_state} for r in rounds],
         "segments": [{k: s[k] for k in ("round_idx", "kind", "layer_start", "layer_end", "token_start", "token_end",
@@ -67,7 +70,10 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         "absent": absent_kv(rounds, segments),
     }
     out = Path(out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    except OSError as exc:  # a missing or read-only folder: one line, nothing written
+        raise StateFileError(f"cannot write {out}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
             zf.writestr(MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
@@ -140,6 +146,7 @@ def import_state(store: Store, path: Path, *, current_fingerprint: str, model_pa
                      r.get("reply_state", REPLY_DONE)) for r in manifest["rounds"]]
     sid = store.insert_session(title=s["title"], model_fingerprint=current_fingerprint, model_path=model_path,
                                system_prompt=s["system_prompt"], settings=s["settings"], rounds=rows,
+                               parameters=s["parameters"],
                                segments=[{**seg, "model_fingerprint": current_fingerprint} for seg in segments])
     return ImportResult(sid, len(rows), len(segments), notices)
 
@@ -217,6 +224,12 @@ def _validate_manifest(m, bad) -> dict:
             and isinstance(session.get("system_prompt"), (str, type(None)))
             and isinstance(session.get("settings"), dict)):
         raise bad("the session entry is malformed")
+    parameters = session.setdefault("parameters", {})  # files written before chats had parameters
+    if not isinstance(parameters, dict) or not all(
+            v is None or (_is_int(v) if kind is int else isinstance(v, (int, float)) and not isinstance(v, bool))
+            for name, kind in CHAT_PARAMETERS.items() for v in [parameters.get(name)]):
+        raise bad("the chat's parameters are malformed")
+    session["parameters"] = {name: parameters.get(name) for name in CHAT_PARAMETERS}  # the known ones only
     if not isinstance(rounds, list) or len(rounds) > MAX_ROUNDS:
         raise bad("the rounds list is malformed")
     expect_start = 0

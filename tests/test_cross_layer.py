@@ -217,7 +217,10 @@ def test_the_check_keeps_only_pairs_that_keep_the_answers_and_is_stored(kvchat_h
     from kvchat.errors import KvchatError
 
     engine = Engine(DEFAULT_MODEL, device="cpu")
-    cal = calibrate_merges(engine, "a" * 64, chats=3, max_checks=4)
+    heard = []  # progress: chat runs, never going back, done == total once at the end
+    cal = calibrate_merges(engine, "a" * 64, chats=3, max_checks=4, progress=lambda *p: heard.append(p))
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard) and heard[0][0] == 1
+    assert heard[-1][0] == heard[-1][1] and sum(1 for d, t in heard if d == t) == 1
     assert cal.n_layers == 8 and len(cal.ir_share) == 8 and cal.agreement
     assert cal.unit == "answers" and cal.chats == 3  # the embedded model is held to whole answers
     for pair, agreed in cal.agreement.items():  # accepted exactly when the merged replies agreed enough

@@ -240,7 +240,9 @@ async def test_export_then_import_and_a_bad_file_changes_nothing(tmp_path, monke
         await wait_for(pilot, lambda: len(store().sessions()) == 2, what="the import")
         await wait_idle(pilot)
         imported = screen(app).open_sid
-        assert imported != sid and store().session(imported)["title"] == "to export"
+        # The exported chat is still there: the copy gets a title of its own, and says so.
+        assert imported != sid and store().session(imported)["title"] == "to export (2)"
+        assert any("imported as “to export (2)”" in n for n in notifications(app, "warning"))
         assert_restored_from_disk(app)
     app.backend.close()
 

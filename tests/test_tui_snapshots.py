@@ -4,6 +4,9 @@ clock, timings and compressed sizes are drawn as "…", and the cursor does not 
 
 from __future__ import annotations
 
+import pytest
+
+from screen_text import labels_cut
 from tui_support import fixed_clock, make_app, screen, seed_chat, wait_for, wait_idle
 
 SIZE = (100, 30)
@@ -62,3 +65,41 @@ def test_delete_asks_first(snap_compare):
 
 def test_settings_dialog(snap_compare):
     assert snap_compare(frozen_app(), terminal_size=SIZE, press=["f9"], run_before=ready)
+
+
+# The smallest terminal the app is made for and a large one: nothing cut mid-word at either (issue 42).
+SIZES = {"80x24": (80, 24), "160x45": (160, 45)}
+CODE_REPLY = "Like this:\n\n```python\nprint('Rex')\n```"
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_open_chat_at_size(snap_compare, size):
+    seed_two_chats()
+    seed_chat("My niece is called Lena and she is four years…", [("How do I print my dog's name?", CODE_REPLY)],
+              with_kv=False, updated="2025-01-15T11:58:00+00:00")
+    cut = {}
+
+    async def open_newest(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("ctrl+f", "enter", "enter")
+        await wait_idle(pilot)
+        screen(pilot.app).app.backend.drain()
+        cut.update(labels_cut(pilot.app))
+
+    assert snap_compare(frozen_app(), terminal_size=SIZES[size], run_before=open_newest)
+    assert cut == {}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_settings_dialog_at_size(snap_compare, size):
+    cut = {}
+
+    async def settings(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f9")
+        await wait_idle(pilot)
+        cut.update(labels_cut(pilot.app))
+
+    assert snap_compare(frozen_app(), terminal_size=SIZES[size], run_before=settings)
+    assert cut == {}
+

@@ -20,6 +20,23 @@ from kvchat.app.bench import eval_command
 BENCH_QTYPES = ["BF16", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
 
 
+class _MethodsOption(click.Option):
+    """`bench --methods`, whose help names every method and the default ones from the benchmark's own lists, so a new
+    method is never left out of it; read only when the help is shown (the lists import torch)."""
+
+    def get_help_record(self, ctx: click.Context):
+        from kvchat.app.bench.resume import default_methods, method_names
+
+        import textwrap
+
+        text = (f"Comma-separated, of: {', '.join(method_names())} (a round policy also as policy:NAME@W, at "
+                f"watershed layer W). Default: {', '.join(default_methods())}.")
+        # Wrapped here, never inside a name (click's own wrapping splits "kv-split" at its hyphen); "\b": as is.
+        lines = textwrap.wrap(text, 44, break_on_hyphens=False, break_long_words=False)
+        self.help = "\b\n" + "\n".join(lines)
+        return super().get_help_record(ctx)
+
+
 def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     """Add `eval` and the `bench` group to `main`. `model_option` decorates a command with --model; `to_device`
     turns a --device value into a torch device (None: the default) and refuses an unknown or absent one;
@@ -33,9 +50,7 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     @click.option("--workloads", default="2k,8k,32k", show_default=True,
                   help="Comma-separated chat lengths (memory dialogues on the embedded model, MT-Bench chats "
                        "otherwise).")
-    @click.option("--methods", default=None,
-                  help="Comma-separated: prefill, kv-load, llama.cpp, policy:NAME (default: all but the round "
-                       "policies).")
+    @click.option("--methods", default=None, cls=_MethodsOption, help="Comma-separated resume methods.")
     @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
                   help="Warm runs after the cold one (the warm figure is their median).")
     @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")

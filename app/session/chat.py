@@ -317,7 +317,8 @@ class ChatSession:
                                   decoder=self.engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
                                   sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
                                   stop_strings=self.engine.chat.stop_strings, on_token=collect, cancel=cancel,
-                                  attend=attend, policy=mp, **self.engine.guarding(guard))
+                                  attend=attend, policy=mp, strip=self.engine.chat.transcript,
+                                  **self.engine.guarding(guard))
         except ContextOverflowError:
             self.store.drop_pending_round(self.sid, pending)  # refused: as if never sent
             self._stale = True
@@ -420,6 +421,25 @@ class ChatSession:
             self.cache.truncate(row.token_start)
             self.saver.retrim(self.cache, self.rounds)
         return row
+
+    def retract_rounds_from(self, first: int) -> list[RoundRow]:
+        """Remove rounds `first`, `first` + 1, … (text and K/V) from the store and the cache, to answer an edited
+        message as round `first` (under `writing()`, with the send that answers it). The rounds before keep their
+        K/V: in the cache, truncated at round `first`'s start, and on disk."""
+        self.writer.drain()  # their K/V may still be on the way to disk
+        rows, orphans = self.store.delete_rounds_from(self.sid, first)
+        self.store.unlink_files(orphans)
+        if not rows:
+            return []
+        for row in rows:
+            self.windows.forget(row.idx, self.storage_groups)
+        self.rounds = self.rounds[:first]
+        if self.windows.gone(self.cache, rows[0].token_start):
+            self.cache, self.restored = self._new_cache(256), None  # as in retract_last_round
+        elif self.restored is not None or self.cache.length:
+            self.cache.truncate(rows[0].token_start)
+            self.saver.retrim(self.cache, self.rounds)
+        return rows
 
     def close(self) -> None:
         self.writer.drain()

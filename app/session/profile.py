@@ -8,6 +8,12 @@ Measured with the model itself and real K/V in the store's own folder:
 - the two streams at once: how much of the shorter hides under the longer (on a GPU nearly all of it; on a CPU
   the two share the cores).
 
+A model's first chat on a device does not wait for all that: it gets a quick estimate (one small prefill, a few
+files, the two streams' slowdowns assumed rather than measured: about a second on a 2-core CPU for the embedded
+model), stored marked `provisional` and used at once; the whole measurement replaces it later (`kvchat profile`,
+or the app in the background once it is idle: `refine_profile`). Both report their steps to an `on_progress`
+(app/session/progress.py), and a report may raise to cancel: the profile is written only once it is whole.
+
 A profile of another model, another device or an older format, or one that cannot be read, is measured again.
 """
 
@@ -31,6 +37,7 @@ import torch
 
 from kvchat.app.session.artifacts import load_profile, probe_folder, profile_path, save_profile
 from kvchat.app.session.layout import storage_groups
+from kvchat.app.session.progress import OnProgress, Reporter
 from kvchat.engine.restore.plan import HardwareProfile, RestorePlan, observe, plan_restore
 from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep
 from kvchat.engine.timing import sync
@@ -49,6 +56,12 @@ PREFILL_BUDGET_S = 0.5  # no larger prefill once one takes this long (a CPU meas
 PROBE_RAW_BYTES = 384 << 20  # at most this much K/V is written and read back
 PROBE_ROUND_TOKENS = 512  # the probe's "rounds"
 TINY_SEGMENTS = 32  # tiny files timed for the per-file cost
+# The quick estimate: one prefill size (timed twice: the first run pays for allocations), fewer tiny files, one load,
+# and the side-by-side slowdowns assumed: a GPU runs the two streams nearly apart, a CPU's cores are shared by both
+# (as if they took turns; the restores seen since refine it, as they refine a measured one).
+QUICK_PREFILL_SIZES = (128,)
+QUICK_TINY_SEGMENTS = 8
+ASSUMED_SLOWDOWNS = {"cuda": (1.1, 1.1), "cpu": (2.0, 2.0)}
 
 _measured: dict[tuple[str, str], HardwareProfile] = {}  # this process's profiles (a test session measures once)
 _lock = threading.Lock()
@@ -71,30 +84,61 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo: bool = False) -> HardwareProfile:
-    """This machine's profile for the engine's model: from this process, from the store, or measured now (a few
-    seconds, said through `notice`)."""
+def ensure_profile(engine, fingerprint: str, notice: Notice | None = None, redo: bool = False, quick: bool = False,
+                   on_progress: OnProgress | None = None) -> HardwareProfile:
+    """This machine's profile for the engine's model: from this process, from the store, or measured now (said
+    through `notice`, its steps reported to `on_progress`). With `quick` (a chat about to answer), a missing one is
+    estimated quickly (about a second) and stored as provisional; without it (`kvchat profile`), a missing or
+    provisional one is measured whole (seconds to minutes)."""
     device = device_name(engine.device)
     key = (fingerprint, device)
     with _lock:
-        if not redo and key in _measured:
+        if not redo and key in _measured and (quick or not _measured[key].provisional):
             profile = _measured[key]
             if not profile_path(fingerprint, device).exists():
                 save_profile(profile)  # another KVCHAT_HOME in the same process (tests)
             return profile
         profile, why = (None, None) if redo else load_profile(fingerprint, device, engine.config.n_layers)
+        if profile is not None and profile.provisional and not quick:
+            profile, why = None, "the profile is a quick estimate"
         if profile is None:
             home = data_dir()
             if home.is_dir() and not can_write(home):  # said before the notice that it is being measured
                 raise KvchatError(f"{home} is read-only: cannot measure how fast this machine restores chats")
             if notice is not None:
-                notice((f"{why}; measuring it again" if why else
-                        "measuring how fast this machine recomputes and loads this model's chats (once per model "
-                        "and device)") + "…")
-            profile = measure_profile(engine, fingerprint)
+                if quick:
+                    notice((f"{why}; estimating it again" if why else "estimating how fast this machine recomputes "
+                            "and loads this model's chats (quickly; `kvchat profile` measures it whole)") + "…")
+                else:
+                    notice((f"{why}; measuring it again" if why else
+                            "measuring how fast this machine recomputes and loads this model's chats (once per "
+                            "model and device)") + "…")
+            profile = measure_profile(engine, fingerprint, quick=quick, on_progress=on_progress)
             save_profile(profile)
         _measured[key] = profile
         return profile
+
+
+def refine_profile(engine, fingerprint: str, on_progress: OnProgress | None = None,
+                   cancel: threading.Event | None = None) -> HardwareProfile | None:
+    """Measure whole the profile that is stored as a quick estimate, and store it in its place (the app runs this in
+    the background when idle). None when there is nothing to refine; raises progress.Cancelled when `cancel` is
+    set (checked between steps), leaving the estimate as it was."""
+    device = device_name(engine.device)
+    stored, _ = load_profile(fingerprint, device, engine.config.n_layers)
+    if stored is not None and not stored.provisional:
+        return None
+    profile = measure_profile(engine, fingerprint, on_progress=on_progress, cancel=cancel)
+    with _lock:
+        save_profile(profile)
+        _measured[(fingerprint, device)] = profile
+    return profile
+
+
+def needs_refining(fingerprint: str, device) -> bool:
+    """Whether the stored profile of this model on `device` (a torch device) is a quick estimate."""
+    stored, _ = load_profile(fingerprint, device_name(torch.device(device)))
+    return stored is not None and stored.provisional
 
 
 class ProfilePlanner:
@@ -104,11 +148,21 @@ class ProfilePlanner:
     def __init__(self, profile: HardwareProfile):
         self.profile = profile
 
+    def current(self) -> HardwareProfile:
+        """The profile, or the whole measurement that replaced its quick estimate in this process since (the app
+        refines it in the background): learning on the estimate would write it back over the measurement."""
+        if self.profile.provisional:
+            with _lock:
+                current = _measured.get((self.profile.fingerprint, self.profile.device))
+            if current is not None and not current.provisional:
+                self.profile = current
+        return self.profile
+
     def __call__(self, rounds, groups, background) -> RestorePlan:
-        return plan_restore(rounds, groups, self.profile, background)
+        return plan_restore(rounds, groups, self.current(), background)
 
     def observe(self, plan: RestorePlan, compute_s: float, load_s: float) -> None:
-        updated = observe(self.profile, plan, compute_s, load_s)
+        updated = observe(self.current(), plan, compute_s, load_s)
         if updated is None:
             return
         with _lock:  # this process's later chats plan with it too (a profile from elsewhere stays apart)
@@ -116,6 +170,10 @@ class ProfilePlanner:
             if _measured.get(key) is self.profile:
                 _measured[key] = updated
         self.profile = updated
+        if updated.provisional:
+            stored, _ = load_profile(updated.fingerprint, updated.device)
+            if stored is not None and not stored.provisional:
+                return  # measured whole by another process meanwhile (`kvchat profile`): its file is kept
         try:
             save_profile(updated)
         except KvchatError as exc:  # the plans of this process still learn; the next one starts from the file
@@ -132,13 +190,14 @@ def default_device(device: torch.device | str | None) -> torch.device:
 
 
 def profile_for_chat(store, sid: str, device, notice: Notice | None = None) -> HardwareProfile:
-    """The profile a chat's restores plan with on `device`: stored, or measured with its model (loaded only then)."""
+    """The profile a chat's restores plan with on `device`: stored, or measured with its model (loaded only then);
+    a stored quick estimate is measured whole (`kvchat compact` drops K/V by it)."""
     from kvchat.engine.engine import Engine
 
     info = store.session(sid)
     device = default_device(device)
     profile, _ = load_profile(info["model_fingerprint"], device_name(device))
-    if profile is not None:
+    if profile is not None and not profile.provisional:
         return profile
     if not Path(info["model_path"]).exists():
         raise KvchatError(f"the chat's model {info['model_path']} is missing, and this machine has no profile of it")
@@ -148,15 +207,32 @@ def profile_for_chat(store, sid: str, device, notice: Notice | None = None) -> H
 # ---------------------------------------------------------------- measuring
 
 
-def measure_profile(engine, fingerprint: str) -> HardwareProfile:
+def measure_profile(engine, fingerprint: str, quick: bool = False, on_progress: OnProgress | None = None,
+                    cancel: threading.Event | None = None) -> HardwareProfile:
+    """The profile, measured whole or (`quick`) estimated; its steps reported to `on_progress`, `cancel` checked
+    between them (progress.Cancelled). Nothing is stored here: the probe's files are removed either way."""
     device = engine.device
+    sizes = QUICK_PREFILL_SIZES if quick else PREFILL_SIZES
+    # Steps: two runs per prefill size, the probe's files (write, read twice, decode, tiny files, loads) and, when
+    # measured, the side-by-side runs.
+    total = 2 * len(sizes) + 5 + (0 if quick else 2 + 2 * SIDE_BY_SIDE_RUNS)
+    report = Reporter("estimating this machine's speeds" if quick else "measuring this machine's speeds", on_progress,
+                      cancel=cancel)
+    steps = [0]
+
+    def step(n: int = 1) -> None:
+        steps[0] = min(total, steps[0] + n)
+        report(steps[0], total)
+
     probe = probe_folder(f".probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:  # first: a home that cannot hold the probe's files (read-only, full) fails before seconds of prefills
         probe.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KvchatError(place_words(data_dir(), exc, "measure how fast this machine restores chats")) from None
     try:
-        points, cache = _prefill_points(engine)
+        report(0, total)
+        points, cache = _prefill_points(engine, sizes, step)
+        steps[0] = 2 * len(sizes)  # the sizes past the prefill budget were not run
         a, b = fit_prefill(points)
         files = _write_probe(engine, cache, fingerprint, probe)
         del cache
@@ -164,9 +240,13 @@ def measure_profile(engine, fingerprint: str) -> HardwareProfile:
         evict(files)
         cold_s = _read_all(files)
         warm_s = _read_all(files)
+        step()
         decode_s, raw_bytes, decoded = _decode_one_thread(files, fingerprint)
-        overhead_s = _tiny_segment_seconds(engine, fingerprint, probe)
+        step()
+        overhead_s = _tiny_segment_seconds(engine, fingerprint, probe, QUICK_TINY_SEGMENTS if quick else TINY_SEGMENTS)
+        step()
         h2d = _staging_gb_s(device, decoded)
+        step()
         biggest = max(len(d) for d in decoded)
         del decoded
         cfg = engine.config
@@ -181,20 +261,26 @@ def measure_profile(engine, fingerprint: str) -> HardwareProfile:
             kv_bytes_per_token=cfg.kv_bytes_per_token(engine.model.dtype.itemsize),
             stored_over_raw=disk_bytes / raw_bytes,
             date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), prefill_points=[list(p) for p in points])
-        load_s = statistics.median(_load(engine, files, fingerprint) for _ in range(2))
+        load_s = statistics.median(_load(engine, files, fingerprint) for _ in range(1 if quick else 2))
+        step()
         profile = _as_measured_load(profile, load_s, len(files), raw_bytes, biggest, disk_bytes)
-        compute_slowdown, load_slowdown = _slowdowns(engine, profile, files, fingerprint, load_s)
-        return replace(profile, compute_slowdown=compute_slowdown, load_slowdown=load_slowdown)
+        if quick:
+            compute_slowdown, load_slowdown = ASSUMED_SLOWDOWNS.get(device.type, ASSUMED_SLOWDOWNS["cpu"])
+        else:
+            compute_slowdown, load_slowdown = _slowdowns(engine, profile, files, fingerprint, load_s, step)
+        report.finish()
+        return replace(profile, compute_slowdown=compute_slowdown, load_slowdown=load_slowdown, provisional=quick)
     finally:
         shutil.rmtree(probe, ignore_errors=True)
 
 
 @torch.inference_mode()
-def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
+def _prefill_points(engine, sizes=PREFILL_SIZES, step: Callable[[], None] = lambda: None
+                    ) -> tuple[list[tuple[int, float]], object]:
     """(tokens, seconds) of prefills from position 0 through every layer, run as a restore's recompute stream runs
-    them (its thread and stream); and the last cache."""
+    them (its thread and stream); and the last cache. `step()` after each run."""
     cfg, model = engine.config, engine.model
-    sizes = sorted({min(n, cfg.context_length - 8) for n in PREFILL_SIZES})
+    sizes = sorted({min(n, cfg.context_length - 8) for n in sizes})
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (sizes[-1],), generator=gen).tolist()
     points, cache = [], None
@@ -205,6 +291,7 @@ def _prefill_points(engine) -> tuple[list[tuple[int, float]], object]:
             sync(engine.device)
             run = PrefixRecompute(model, ids, [PyramidStep(range(cfg.n_layers), n, cache)]).run()
             runs.append(run.busy_s)
+            step()
         points.append((n, min(runs)))
         if min(runs) > PREFILL_BUDGET_S:
             break
@@ -267,19 +354,19 @@ def _decode_one_thread(files: list[Path], fingerprint: str) -> tuple[float, int,
     return time.perf_counter() - t0, sum(len(d) for d in decoded), decoded
 
 
-def _tiny_segment_seconds(engine, fingerprint: str, folder: Path) -> float:
+def _tiny_segment_seconds(engine, fingerprint: str, folder: Path, count: int = TINY_SEGMENTS) -> float:
     """What one more file costs a restore beyond its bytes: open, read, hash, decompress a one-token segment."""
     cfg = engine.config
     kv = torch.zeros(1, 2, cfg.n_kv_heads, 1, cfg.head_dim, dtype=engine.model.dtype)
     files = []
-    for i in range(TINY_SEGMENTS):
+    for i in range(count):
         kv.fill_(float(i))
         files.append(folder / write_segment(folder, kv, fingerprint=fingerprint, layers=range(1),
                                             tokens=range(i, i + 1)).file)
     t0 = time.perf_counter()
     for f in files:
         decode_segment(read_segment_file(f), f, fingerprint=fingerprint)
-    return (time.perf_counter() - t0) / TINY_SEGMENTS
+    return (time.perf_counter() - t0) / count
 
 
 def _staging_gb_s(device: torch.device, decoded: list[bytes]) -> float | None:
@@ -341,7 +428,7 @@ SIDE_BY_SIDE_RUNS = 3
 
 
 def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint: str,
-               load_s: float) -> tuple[float, float]:
+               load_s: float, step: Callable[[], None] = lambda: None) -> tuple[float, float]:
     """How much slower the recompute and the load run side by side than alone (a recompute about as long as the
     load, run as a restore runs them: the recompute queued by this thread, the loads placed by a helper)."""
     largest = max(n for n, _ in profile.prefill_points)
@@ -354,7 +441,9 @@ def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint:
         return PrefixRecompute(engine.model, ids, [PyramidStep(range(engine.config.n_layers), n, cache)])
 
     recompute().run()  # warm-up of the recompute stream's shapes
+    step()
     compute_s = statistics.median(recompute().run().busy_s for _ in range(SIDE_BY_SIDE_RUNS))
+    step()
     # Beside a recompute a restore decodes on fewer threads: the load's slowdown includes that.
     threads = SegmentPrefetcher.decode_threads_beside_compute()
     compute, load = [], []
@@ -369,6 +458,7 @@ def _slowdowns(engine, profile: HardwareProfile, files: list[Path], fingerprint:
         sync(engine.device)
         compute.append(both.busy_s / compute_s)
         load.append(took[0] / load_s)
+        step(2)
     return max(1.0, statistics.median(compute)), max(1.0, statistics.median(load))
 
 

@@ -19,6 +19,7 @@ semantics: same store, same state files, the title of an untitled chat is its fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -26,13 +27,17 @@ from pathlib import Path
 from typing import Callable
 
 from kvchat.app.session import memory
+from kvchat.app.terminal_text import terminal_line
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.compaction import compact_session
+from kvchat.app.session.editing import EditRequest, fork_title
 from kvchat.app.session.memory import OPEN_ROOM, Budget, check_weights, plan_chat
 from kvchat.app.session.merges import chat_merges
 from kvchat.app.session.policies import chat_policy
 from kvchat.app.session.profile import ensure_profile, profile_planner
+from kvchat.app.session.progress import OnProgress
 from kvchat.app.session.restore import RestoreStats
+from kvchat.app.session.transcripts import render_transcript, write_transcript
 from kvchat.app.session.writer import KVWriter
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
@@ -43,7 +48,7 @@ from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.text.chat_format import Conversation
 from kvchat.errors import GPUMemoryError, KvchatError
 from kvchat.storage.chat_lock import ChatLock
-from kvchat.storage.db import RoundRow, Store, StoreError
+from kvchat.storage.db import RoundRow, Store, StoreError, chat_parameters
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.statefile import ImportResult, export_session, import_state
 
@@ -83,6 +88,7 @@ class ChatStats:
     restore: RestoreStats | None = None
     restore_source: str = ""  # "this run": restored now; "earlier": the store's record of the last open
     memory: str = ""  # why the chat runs on the tiered cache although another policy was asked for, if it does
+    base_model: bool = False  # the model has no chat template: its chat is a plain User:/Assistant: transcript
 
 
 @dataclass
@@ -129,6 +135,7 @@ class ChatService:
         # recompute anyway. Read when a round is saved, so a change reaches the chats already open.
         self.compact_kv = True
         self.notice: Callable[[str], None] | None = None  # tells the user about a profile being measured
+        self.on_progress: OnProgress | None = None  # shows how far a profile being measured is (app/session/progress)
 
     def chat_info(self, sid: str) -> dict:
         """The chat's row (`sid` may be a unique prefix of its id, as the commands take it)."""
@@ -333,13 +340,15 @@ class ChatService:
         `kvchat merge`), unless `ignore_merges` (`kvchat unmerge`); the model's shared K/V writer."""
         policy = self.policy(engine, kv_policy, calibrating)
         planner = profile = None
-        if planned:
-            profile = ensure_profile(engine, info["model_fingerprint"], self.notice)
+        if planned:  # a model's first chat here answers at once, on a quick estimate (refined later)
+            profile = ensure_profile(engine, info["model_fingerprint"], self.notice, quick=True,
+                                     on_progress=self.on_progress)
             planner = profile_planner(profile)
 
         def compactor(store: Store, chat: str) -> None:
-            if self.compact_kv:
-                compact_session(store, chat, profile)
+            # Only on a whole measurement: a quick estimate does not decide what K/V is dropped.
+            if self.compact_kv and not planner.current().provisional:
+                compact_session(store, chat, planner.current())
 
         merges = None if ignore_merges else chat_merges(self.store, info, engine, merge_share, calibrating)
         return ChatSession(self.store, engine, info["id"], writer=self._writer(engine), policy=policy,
@@ -350,9 +359,14 @@ class ChatService:
              on_token: TokenCallback | None = None, cancel: threading.Event | None = None,
              regenerate: bool = False, kv_policy: str = "full", calibrating: Progress | None = None,
              guard: ReplyGuard = ReplyGuard(), merge_share: float | None = None,
-             on_wait: Callable[[dict | None], None] | None = None, lock_wait_s: float | None = None) -> Reply:
+             on_wait: Callable[[dict | None], None] | None = None, lock_wait_s: float | None = None,
+             edit: EditRequest | None = None) -> Reply:
         """Answer `text` in the chat (restoring it first under `kv_policy` if needed) and save the round. With
-        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again.
+        `regenerate`, the last round is removed first and its message (`text` is ignored) is answered again. With
+        `edit`, `text` replaces the message of round `edit.round_idx`: that round and those after it are removed
+        (kept first as a fork, `edit.fork_sid`, unless `edit.keep_old` is off) and `text` is answered as that round,
+        the rounds before keeping their K/V. The chat's own parameters (`set_parameters`) override `sampling`, and
+        its reply cap applies unless `guard` has one of its own.
         `merge_share`: the chat's merge setting from now on, when it is opened here (`kvchat send --merge`).
         `on_wait(holder)`: told when another kvchat process is writing to the chat and this send waits for it
         (storage.chat_lock; the wait is bounded, `lock_wait_s` or the session's default: ChatBusyError names the
@@ -374,6 +388,8 @@ class ChatService:
                     if row is None:
                         raise KvchatError("the chat has no reply to regenerate")
                     text = row.user_text
+                replaced = self._cut_for_edit(session, edit) if edit is not None else []
+                sampling, guard = with_chat_parameters(self.store.session(sid), sampling, guard)
                 try:
                     result = session.send(text, max_tokens=max_tokens, sampling=sampling, on_token=on_token,
                                           cancel=cancel, guard=guard)
@@ -383,6 +399,8 @@ class ChatService:
                     if regenerate and len(self.store.rounds(sid)) == row.idx:
                         self.store.add_round(sid, row)
                         self.forget(sid)
+                    if replaced and len(self.store.rounds(sid)) == edit.round_idx:
+                        self._uncut(sid, edit, replaced)
                     raise
             with self._state_lock:
                 opened = self._open.get(sid)
@@ -390,11 +408,56 @@ class ChatService:
                     opened.stats = session.sent_restore
             title = session.info["title"]
             if not title:  # as `kvchat send`: an untitled chat takes its first message as title
-                title = " ".join(text.split())[:48]
+                title = auto_title(text)
                 with contextlib.suppress(StoreError):  # the round is saved; a title can wait for the next send
                     self.store.rename_session(sid, title)
                     session.info["title"] = title
             return Reply(session.rounds[-1], result, title, session.sent_restore, kv_policy)
+
+    def _cut_for_edit(self, session: ChatSession, edit: EditRequest) -> list[RoundRow]:
+        """Before an edited message is answered (under the chat's writer lock): the chat as it is kept as a fork
+        (unless `edit.keep_old` is off), then the edited round and those after it removed; returns them."""
+        n = len(session.rounds)
+        if not 0 <= edit.round_idx < n:
+            raise KvchatError(missing_round_words(edit.round_idx, n))
+        session.writer.drain()  # the rounds just answered are forked with their K/V
+        if edit.keep_old:
+            edit.fork_sid = self.store.fork_session(session.sid, n, edit.fork_title
+                                                    or fork_title(session.info["title"], edit.round_idx))
+        try:
+            replaced = session.retract_rounds_from(edit.round_idx)
+        except BaseException:
+            if edit.fork_sid is not None:
+                self.store.delete_session(edit.fork_sid)  # its files are the chat's too: nothing to unlink
+                edit.fork_sid = None
+            raise
+        edit.replaced = len(replaced)
+        # Restored before (the app's open chat): the send answers from the cache as it is, and any restore figures it
+        # reports are that earlier open's.
+        edit.in_memory = session.restored is not None
+        return replaced
+
+    def _uncut(self, sid: str, edit: EditRequest, replaced: list[RoundRow]) -> None:
+        """An edit whose message was never committed: the replaced rounds come back (their K/V is recomputed on
+        the next open) and the fork made of them goes."""
+        for row in replaced:
+            self.store.add_round(sid, row)
+        if edit.fork_sid is not None:
+            self.store.unlink_files(self.store.delete_session(edit.fork_sid))
+            edit.fork_sid = None
+        self.forget(sid)
+
+    def parameters(self, sid: str) -> dict:
+        """The chat's own generation parameters (storage.db.CHAT_PARAMETERS; None: the global default)."""
+        return chat_parameters(self.store.session(sid))
+
+    def set_parameters(self, sid: str, parameters: dict) -> dict:
+        """Set the chat's parameters named in `parameters` (None: back to the default), checked first; returns them
+        all."""
+        merged = {**self.parameters(sid), **parameters}
+        check_parameters(merged)
+        self.store.set_chat_parameters(sid, parameters)
+        return self.parameters(sid)
 
     def chat_stats(self, sid: str) -> ChatStats:
         info = self.store.session(sid)
@@ -405,6 +468,7 @@ class ChatService:
         if engine is not None:
             stats.device = f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}"
             stats.context_length = engine.config.context_length
+            stats.base_model = engine.chat.transcript
         with self._state_lock:
             opened = self._open.get(sid)
         if opened is not None and opened.stats is not None:
@@ -472,10 +536,16 @@ class ChatService:
             self.drain()  # so the rounds just answered are forked with their K/V
             return self.store.fork_session(sid, rounds, title)
 
-    def export(self, sid: str, path: Path, text_only: bool = False) -> Path:
+    def export(self, sid: str, path: Path, text_only: bool = False, fmt: str = "state") -> Path:
+        """The chat as a state file (`fmt` "state": the chat whole, its K/V unless `text_only`), or as a transcript
+        other tools read (app.session.transcripts: "md", "txt", "json"); written atomically either way."""
+        path = Path(path).expanduser()
+        if fmt != "state":
+            transcript = self.transcript(sid)
+            return write_transcript(path, render_transcript(transcript.info, transcript.rounds, fmt))
         with self.model_lock:
             self.drain()
-            return export_session(self.store, sid, Path(path).expanduser(), text_only=text_only)
+            return export_session(self.store, sid, path, text_only=text_only)
 
     def import_file(self, path: Path, model_path: str | Path) -> ImportResult:
         """As `kvchat import`: the state file becomes a new chat on `model_path`, or nothing changes."""
@@ -483,7 +553,17 @@ class ChatService:
         if not path.is_file():
             raise KvchatError(f"{path} is not a file")
         fp = model_fingerprint(model, self.store)
-        return import_state(self.store, path, current_fingerprint=fp, model_path=str(model))
+        result = import_state(self.store, path, current_fingerprint=fp, model_path=str(model))
+        title = self.store.session(result.session_id)["title"]
+        taken = {r["title"] for r in self.store.sessions() if r["id"] != result.session_id}
+        if title and title in taken:  # importing a file twice: two chats of one title could not be told apart
+            distinct = distinct_title(title, taken)
+            with contextlib.suppress(StoreError):  # the chat is imported; its title is only a name
+                self.store.rename_session(result.session_id, distinct)
+                # Said on a terminal: a title is stored text, its control characters escaped
+                result.notices.append(f"a chat titled “{terminal_line(title)}” exists already: imported as "
+                                      f"“{terminal_line(distinct)}”")
+        return result
 
     def set_system_prompt(self, sid: str, system_prompt: str) -> None:
         """A new system prompt changes every round's tokens: the stored K/V is dropped and recomputed on open."""
@@ -498,6 +578,54 @@ class ChatService:
         round's K/V reaches the disk."""
         with self.model_lock:
             return self.drain()
+
+
+def missing_round_words(round_idx: int, n_rounds: int) -> str:
+    if n_rounds == 0:
+        return f"the chat has no round {round_idx}: it has no rounds yet"
+    rounds = "its only round is 0" if n_rounds == 1 else f"its rounds are 0–{n_rounds - 1}"
+    return f"the chat has no round {round_idx} ({rounds}, as `kvchat show` numbers them)"
+
+
+def check_parameters(parameters: dict) -> None:
+    """A chat's parameters as a user may set them: KvchatError in one line naming the bad one."""
+    p = {k: v for k, v in parameters.items() if v is not None}
+    SamplingParams(p.get("temperature", 0.0), p.get("top_k", 0), p.get("top_p", 1.0), p.get("seed")).validate()
+    if p.get("reply_cap") is not None and p["reply_cap"] < 1:
+        raise KvchatError(f"the reply cap must be at least 1 token, not {p['reply_cap']}")
+
+
+def with_chat_parameters(info: dict, sampling: SamplingParams, guard: ReplyGuard
+                         ) -> tuple[SamplingParams, ReplyGuard]:
+    """`sampling` and `guard` with the chat's own parameters over them (those it has: NULL is the default). A reply
+    cap given with the guard (`--reply-cap`) wins over the chat's; a guard turned off stays off."""
+    params = chat_parameters(info)
+    chosen = {k: params[k] for k in ("temperature", "top_k", "top_p", "seed") if params[k] is not None}
+    if chosen:
+        sampling = dataclasses.replace(sampling, **chosen)
+    if params["reply_cap"] is not None and guard.enabled and guard.reply_cap is None:
+        guard = dataclasses.replace(guard, reply_cap=params["reply_cap"])
+    return sampling, guard
+
+
+def auto_title(message: str, limit: int = 48) -> str:
+    """An untitled chat's title from its first message: the message on one line, cut at the last word boundary
+    within `limit` characters with an ellipsis ("… she is four years…", never "… four years o")."""
+    text = " ".join(message.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    if text[limit - 1] != " " and " " in cut:  # the cut falls inside a word: drop that word's start
+        cut = cut[:cut.rindex(" ")]
+    return cut.rstrip(" ,;:.-") + "…"
+
+
+def distinct_title(title: str, taken: set[str]) -> str:
+    """`title` with the first free number after it: "Trip (2)", "Trip (3)"…"""
+    n = 2
+    while f"{title} ({n})" in taken:
+        n += 1
+    return f"{title} ({n})"
 
 
 def default_model() -> Path:

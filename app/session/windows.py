@@ -130,6 +130,6 @@ class WindowTrim:
         window = self.config.sliding_window
         if not window or not cache.length:
             return False
-        if end - window + 1 < self.valid_from:
+        if max(0, end - window + 1) < self.valid_from:  # a chat shorter than its window reads from position 0
             return True
         return isinstance(cache, KVCache) and not cache.holds_window(end)  # a tiered cache has no rings

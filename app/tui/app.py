@@ -53,7 +53,22 @@ class KvchatApp(App[None]):
             self.backend.gpu_memory_name = "the GPU memory setting"
 
     def on_mount(self) -> None:
+        if self.preferences.theme in self.available_themes:  # the theme chosen last time (a removed one is let go)
+            self.theme = self.preferences.theme
+        self.theme_changed_signal.subscribe(self, self._keep_theme)
         self.push_screen(ChatScreen())
+
+    def _keep_theme(self, theme) -> None:
+        """A theme chosen (ctrl+p, "Change theme") is kept across restarts, in the app's settings."""
+        if theme.name == self.preferences.theme:
+            return
+        self.preferences.theme = theme.name
+        saved = Preferences.load(self.home)  # only the theme changes: this run's --model and --kv-policy stay unsaved
+        saved.theme = theme.name
+        try:
+            saved.save(self.home)
+        except OSError as exc:
+            self.notify(f"The theme is not kept for the next start: {exc.strerror or exc}", severity="warning")
 
     async def action_quit(self) -> None:
         for screen in self.screen_stack:

@@ -117,7 +117,7 @@ class ChatActions:
 
         def chosen(choice: ExportChoice | None) -> None:
             if choice is not None:
-                self._store_worker(lambda: self.backend.export(sid, Path(choice.path), choice.text_only),
+                self._store_worker(lambda: self.backend.export(sid, Path(choice.path), choice.text_only, choice.fmt),
                                    "Cannot export the chat", f"Exported “{title}” to {choice.path}.")
 
         self.app.push_screen(ExportDialog(title, str(Path.cwd() / f"{stem}.kvstate")), chosen)
@@ -144,6 +144,46 @@ class ChatActions:
         self._later(self.notify, f"Imported {result.rounds} rounds from {Path(path).name}.")
         self._later(self.open_chat, result.session_id)
         self._refresh_chats()
+
+    def action_chat_parameters(self) -> None:
+        """f12: the open chat's own parameters and system prompt (dialogs/chat_parameters.py)."""
+        sid = self.open_sid
+        if sid is None or self.open_info is None:
+            self.notify("No chat is open." if sid is None else "The chat is still opening; try again in a moment.",
+                        severity="warning")
+            return
+        self._chat_parameters_worker(sid)
+
+    @work(thread=True, exit_on_error=False, group="store")
+    def _chat_parameters_worker(self, sid: str) -> None:
+        try:
+            parameters, info = self.backend.parameters(sid), self.backend.chat_info(sid)
+        except Exception as exc:  # noqa: BLE001
+            self._report(exc, "Cannot read the chat's parameters")
+            return
+        self._later(self._ask_chat_parameters, sid, parameters, info)
+
+    def _ask_chat_parameters(self, sid: str, parameters: dict, info: dict) -> None:
+        from kvchat.app.tui.dialogs.chat_parameters import ChatParametersChoice, ChatParametersDialog
+
+        prefs = self.app.preferences
+        defaults = {"temperature": prefs.temperature, "top_p": prefs.top_p, "top_k": prefs.top_k, "seed": prefs.seed,
+                    "reply_cap": None}
+
+        def chosen(choice: ChatParametersChoice | None) -> None:
+            if choice is None:
+                return
+
+            def change() -> None:
+                self.backend.set_parameters(sid, choice.parameters)
+                if choice.system_prompt is not None:
+                    self.backend.set_system_prompt(sid, choice.system_prompt)
+
+            then = (lambda _: self._system_prompt_changed(sid)) if choice.system_prompt is not None else None
+            self._store_worker(change, "Parameters not saved", "The chat's parameters are saved.", then=then)
+
+        self.app.push_screen(ChatParametersDialog(info["title"] or "(untitled)", parameters, defaults,
+                                                  info["system_prompt"]), chosen)
 
     def action_settings(self) -> None:
         from kvchat.app.tui.dialogs.settings import SettingsChoice, SettingsDialog

@@ -21,6 +21,7 @@ from kvchat.app.tui.worker_messages import describe
 from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.errors import KvchatError
 from kvchat.storage.chat_lock import holder_words
+from kvchat.storage.db import chat_parameters
 
 
 @dataclass(eq=False)
@@ -58,7 +59,8 @@ class ChatReplying:
             return None
 
     @work(thread=True, exit_on_error=False, group="generate")
-    def _send_worker(self, gen: Generation, text: str, regenerate: bool, model: Path | None) -> None:
+    def _send_worker(self, gen: Generation, text: str, regenerate: bool, model: Path | None, edit=None) -> None:
+        """`edit`: an app.session.editing.EditRequest (chat_editing.py): `text` replaces that round's message."""
         prefs = self.app.preferences
         try:
             if gen.sid is None:
@@ -70,11 +72,13 @@ class ChatReplying:
                                       on_token=lambda _tok, piece: self._later(self._streamed, gen, piece),
                                       cancel=gen.cancel, regenerate=regenerate, kv_policy=prefs.kv_policy,
                                       calibrating=self._calibrating("generating…"), guard=prefs.guard,
-                                      on_wait=lambda holder: self._later(self._waiting, gen, holder))
+                                      on_wait=lambda holder: self._later(self._waiting, gen, holder), edit=edit)
         except Exception as exc:  # noqa: BLE001
             self._later(self._reply_failed, gen, text, describe(exc))
             return
         self._later(self._reply_done, gen, reply)
+        if edit is not None:
+            self._later(self._edited, edit, reply)
         problems: list[str] = []
         stats = None
         try:  # the round's K/V goes to disk in the background; then the status bar shows its size
@@ -156,6 +160,8 @@ class ChatReplying:
 
     def action_stop(self) -> None:
         gen = self.generation
+        if gen is None and self.stop_refining():  # no reply: Escape stops the background measurement instead
+            return
         if gen is not None and not gen.cancel.is_set():
             gen.cancel.set()
             gen.waiting = False
@@ -182,4 +188,26 @@ class ChatReplying:
             self.shown = replace(self.shown, rounds=self.shown.rounds[:-1])  # its reply comes back as a new round
         gen.view = await self.chat_view.add_reply()
         self.status_bar.set_activity("generating…")
+        hint = same_reply_hint(self.app.preferences.temperature, self.app.preferences.seed, self.open_info)
+        if hint:
+            self.notify(hint, timeout=10)
         self._send_worker(gen, "", True, None)
+
+
+def same_reply_hint(temperature: float, seed: int | None, info: dict | None) -> str:
+    """Why regenerating writes the same reply again, and how to vary it ("" when sampling varies it): greedy
+    decoding, or sampling from a fixed seed. The chat's own parameters (storage.db.CHAT_PARAMETERS) come first."""
+    own = chat_parameters(info or {})
+
+    def where(name: str) -> str:
+        return "the chat's own parameters (`kvchat params`)" if own[name] is not None else "the settings (F9)"
+
+    temperature = own["temperature"] if own["temperature"] is not None else temperature
+    seed = own["seed"] if own["seed"] is not None else seed
+    if temperature == 0:
+        return (f"Greedy decoding (temperature 0) writes the same reply again: for another, raise the temperature "
+                f"in {where('temperature')}.")
+    if seed is not None:
+        return (f"Sampling from a fixed seed ({seed}) writes the same reply again: for another, empty the seed in "
+                f"{where('seed')}.")
+    return ""

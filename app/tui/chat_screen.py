@@ -31,9 +31,11 @@ from kvchat.app.session.restore import RestoreStats
 from kvchat.app.session.service import default_model, is_demo_model
 from kvchat.app.terminal_text import terminal_line, terminal_text
 from kvchat.app.tui.chat_actions import ChatActions
+from kvchat.app.tui.chat_editing import ChatEditing
 from kvchat.app.tui.chat_live import ChatLive, Shown
 from kvchat.app.tui.chat_opening import ChatOpening, Opening
 from kvchat.app.tui.chat_replying import ChatReplying, Generation
+from kvchat.app.tui.chat_steps import ChatSteps
 from kvchat.app.tui.chat_view import ChatView
 from kvchat.app.tui.composer import Composer
 from kvchat.app.tui.sidebar import Sidebar
@@ -41,26 +43,41 @@ from kvchat.app.tui.status_bar import LastReply, StatusBar
 from kvchat.app.tui.worker_messages import Later, describe
 
 
-class ChatScreen(ChatOpening, ChatReplying, ChatActions, ChatLive, Screen):
+class ChatScreen(ChatOpening, ChatReplying, ChatEditing, ChatActions, ChatLive, ChatSteps, Screen):
     """The main screen; its flows (opening a chat, replying, the actions on chats) are mixed in from their modules."""
 
+    # The footer shows the keys a first session needs, and fits 80 columns (tests/test_tui_friction.py): the rest
+    # (show=False) are in F1's table, as every key is.
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop the reply being generated (the part written is saved)"),
         # Before the focused box's own ctrl+c (copy), and only while a reply is written (action_stop_reply);
         # `system`: not a key of its own in the key table (help.py), the help's note tells it.
         Binding("ctrl+c", "stop_reply", "Stop", show=False, priority=True, system=True),
-        Binding("ctrl+r", "regenerate", "Regenerate", tooltip="Answer the last message again (replaces the reply)"),
-        Binding("ctrl+o", "copy", "Copy", tooltip="Copy the selected message (else the last reply) to the clipboard"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False,
+                tooltip="Answer the last message again (replaces the reply)"),
+        Binding("ctrl+o", "copy", "Copy", show=False,
+                tooltip="Copy the selected message (else the last reply) to the clipboard"),
+        Binding("ctrl+t", "edit_message", "Edit", show=False,
+                tooltip="Edit the selected message (else the last one) and answer it again; the rounds before keep "
+                        "their KV, the replaced ones are kept as a fork (a setting)"),
+        Binding("f12", "chat_parameters", "Parameters", show=False,
+                tooltip="The open chat's own parameters: temperature, top-p, top-k, seed, reply cap, system prompt"),
         Binding("ctrl+n", "new_chat", "New", tooltip="Start a new chat (it is created with its first message)"),
-        Binding("f2", "rename", "Rename", tooltip="Rename the highlighted chat"),
-        Binding("f5", "fork", "Fork", tooltip="Fork the highlighted chat after a round you choose"),
-        Binding("f8", "delete", "Delete", tooltip="Delete the highlighted chat and its KV files (asks first)"),
-        Binding("f3", "export", "Export", tooltip="Export the highlighted chat to a state file (as `kvchat export`)"),
-        Binding("f4", "import", "Import", tooltip="Import a state file as a new chat (as `kvchat import`)"),
+        Binding("f2", "rename", "Rename", show=False, tooltip="Rename the highlighted chat"),
+        Binding("f5", "fork", "Fork", show=False, tooltip="Fork the highlighted chat after a round you choose"),
+        Binding("f8", "delete", "Delete", show=False,
+                tooltip="Delete the highlighted chat and its KV files (asks first)"),
+        Binding("f3", "export", "Export", show=False,
+                tooltip="Export the highlighted chat to a state file or a transcript: Markdown, text, JSON "
+                        "messages (as `kvchat export`)"),
+        Binding("f4", "import", "Import", show=False, tooltip="Import a state file as a new chat (as `kvchat import`)"),
         Binding("f9", "settings", "Settings",
                 tooltip="Settings: model file, sampling, reply length, the chat's system prompt, KV policy, "
                         "compaction"),
-        Binding("ctrl+f", "filter", "Filter", tooltip="Filter the chats by title"),
+        Binding("ctrl+f", "filter", "Filter", show=False,
+                tooltip="Filter the chats by title (ctrl+g searches their messages)"),
+        Binding("ctrl+g", "search", "Search", show=False,
+                tooltip="Search the messages and replies of every chat; Enter opens the chat at the hit"),
         Binding("f1", "help", "Help", tooltip="Show every key"),
     ]
 
@@ -87,7 +104,7 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, ChatLive, Screen):
                     yield ProgressBar(id="restore-bar", show_eta=False)
                 yield Composer(id="composer")
         yield StatusBar(id="status-bar")
-        yield Footer()
+        yield Footer(show_command_palette=False)  # ctrl+p still opens it; its label would not fit
 
     # ---- handy parts ----
 
@@ -171,6 +188,7 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, ChatLive, Screen):
         self.composer.focus()
         self._follow_store()
         self._start()
+        self._start_steps()  # progress of the steps that take seconds; the quick profile refined when idle
         self.set_interval(30, self._redraw_ages)
 
     @work(thread=True, exit_on_error=False, group="start")
@@ -245,6 +263,13 @@ class ChatScreen(ChatOpening, ChatReplying, ChatActions, ChatLive, Screen):
 
     def action_filter(self) -> None:
         self.query_one("#chat-filter", Input).focus()
+
+    def action_search(self) -> None:
+        from kvchat.app.tui.dialogs.search import SearchDialog, open_hit
+
+        # The title filter's words, if any, are searched for at once (what a title did not hold, a message may).
+        words = self.query_one("#chat-filter", Input).value
+        self.app.push_screen(SearchDialog(self.backend.store, words), partial(open_hit, self))
 
     def action_help(self) -> None:
         from kvchat.app.tui.dialogs.help import HelpScreen

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
-from kvchat.app.terminal_text import terminal_text
+from kvchat.app.terminal_text import terminal_line, terminal_text
+from kvchat.app.tui.code_blocks import code_blocks
 from kvchat.engine.reply_guard import STOP_NOTES
 from kvchat.storage.db import REPLY_PARTIAL, REPLY_PENDING, RoundRow
 
@@ -83,9 +85,21 @@ class ReplyView(MessageView):
 
 
 class ChatView(VerticalScroll):
+    """The transcript. Focused (tab from the chat list, shift+tab from the message box), up and down select the
+    messages one by one and c copies the selected message's code blocks, one per press."""
+
+    BINDINGS = [
+        Binding("up", "select_message(-1)", "Previous", show=False,
+                tooltip="Select the message above (ctrl+o copies the selected message)"),
+        Binding("down", "select_message(1)", "Next", show=False, tooltip="Select the message below"),
+        Binding("c", "copy_code", "Copy code",
+                tooltip="Copy the selected message's code block (else the last reply's); again: its next block"),
+    ]
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.selected: MessageView | None = None
+        self._code_copied: tuple[MessageView, int] | None = None  # the message and block `c` copied last
         self.demo = False  # new chats (or the open chat) run on the embedded demo model: say what it can do
 
     def compose(self) -> ComposeResult:
@@ -148,6 +162,21 @@ class ChatView(VerticalScroll):
                 self.selected = None
             await replies[-1].remove()
 
+    def user_messages(self) -> list[MessageView]:
+        """The user's messages in order: the i-th is round i's (the view shows every stored round)."""
+        return [m for m in self.query(MessageView) if m.role == "user"]
+
+    async def drop_from_round(self, round_idx: int) -> None:
+        """Remove round `round_idx`'s message and everything under it (an edited message is answered again)."""
+        users = self.user_messages()
+        if round_idx >= len(users):
+            return
+        children = list(self.children)
+        gone = children[children.index(users[round_idx]):]
+        if self.selected in gone:
+            self.selected = None
+        await self.remove_children(gone)
+
     def select(self, message: MessageView) -> None:
         if self.selected is not None:
             self.selected.remove_class("selected")
@@ -160,3 +189,33 @@ class ChatView(VerticalScroll):
             return self.selected
         replies = [m for m in self.query(MessageView) if m.role == "assistant"]
         return replies[-1] if replies else None
+
+    def action_select_message(self, step: int) -> None:
+        """Select the message `step` away from the selected one (none selected: up takes the last, down the first),
+        scrolled into view; with no message, up and down scroll as in any view."""
+        messages = list(self.query(MessageView))
+        if not messages:
+            self.scroll_relative(y=step, animate=False)
+            return
+        if self.selected in messages:
+            at = max(0, min(len(messages) - 1, messages.index(self.selected) + step))
+        else:
+            at = len(messages) - 1 if step < 0 else 0
+        self.select(messages[at])
+        self.scroll_to_widget(messages[at], animate=False)
+
+    def action_copy_code(self) -> None:
+        """Copy a code block of the selected message (else of the last reply): the first, then on each press the
+        next one, round again after the last."""
+        message = self.message_to_copy()
+        blocks = code_blocks(message.text) if message is not None else []
+        if not blocks:
+            which = "selected message" if message is self.selected and message is not None else "last reply"
+            self.notify(f"The {which} has no code block.", severity="warning")
+            return
+        last = self._code_copied
+        at = (last[1] + 1) % len(blocks) if last is not None and last[0] is message else 0
+        self._code_copied = (message, at)
+        self.app.copy_to_clipboard(blocks[at].code)
+        self.notify(terminal_line(f"Copied code block {at + 1} of {len(blocks)} ({blocks[at].describe()})."),
+                    markup=False)

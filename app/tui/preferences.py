@@ -32,6 +32,8 @@ class Preferences:
     compact_kv: bool = True  # after each saved round, drop the K/V that restoring on this machine recomputes anyway
     reply_guard: bool = True  # stop a reply that loops or runs past the model's reply cap (engine.reply_guard)
     gpu_memory: str = ""  # what kvchat may use of the GPU, as written ("8GiB"); empty: what it has free
+    keep_edited_branch: bool = True  # editing a past message keeps the rounds it replaces as a fork of the chat
+    theme: str = ""  # the Textual theme last chosen (command palette); empty: Textual's default
 
     @property
     def gpu_memory_bytes(self) -> int | None:
@@ -76,6 +78,10 @@ class Preferences:
                 prefs.compact_kv = True
             if not isinstance(prefs.reply_guard, bool):
                 prefs.reply_guard = True
+            if not isinstance(prefs.keep_edited_branch, bool):
+                prefs.keep_edited_branch = True
+            if not isinstance(prefs.theme, str):  # an unknown name is let go when the app applies it
+                prefs.theme = ""
             try:
                 prefs.gpu_memory_bytes
             except (ValueError, TypeError, AttributeError):  # a hand edit: only it is reset

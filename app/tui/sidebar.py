@@ -58,7 +58,8 @@ class Sidebar(Vertical):
             options.highlighted = ids.index(keep)
 
     def _label(self, c: ChatSummary) -> Text:
-        text = Text(terminal_line(c.title or "") or "(untitled)", style="bold", overflow="ellipsis", no_wrap=True)
+        # Wrapped at word boundaries, never cut: a long title (an untitled chat's first message) takes two lines.
+        text = Text(terminal_line(c.title or "") or "(untitled)", style="bold", overflow="fold")
         bytes_on_disk = size(c.kv_bytes) if self._measured else UNMEASURED
         text.append(f"\n{ago(c.updated, self._now)} · {bytes_on_disk} · {c.kv_status}", style="dim")
         return text

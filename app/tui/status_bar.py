@@ -59,6 +59,8 @@ class StatusBar(Static):
         if s is None:
             first.append("no chat open")
         else:
+            if s.base_model:  # no chat template: replies continue a plain transcript, and read like it
+                first.append("base model: plain transcript")
             first.append(f"context {s.context_used}/{s.context_length or '?'}")
             if self.last_reply is not None:
                 if self.measured:

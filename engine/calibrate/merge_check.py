@@ -85,32 +85,52 @@ def calibrate_merges(engine, fingerprint: str, chats: int, gamma: float = GAMMA,
                      progress: Callable[[int, int], None] | None = None) -> MergeCalibration:
     """Pool the statistics of the calibration chats, then check their ranked pairs one at a time, each with the
     pairs accepted before it, until the accepted pairs hold `max_share` of the layers or `max_checks` pairs have
-    been tried (default: the layer count). `fingerprint` only labels the result."""
+    been tried (default: the layer count). `fingerprint` only labels the result.
+
+    `progress(done, total)` is told after every chat run, counted as one per calibration chat's reference and one
+    per chat a pair is checked on, out of the most there could be (a pair given up on early skips its rest);
+    done == total once at the end. It may raise to stop the check (a cancel, a time bound): nothing is kept."""
     from kvchat.engine.calibrate.watershed import AGREEMENT, calibration_chats, is_embedded_model, reference_reply
 
     by_answer = is_embedded_model(engine)
     _, chat_pairs = calibration_chats(engine, chats, phrasing=CHECK_PHRASING)
     cfg = engine.config
+    budget = cfg.n_layers if max_checks is None else max_checks
+    # Until the pairs are ranked, each calibration chat is expected to check `budget` pairs.
+    done, total = 0, len(chat_pairs) * (1 + budget)
+
+    def tick(n: int = 1) -> None:
+        nonlocal done
+        if n <= 0:
+            return
+        done = min(total, done + n)
+        if progress is not None:
+            progress(done, total)
+
     stats = LayerStats(cfg.n_layers)
     references = []
     for conv, message in chat_pairs:
         ref = reference_reply(engine, conv, message)
         references.append(ref)
         stats = stats.merge(_reference_stats(engine, ref))
+        tick()
     ranked = candidate_pairs(stats, cfg, gamma)
-    budget = cfg.n_layers if max_checks is None else max_checks
+    to_check = ranked[:budget]
+    total = len(references) * (1 + len(to_check))
     accepted: list[LayerPair] = []
     agreed, rejected = {}, []
-    for n, pair in enumerate(ranked[:budget]):
+    for n, pair in enumerate(to_check):
+        after = len(references) * (n + 2)  # where this pair's check ends, whether it runs every chat or not
         if 2 * (len(accepted) + 1) > cfg.n_layers * max_share:
             break
         if {pair.low, pair.high} & {x for p in accepted for x in (p.low, p.high)}:
+            tick(after - done)
             continue
         agreed[str(pair)] = round(merged_agreement(engine, references, accepted + [pair], retain, by_answer,
-                                                   give_up_below=AGREEMENT if by_answer else None), 4)
+                                                   give_up_below=AGREEMENT if by_answer else None, tick=tick), 4)
         (accepted if agreed[str(pair)] >= AGREEMENT else rejected).append(pair)
-        if progress is not None:
-            progress(n + 1, min(budget, len(ranked)))
+        tick(after - done)
+    tick(total - done)
     return MergeCalibration(fingerprint, cfg.n_layers, [str(p) for p in accepted], agreed,
                             [round(v, 4) for v in stats.ir_share()], gamma, retain, len(references),
                             datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -135,7 +155,8 @@ def _reference_stats(engine, ref) -> LayerStats:
 
 @torch.inference_mode()
 def merged_agreement(engine, references, pairs: list[LayerPair], retain: float = RETAIN,
-                     by_answer: bool = False, give_up_below: float | None = None) -> float:
+                     by_answer: bool = False, give_up_below: float | None = None,
+                     tick: Callable[[], None] | None = None) -> float:
     """Share of the references' sure tokens predicted the same with `pairs` merged in the closed rounds (teacher
     forced along the full cache's reply, as the watershed check does); `by_answer`: share of the references whose
     every token is, and with `give_up_below` the check stops as soon as that share can no longer reach it (a pair
@@ -161,6 +182,8 @@ def merged_agreement(engine, references, pairs: list[LayerPair], retain: float =
                 hits += hit
                 count += 1
         answers += same
+        if tick is not None:
+            tick()
     if by_answer:
         return answers / len(references) if references else 1.0
     return hits / count if count else 1.0

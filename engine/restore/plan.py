@@ -52,6 +52,9 @@ class HardwareProfile:
     # (the latest few; their medians stand in for the measured slowdowns).
     observed: list[list[float]] = field(default_factory=list)
     version: int = PROFILE_VERSION
+    # A quick estimate (one small prefill, a few files, the side-by-side slowdowns assumed), used at once on a
+    # model's first chat and replaced by a whole measurement later (`kvchat profile`, the app when idle).
+    provisional: bool = False
 
     @property
     def slowdowns(self) -> tuple[float, float]:
@@ -103,6 +106,8 @@ class HardwareProfile:
         if not (isinstance(p.decode_threads, int) and p.decode_threads >= 1 and p.compute_slowdown > 0
                 and p.load_slowdown > 0 and isinstance(p.n_layers, int) and p.n_layers >= 1):
             raise ValueError("threads, slowdowns or layers out of range")
+        if not isinstance(p.provisional, bool):
+            raise ValueError("provisional is not true or false")
         if not all(isinstance(o, list) and len(o) == 2 and all(isinstance(v, (int, float)) and v > 0 for v in o)
                    for o in p.observed):
             raise ValueError("an observed restore is malformed")

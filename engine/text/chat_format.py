@@ -3,11 +3,13 @@
 A conversation is a list of rounds (a user message and the assistant's reply; the system prompt, if any, belongs to
 the first round). The template stored in the GGUF file is rendered in a sandboxed jinja2 environment. Each round's
 tokens are the tokens of the text that round adds to the rendering, so a chat can grow by appending one round's
-tokens (and its KV) without touching earlier rounds; `round_spans` returns them.
+tokens (and its KV) without touching earlier rounds; `round_spans` returns them. A file without a template is a
+base model's: its chats are a plain transcript (TRANSCRIPT_TEMPLATE), its replies cut at the next speaker's line.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import jinja2
@@ -16,34 +18,67 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from kvchat.engine.text.tokenizer import Tokenizer
 from kvchat.errors import KvchatError
 
-# Used when a file carries no template: plain markers, and a stop string so a base model ends its turn.
-FALLBACK_TEMPLATE = (
+# A base model (a file without a chat template) was never trained on turns or their markers: it continues text, and
+# given another family's turn markers it wanders (gemma-3-270m repeated the first message with marker debris). It gets
+# a plain transcript instead, the kind of text it has seen: the system prompt as a first paragraph, then one line per
+# speaker. The generation prompt ends at "Assistant:" (the reply's first word brings its own space); the reply ends
+# where the model starts the next speaker's line, a stop string that is cut off the reply (engine.text.reply_text).
+TRANSCRIPT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
-    "{% if m.role == 'system' %}{{ m.content }}\n\n"
-    "{% elif m.role == 'user' %}### User:\n{{ m.content }}\n\n"
-    "{% else %}### Assistant:\n{{ m.content }}{{ eos_token }}\n\n{% endif %}"
+    "{% set content = m.content | trim %}"
+    "{% if m.role == 'system' %}{{ content }}\n\n"
+    "{% elif m.role == 'user' %}User: {{ content }}\n"
+    "{% else %}Assistant:{{ ' ' + content if content }}\n{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-FALLBACK_STOP_STRINGS = ("\n### User:",)
+TRANSCRIPT_STOP_STRINGS = ("\nUser:", "\nAssistant:")
 
 # Gemma's turn format (its instruction-tuned models' template, minus the system-prompt handling: a system message
-# is a turn of its own here). Gemma 3 base files such as gemma-3-270m carry no template; llama.cpp knows this format
-# by the <start_of_turn> marker, and <end_of_turn> ends a reply (an end-of-generation token in llama.cpp's vocab).
+# is a turn of its own here), for an instruction-tuned Gemma 3 file that comes without a template: llama.cpp knows
+# this format by the <start_of_turn> marker, and <end_of_turn> ends a reply (an end-of-generation token in its vocab).
+# Not for a base file such as gemma-3-270m's: it was never trained on these turns.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-# Templates for files of an architecture that may come without one.
+# Templates for instruction-tuned files of an architecture that may come without one.
 ARCH_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
+# Words of general.finetune / general.name that mark an instruction-tuned file ("gemma-3-4b-it", "...-Instruct").
+_TUNED_WORDS = {"it", "instruct", "chat"}
+
+# How a chat is put to the model: what `kvchat info` and the app say.
+FORMAT_TEMPLATE, FORMAT_TURNS, FORMAT_TRANSCRIPT = "template", "turns", "transcript"
+FORMAT_WORDS = {
+    FORMAT_TEMPLATE: "the file's chat template",
+    FORMAT_TURNS: "Gemma's turn format (an instruction-tuned file without a template)",
+    FORMAT_TRANSCRIPT: "a plain User:/Assistant: transcript (a base model: the file has no chat template)",
+}
+
+
+def instruction_tuned(metadata: dict) -> bool:
+    """Whether the file says it is an instruction-tuned model (general.finetune or general.name)."""
+    words = f"{metadata.get('general.finetune', '')} {metadata.get('general.name', '')}".lower()
+    return bool(_TUNED_WORDS & set(re.split(r"[^a-z0-9]+", words)))
 
 
 def chat_template(metadata: dict) -> str | None:
-    """The file's template, else its architecture's known one, else None (the plain fallback)."""
-    return metadata.get("tokenizer.chat_template") or ARCH_TEMPLATES.get(metadata.get("general.architecture"))
+    """The file's template; else, for an instruction-tuned file, its architecture's known one; else None: a base
+    model, which gets the plain transcript."""
+    own = metadata.get("tokenizer.chat_template")
+    if own:
+        return own
+    return ARCH_TEMPLATES.get(metadata.get("general.architecture")) if instruction_tuned(metadata) else None
+
+
+def chat_format_kind(metadata: dict) -> str:
+    """FORMAT_TEMPLATE, FORMAT_TURNS or FORMAT_TRANSCRIPT (a base model), from the metadata alone."""
+    if metadata.get("tokenizer.chat_template"):
+        return FORMAT_TEMPLATE
+    return FORMAT_TURNS if chat_template(metadata) else FORMAT_TRANSCRIPT
 
 
 @dataclass
@@ -77,14 +112,15 @@ def _raise_exception(message: str):
 class ChatFormat:
     def __init__(self, tokenizer: Tokenizer, template: str | None):
         self.tokenizer = tokenizer
-        self.is_fallback = not template
-        self.stop_strings = FALLBACK_STOP_STRINGS if self.is_fallback else ()
+        # No template: a base model, put to it as a plain transcript whose replies end at the next speaker's line.
+        self.transcript = not template
+        self.stop_strings = TRANSCRIPT_STOP_STRINGS if self.transcript else ()
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         # No strftime_now: a template that stamps today's date into the prompt would change old rounds' tokens
         # from one day to the next, and their saved KV with them. Templates fall back to a fixed date.
         env.globals["raise_exception"] = _raise_exception
         try:
-            self._template = env.from_string(template or FALLBACK_TEMPLATE)
+            self._template = env.from_string(template or TRANSCRIPT_TEMPLATE)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template does not parse: {exc}") from None
         self.bos_text = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id >= 0 else ""
@@ -135,5 +171,6 @@ class ChatFormat:
 
     def conversation_tokens(self, conv: Conversation) -> list[int]:
         """The whole conversation rendered at once and tokenized (what `round_spans` must add up to)."""
-        text = self.render(conv.messages(), add_generation_prompt=bool(conv.rounds) and conv.rounds[-1].assistant is None)
+        open_ = bool(conv.rounds) and conv.rounds[-1].assistant is None
+        text = self.render(conv.messages(), add_generation_prompt=open_)
         return self._encode(text, first=True)

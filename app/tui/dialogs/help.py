@@ -13,8 +13,10 @@ from textual.widgets import Label, Static
 # What is not a binding of its own, but a user needs to know.
 BEHAVIOUR = [
     ("enter (in the chat list)", "Open the chat: its KV cache is restored at once, with progress when it is slow"),
+    ("enter (in the search)", "Open the chat at the highlighted hit, its message selected (down: to the hits)"),
     ("click a message", "Select it for copying"),
-    ("tab / shift+tab", "Move between the filter box, the chat list and the message box"),
+    ("tab / shift+tab", "Move between the filter box, the chat list, the transcript and the message box (shift+tab "
+                        "from the message box: the transcript; twice: the chat list)"),
     ("escape (in a dialog)", "Close it without changing anything"),
 ]
 NOTE = ("Switching to another chat while a reply is being generated stops that reply; the part already written is "
@@ -27,15 +29,17 @@ def key_rows() -> list[tuple[str, str]]:
     """(keys, what they do) for every key the app answers to."""
     from kvchat.app.tui.app import KvchatApp
     from kvchat.app.tui.chat_screen import ChatScreen
+    from kvchat.app.tui.chat_view import ChatView
     from kvchat.app.tui.composer import Composer
 
     rows = []
-    for binding in [*Composer.BINDINGS, *ChatScreen.BINDINGS, *KvchatApp.BINDINGS]:
+    for binding, where in [*((b, "") for b in [*Composer.BINDINGS, *ChatScreen.BINDINGS, *KvchatApp.BINDINGS]),
+                           *((b, " (in the transcript)") for b in ChatView.BINDINGS)]:
         assert isinstance(binding, Binding)
         if binding.system:  # a second key for an action listed already (ctrl+c as Escape): told in NOTE
             continue
         keys = binding.key_display or binding.key.replace(",", " / ")
-        rows.append((keys, binding.tooltip or binding.description))
+        rows.append((keys + where, binding.tooltip or binding.description))
     return rows + BEHAVIOUR
 
 

@@ -12,7 +12,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static, TextArea
 
 from kvchat.app.terminal_text import terminal_text
+from kvchat.app.tui.dialogs.save_or_cancel import SaveOrCancel
 from kvchat.app.tui.preferences import Preferences
+from kvchat.app.tui.wrapping_checkbox import WrappingCheckbox
 from kvchat.engine.policies import CHAT_POLICIES
 from kvchat.errors import KvchatError
 
@@ -35,8 +37,9 @@ class SettingsChoice:
     system_prompt: str | None  # None: unchanged
 
 
-class SettingsDialog(ModalScreen[SettingsChoice | None]):
+class SettingsDialog(SaveOrCancel, ModalScreen[SettingsChoice | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+    AUTO_FOCUS = None  # on_mount focuses the first field
 
     def __init__(self, preferences: Preferences, system_prompt: str | None, chat_title: str | None) -> None:
         super().__init__(classes="dialog")
@@ -46,11 +49,12 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
 
     def compose(self) -> ComposeResult:
         p = self.preferences
-        with Vertical(classes="box wide"):
+        with Vertical(classes="box wide tall"):
             yield Label("Settings", classes="title")
             with VerticalScroll(id="settings-fields"):
                 yield Label("Model file for new chats (empty: the embedded model)")
-                yield Input(p.model_path, placeholder="the embedded model", id="model-path")
+                # Not selected when focused (it is focused first): a key typed then would replace the whole path.
+                yield Input(p.model_path, placeholder="the embedded model", id="model-path", select_on_focus=False)
                 with Horizontal(classes="row"):
                     yield self._field("temperature (0: greedy)", "temperature", p.temperature)
                     yield self._field("top-k (0: off)", "top-k", p.top_k)
@@ -62,10 +66,12 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                 yield Select([(POLICY_CHOICES.get(name, name), name) for name in CHAT_POLICIES], value=p.kv_policy,
                              allow_blank=False, id="kv-policy")
                 yield self._hint(ROUND_HINT)
-                yield Checkbox("Compact chats: after each reply, drop the stored K/V that reopening the chat on this "
-                               "machine recomputes anyway", p.compact_kv, id="compact-kv")
-                yield Checkbox("Guard replies: stop a reply that keeps repeating itself or runs past the model's "
-                               "reply cap", p.reply_guard, id="reply-guard")
+                yield WrappingCheckbox("Compact chats: after each reply, drop the stored K/V that reopening the chat "
+                                       "on this machine recomputes anyway", p.compact_kv, id="compact-kv")
+                yield WrappingCheckbox("Guard replies: stop a reply that keeps repeating itself or runs past the "
+                                       "model's reply cap", p.reply_guard, id="reply-guard")
+                yield WrappingCheckbox("Keep edited branches: editing a past message (ctrl+t) keeps the rounds it "
+                                       "replaces as a fork of the chat", p.keep_edited_branch, id="keep-edited-branch")
                 yield Label("GPU memory kvchat may use (e.g. 8GiB; empty: what the GPU has free)")
                 yield Input(p.gpu_memory, placeholder="what the GPU has free", id="gpu-memory")
                 yield self._hint(GPU_MEMORY_HINT)
@@ -79,6 +85,15 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")
                 yield Button("Cancel (esc)", id="cancel")
 
+    def on_mount(self) -> None:
+        # The app's cursor setting (snapshot tests freeze it): a field is focused as the dialog opens.
+        for field in self.query("Input, TextArea"):
+            field.cursor_blink = self.app.cursor_blink
+        # Open on the first field, its text not selected (its select_on_focus): not on the fields' scroll container,
+        # from which the first Tab reached the model field with its path selected, for a key to replace. Not
+        # scrolled to either: on a short terminal that would hide its label above it.
+        self.query_one("#model-path", Input).focus(scroll_visible=False)
+
     @staticmethod
     def _hint(text: str) -> Static:
         """A muted note that wraps (a Label would cut it at the box's edge), set apart from the field below."""
@@ -89,16 +104,6 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
     @staticmethod
     def _field(label: str, name: str, value) -> Vertical:
         return Vertical(Label(label), Input(str(value), id=name), classes="field")
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "save":
-            self.action_save()
-        else:
-            self.action_cancel()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.action_save()
 
     def action_save(self) -> None:
         try:
@@ -125,6 +130,7 @@ class SettingsDialog(ModalScreen[SettingsChoice | None]):
                        kv_policy=self.query_one("#kv-policy", Select).value,
                        compact_kv=self.query_one("#compact-kv", Checkbox).value,
                        reply_guard=self.query_one("#reply-guard", Checkbox).value,
+                       keep_edited_branch=self.query_one("#keep-edited-branch", Checkbox).value,
                        gpu_memory=self.query_one("#gpu-memory", Input).value.strip()).validate()
 
     def action_cancel(self) -> None:
