@@ -15,6 +15,7 @@ import sys
 import click
 
 from kvchat.app.bench import eval_command
+from kvchat.app.chats import parse_gpu_memory
 
 # `bench engine --qtype`: BF16 and app/bench/engine_speed.py's QTYPES (named here: importing that module imports torch)
 BENCH_QTYPES = ["BF16", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
@@ -68,7 +69,7 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     @click.option("--qtype", "resume_qtype", default="BF16", show_default=True, type=click.Choice(["BF16", "Q4_K_M"]),
                   help="The random-weight models' type (built once into --cache-dir; the embedded and known models "
                        "keep their own).")
-    @click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_gpu_memory,
+    @click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=parse_gpu_memory,
                   help="GPU memory each kvchat method may use (8GiB, 12GiB; default: unlimited), planned as the app "
                        "plans a chat: a chat whose K/V does not fit whole runs on the tiered cache (kv-load, "
                        "kv-split: at the watershed a policy:round@W method names, else the model's calibration), or "
@@ -336,15 +337,3 @@ def _int_list(ctx, param, value: str) -> list[int]:
     if not items or any(v < 1 for v in items):
         raise click.BadParameter(f"expected positive whole numbers, got {value!r}")
     return items
-
-
-def _gpu_memory(ctx, param, value: str | None) -> int | None:
-    """--gpu-memory SIZE as bytes (engine.memory_plan.parse_size); a bad size is a one-line usage error."""
-    if value is None:
-        return None
-    from kvchat.engine.memory_plan import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
