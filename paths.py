@@ -96,6 +96,23 @@ def place_words(place: Path, exc: BaseException, doing: str) -> str:
     return f"cannot {doing} in {place}: {reason}"
 
 
+def replace_atomically(path: Path, write, binary: bool = False) -> Path:
+    """Make `path` hold what `write(f)` writes, through a temporary file beside it, fsync and rename: a reader never
+    sees half a file, and a failure leaves whatever was at `path` as it was (the temporary file removed). OSError
+    goes to the caller, who says it in its own words."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def write_json_atomically(path: Path, data, what: str) -> Path:
     """Write `data` as JSON to `path` through a temporary file, fsync and rename: a reader never sees half a file.
     A failure is one sentence naming `what` was being saved."""

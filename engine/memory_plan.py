@@ -199,30 +199,14 @@ def weight_bytes(path: str | os.PathLike[str], device_type: str, dtype_bytes: in
     """(bytes, tensors) of a GGUF file's weights once loaded on a device of `device_type`, without loading them: as
     engine.gguf.loader.load_model places them (quantized matrices kept in their blocks on CUDA; the rest
     dequantized to `dtype_bytes`, bf16 on CUDA and fp32 on the CPU by default; vectors in fp32)."""
-    import numpy as np
-
     from kvchat.engine.gguf.config import ModelConfig
-    from kvchat.engine.gguf.loader import expected_shapes, keeps_quantized
+    from kvchat.engine.gguf.loader import placed_bytes
     from kvchat.engine.gguf.reader import GGUFFile
 
     gf = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(gf)
     cuda = device_type == "cuda"
-    size = dtype_bytes or (2 if cuda else 4)
-    quantized = cuda if quantized is None else quantized
-    names = set(expected_shapes(cfg))
-    # The loader stacks these into one matrix, kept in blocks only if every part can be.
-    fused = [tuple(f"blk.{i}.{n}.weight" for n in group) for i in range(cfg.n_layers)
-             for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))]
-    groups = fused + [(name,) for name in sorted(names - {n for g in fused for n in g})]
-    total = 0
-    for group in groups:
-        infos = [gf.tensors[n] for n in group]
-        if all(keeps_quantized(t, quantized) for t in infos):
-            total += sum(int(t.data.nbytes) for t in infos)
-        else:
-            total += sum(int(np.prod(t.shape)) * (4 if len(t.shape) == 1 else size) for t in infos)
-    return total, len(groups)
+    return placed_bytes(gf, ModelConfig.from_gguf(gf), dtype_bytes or (2 if cuda else 4),
+                        cuda if quantized is None else quantized)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)

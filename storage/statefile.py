@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchat.paths import replace_atomically
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import (CHAT_PARAMETERS, REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED,
                               RoundRow, Store, chat_parameters, now)
@@ -70,26 +69,17 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         "absent": absent_kv(rounds, segments),
     }
     out = Path(out)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    except OSError as exc:  # a missing or read-only folder: one line, nothing written
-        raise StateFileError(f"cannot write {out}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
+
+    def write(raw) -> None:
+        with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
             zf.writestr(MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
             for name in sorted({s["file"] for s in segments}):
                 zf.write(store.kv_dir / name, f"blobs/{name}")
-            zf.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
+
+    try:
+        return replace_atomically(out, write, binary=True)
+    except OSError as exc:  # a missing or read-only folder, a full disk: one line, nothing written
         raise StateFileError(f"cannot write {out}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
 
 
 def absent_kv(rounds: list[RoundRow], segments: list[dict]) -> list[dict]:

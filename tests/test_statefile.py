@@ -223,7 +223,7 @@ def test_export_failure_leaves_no_file(chat, tmp_path, monkeypatch):
     def no_space(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("kvchat.storage.statefile.os.fsync", no_space)
+    monkeypatch.setattr("kvchat.paths.os.fsync", no_space)  # the atomic write is paths.replace_atomically
     out = tmp_path / "exports"
     out.mkdir()
     with pytest.raises(StateFileError, match="No space left on device"):

@@ -6,11 +6,10 @@ written is one line."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from kvchat.errors import KvchatError
+from kvchat.paths import replace_atomically
 from kvchat.storage.db import RoundRow
 
 # What `kvchat export --format` takes: "state" is the state file (storage.statefile), the rest are transcripts.
@@ -50,23 +49,10 @@ def render_transcript(info: dict, rounds: list[RoundRow], fmt: str) -> str:
 
 
 def write_transcript(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file beside it, fsync and rename: a reader never sees half a
-    file, and a failure leaves whatever was at `path` as it was."""
+    """Write `text` to `path` atomically (paths.replace_atomically); a failure is one line and leaves whatever was
+    at `path` as it was."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        return replace_atomically(path, lambda f: f.write(text))
     except OSError as exc:
         raise KvchatError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise KvchatError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -79,28 +79,33 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig) -> None:
             raise GGUFError(f"{gf.path}: tensor {name} has unsupported type {t.qtype.name} (supported: {names})")
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    size = torch.tensor([], dtype=dtype).element_size()
-    return sum(int(np.prod(s)) for s in expected_shapes(cfg).values()) * size
+def placed_bytes(gf: GGUFFile, cfg: ModelConfig, element_size: int, quantized: bool) -> tuple[int, int]:
+    """(bytes, tensors) of the file's weights as `load_model` places them, without loading them: matrices it keeps
+    in their blocks (`quantized`, a type with a decode kernel) at their stored size, other matrices at
+    `element_size` bytes a weight, vectors in fp32. The fused matrices (q, k, v; gate, up) count as one tensor,
+    kept in blocks only if every part can be."""
+    fused = [tuple(f"blk.{i}.{n}.weight" for n in group) for i in range(cfg.n_layers)
+             for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))]
+    names = set(expected_shapes(cfg)) - {n for group in fused for n in group}
+    total, groups = 0, fused + [(name,) for name in sorted(names)]
+    for group in groups:
+        infos = [gf.tensors[n] for n in group]
+        if all(keeps_quantized(t, quantized) for t in infos):
+            total += sum(int(t.data.nbytes) for t in infos)
+        else:
+            total += sum(int(np.prod(t.shape)) * (4 if len(t.shape) == 1 else element_size) for t in infos)
+    return total, len(groups)
 
 
-def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, path: object,
-                 quantized_from: GGUFFile | None = None) -> None:
-    """Refuse a model whose weights cannot fit; `quantized_from`: the file whose matrices with a decode kernel stay
-    in their blocks (their stored bytes count, not their dequantized size)."""
-    need = weight_bytes(cfg, dtype)
-    if quantized_from is not None:
-        size = torch.tensor([], dtype=dtype).element_size()
-        for name in expected_shapes(cfg):
-            t = quantized_from.tensors[name]
-            if keeps_quantized(t, True):
-                need -= int(np.prod(t.shape)) * size - int(t.data.nbytes)
+def check_memory(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, gf: GGUFFile, quantized: bool) -> None:
+    """Refuse a model whose weights cannot fit (`placed_bytes`)."""
+    need, _ = placed_bytes(gf, cfg, torch.tensor([], dtype=dtype).element_size(), quantized)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _available_ram()
     if free and need > free:
-        raise GGUFError(f"{path}: the weights need {need / 2**30:.1f} GiB as {str(dtype).removeprefix('torch.')} "
+        raise GGUFError(f"{gf.path}: the weights need {need / 2**30:.1f} GiB as {str(dtype).removeprefix('torch.')} "
                         f"on {device.type}, only {free / 2**30:.1f} GiB is free")
 
 
@@ -165,7 +170,7 @@ def load_model(path: str | os.PathLike[str], device: torch.device | str | None =
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     check_tensors(gf, cfg)
-    check_memory(cfg, device, dtype, gf.path, gf if quantized else None)
+    check_memory(cfg, device, dtype, gf, quantized)
 
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         return read_tensor(gf.tensors[name], device, as_dtype)
