@@ -129,6 +129,30 @@ def gpu_memory_option(f):
                              "that does not fit even so is refused. No effect on the CPU.")(f)
 
 
+def budget_words(b: dict) -> str:
+    """A chat's latest per-layer KV budgets (storage: kv_budgets) in two lines."""
+    kept, retention = b["kept"], b["retention"]
+    n = max(b["input_slots"], 1)
+    mean_retention = sum(retention) / max(len(retention), 1)
+    return (f"KV budgets ({b['policy']} {b['budget']:g}, at round {b['round_idx']}): of {b['input_slots']} input "
+            f"tokens, layers kept {min(kept)}-{max(kept)} (mean {sum(kept) / len(kept) / n:.1%}), holding "
+            f"{mean_retention:.1%} of the attention scored\n  per layer: {' '.join(map(str, kept))}")
+
+
+def _check_kv_budget(ctx, param, value):
+    if value is not None and not 0 < value <= 1:
+        raise KvchatError(f"--kv-budget is a share of the chat's K/V in (0, 1], not {value:g}")
+    return value
+
+
+def kv_budget_option(f):
+    """--kv-budget SHARE: what each reply reads of the chat's K/V under the xkv policy (engine/policies/budgets.py)."""
+    return click.option("--kv-budget", "kv_budget", default=None, type=float, metavar="SHARE",
+                        callback=_check_kv_budget,
+                        help="xkv: the share of the chat's K/V each reply reads, chosen per layer, in (0, 1] "
+                             "(default 0.2).")(f)
+
+
 def make_guard(guard: bool, reply_cap: int | None):
     from kvchat.engine.reply_guard import ReplyGuard
 
@@ -191,7 +215,8 @@ def register(main: click.Group, model_option, device_option) -> None:
                   help="full: every round's K/V on the device; round (Round Attention): the lower layers of every "
                        "round, the upper layers of the rounds the message picks (calibrates the model on first use); "
                        "loopserve: the full cache, a long message's prefill sparse, the reply reading a budget of "
-                       "input tokens chosen again as it goes.")
+                       "input tokens chosen again as it goes; xkv: the full cache, the reply reading in each layer "
+                       "its own budget of the chat's K/V (--kv-budget), chosen for each message.")
     @click.option("--compact/--no-compact", default=True, show_default=True,
                   help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
                        "recompute anyway (kvchat compact).")
@@ -207,8 +232,9 @@ def register(main: click.Group, model_option, device_option) -> None:
     @guard_options
     @device_option
     @gpu_memory_option
+    @kv_budget_option
     def send(session, message, max_tokens, policy_name, compact, merge_share, wait_s, as_json, guard, reply_cap,
-             device, gpu_memory, edit=None):
+             device, gpu_memory, kv_budget=None, edit=None):
         """Resume SESSION from disk, stream the reply to MESSAGE, save the round. MESSAGE '-' reads stdin.
 
         The message is saved before it is answered. Ctrl-C (or SIGTERM) stops the reply and keeps what streamed,
@@ -230,6 +256,9 @@ def register(main: click.Group, model_option, device_option) -> None:
         reply_guard = make_guard(guard, reply_cap)
         service = _service(device, gpu_memory)
         service.compact_kv = compact
+        service.kv_budget = kv_budget
+        if kv_budget is not None and policy_name not in ("xkv",):
+            raise KvchatError(f"--kv-budget is an option of the xkv policy, not of {policy_name}")
         info = service.chat_info(session)
         model_path = info["model_path"]
         if not Path(model_path).exists():
@@ -391,7 +420,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         out = {"id": info["id"], "title": info["title"], "model": info["model_path"],
                "system_prompt": info["system_prompt"], "rounds": rounds,
                "kv_bytes": sum(r["kv_bytes"] for r in rounds), "kv_raw_bytes": sum(r["kv_raw_bytes"] for r in rounds),
-               "last_restore": store.last_restore(info["id"])}
+               "last_restore": store.last_restore(info["id"]), "kv_budgets": store.kv_budgets(info["id"])}
         if as_json:
             click.echo(json.dumps(out))
             return
@@ -415,6 +444,8 @@ def register(main: click.Group, model_option, device_option) -> None:
         lr = out["last_restore"]
         if lr:
             click.echo(f"last restore: {restore_words(lr)}")
+        if out["kv_budgets"]:
+            click.echo(budget_words(out["kv_budgets"]))
 
     @main.command()
     @click.argument("session", required=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from kvchat.app.chats import gpu_memory_option, guard_options, make_guard, report_stop
+from kvchat.app.chats import gpu_memory_option, guard_options, kv_budget_option, make_guard, report_stop
 from kvchat.app.errors import FriendlyGroup
 
 
@@ -23,29 +23,33 @@ from kvchat.app.errors import FriendlyGroup
                    "(default: the settings' choice, else the embedded model).")
 @click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
 # The choices are engine.policies.CHAT_POLICIES, written out: importing it would load torch for every command.
-@click.option("--kv-policy", "kv_policy", default=None, type=click.Choice(["full", "round", "loopserve"]),
+@click.option("--kv-policy", "kv_policy", default=None,
+              type=click.Choice(["full", "round", "loopserve", "xkv"]),
               help="The app only: the KV policy chats run under, full, round (Round Attention on a tiered KV "
-                   "cache; calibrates the model on first use) or loopserve (sparse prefill of long messages, "
-                   "progressive selection of what the reply reads). Default: the settings' choice, else full.")
+                   "cache; calibrates the model on first use), loopserve (sparse prefill of long messages, "
+                   "progressive selection of what the reply reads) or xkv (each layer reads its own budget of the "
+                   "chat's K/V). Default: the settings' choice, else full.")
 @gpu_memory_option
+@kv_budget_option
 @click.pass_context
-def main(ctx: click.Context, model_path, device, kv_policy, gpu_memory) -> None:
+def main(ctx: click.Context, model_path, device, kv_policy, gpu_memory, kv_budget) -> None:
     """kvchat: a local assistant whose chats resume from their saved KV cache instead of being re-read.
 
     With no command, kvchat opens the terminal app (press F1 there for its keys).
     """
     if ctx.invoked_subcommand is not None:
-        if model_path is not None or device is not None or kv_policy is not None or gpu_memory is not None:
+        if model_path is not None or device is not None or kv_policy is not None or gpu_memory is not None or \
+                kv_budget is not None:
             from kvchat.errors import KvchatError
 
-            raise KvchatError(f"--model, --device, --kv-policy and --gpu-memory before a command apply to the app "
-                              f"only; give them after `{ctx.invoked_subcommand}`")
+            raise KvchatError(f"--model, --device, --kv-policy, --gpu-memory and --kv-budget before a command apply to "
+                              f"the app only; give them after `{ctx.invoked_subcommand}`")
         return
     from kvchat.app.tui.app import run_app
 
     if model_path is not None:
         model_path = _resolve_model(ctx, None, model_path)
-    run_app(model_path, _device(device) and device, kv_policy, gpu_memory)
+    run_app(model_path, _device(device) and device, kv_policy, gpu_memory, kv_budget)
 
 
 def _model_option(f):

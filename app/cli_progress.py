@@ -62,3 +62,22 @@ def terminal_progress(file=None) -> Iterator[TerminalProgress | None]:
     finally:
         if shown is not None:
             shown.close()
+
+
+@contextmanager
+def counted_progress(step: str, plain=None, file=None) -> Iterator:
+    """`report(done, total)` for a step counted in its own units (chats, runs): a `rich` bar with an estimate of the
+    time left on a terminal; elsewhere `plain(done, total)` if given (a line a log can keep), else nothing. Ctrl-C
+    stops the step as always (KeyboardInterrupt); the bar is erased on the way out."""
+    from kvchat.app.session.progress import Reporter
+
+    with terminal_progress(file) as shown:
+        counter = Reporter(step, shown) if shown is not None else None
+
+        def report(done: float, total: float) -> None:
+            if counter is not None:
+                counter(done, total)
+            elif plain is not None:
+                plain(done, total)
+
+        yield report

@@ -142,6 +142,16 @@ def _m008_chat_parameters(db: Database) -> None:
             db["sessions"].add_column(column, kind)
 
 
+def _m009_kv_budgets(db: Database) -> None:
+    # Per-layer KV budgets (XKV and its baselines) are chosen again for each reply: each chat keeps its latest choice
+    # (the policy and its share, the input slots each layer kept, the attention share each global layer kept),
+    # shown by `kvchat show`.
+    db["kv_budgets"].create({"session_id": str, "policy": str, "budget": float, "input_slots": int, "kept": str,
+                             "retention": str, "round_idx": int, "updated": str}, pk="session_id",
+                            not_null={"policy", "kept", "retention", "updated"},
+                            foreign_keys=[("session_id", "sessions", "id")], if_not_exists=True)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
                                                             ("003_restore_streams", _m003_restore_streams),
@@ -149,13 +159,14 @@ MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m00
                                                             ("005_merged_layers", _m005_merged_layers),
                                                             ("006_round_reply_state", _m006_round_reply_state),
                                                             ("007_message_search", _m007_message_search),
-                                                            ("008_chat_parameters", _m008_chat_parameters)]
+                                                            ("008_chat_parameters", _m008_chat_parameters),
+                                                            ("009_kv_budgets", _m009_kv_budgets)]
 
 
 # Migrations a store may lack and still be read by this kvchat (on a read-only home, where none can run): readers
 # take a missing rounds.reply_state as "done", missing chat parameters as the defaults; a search without the
-# message index builds one in memory.
-READABLE_WITHOUT = {"006_round_reply_state", "007_message_search", "008_chat_parameters"}
+# message index builds one in memory; a chat without stored KV budgets has none to show.
+READABLE_WITHOUT = {"006_round_reply_state", "007_message_search", "008_chat_parameters", "009_kv_budgets"}
 SAVING = "save to the chat store"  # what a write was doing, when its caller does not say
 
 
@@ -521,8 +532,9 @@ class Store:
         """Commit the deletion first; return the segment files no session references any more (to unlink after)."""
         with self.transaction("delete the chat") as db:
             files = [r[0] for r in db.execute("SELECT DISTINCT file FROM kv_segments WHERE session_id = ?", [sid])]
-            for table in ("kv_segments", "restores", "rounds", "layer_stats"):
-                db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
+            for table in ("kv_segments", "restores", "rounds", "layer_stats", "kv_budgets"):
+                if table in self._tables(db):
+                    db.execute(f"DELETE FROM {table} WHERE session_id = ?", [sid])
             db.execute("DELETE FROM sessions WHERE id = ?", [sid])
         return self.unreferenced(files)
 
@@ -675,6 +687,30 @@ class Store:
             return None
         rows[0]["notes"] = json.loads(rows[0]["notes"] or "[]")
         return rows[0]
+
+    # ---- per-layer KV budgets ----
+
+    def save_kv_budgets(self, sid: str, *, policy: str, budget: float, input_slots: int, kept: list[int],
+                        retention: list[float], round_idx: int) -> None:
+        """The chat's latest per-layer budgets (one row a chat, replaced by each reply's choice)."""
+        with self.transaction("save the chat's KV budgets") as db:
+            db["kv_budgets"].upsert({"session_id": sid, "policy": policy, "budget": budget,
+                                     "input_slots": input_slots, "kept": json.dumps(kept),
+                                     "retention": json.dumps([round(r, 4) for r in retention]),
+                                     "round_idx": round_idx, "updated": now()}, pk="session_id")
+
+    def kv_budgets(self, sid: str) -> dict | None:
+        """The chat's latest per-layer budgets (kept, retention as lists), or None."""
+        if "kv_budgets" not in self._tables(self.db):  # a read-only store older than migration 009
+            return None
+        rows = self._query("SELECT * FROM kv_budgets WHERE session_id = ?", [sid])
+        if not rows:
+            return None
+        return rows[0] | {"kept": json.loads(rows[0]["kept"]), "retention": json.loads(rows[0]["retention"])}
+
+    @staticmethod
+    def _tables(db: Database) -> set[str]:
+        return set(db.table_names())
 
     def integrity_ok(self) -> bool:
         return self._fetch("PRAGMA integrity_check")[0][0] == "ok"

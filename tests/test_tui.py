@@ -336,6 +336,36 @@ async def test_the_gpu_memory_setting_is_checked_saved_and_planned_within():
     assert (override.backend.gpu_memory, override.backend.gpu_memory_name) == (8 << 30, "--gpu-memory")
 
 
+async def test_the_xkv_policy_and_its_budget_are_set_checked_and_the_open_chat_answers_under_them():
+    sid = seed_chat("ada", ["My name is Ada."])
+    app = make_app()
+    async with app.run_test(size=(120, 35)) as pilot:
+        await wait_for(pilot, lambda: screen(app).sidebar.chats, what="the chat list")
+        await open_from_list(pilot, 0)
+        await wait_idle(pilot)
+        await pilot.press("f9")
+        app.screen.query_one("#kv-policy", Select).value = "xkv"
+        app.screen.query_one("#kv-budget").value = "1.5"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsDialog)  # refused, with a notification saying why
+        assert any("KV budget is a share of the chat's K/V in (0, 1], not 1.5" in n
+                   for n in notifications(app, "error"))
+        app.screen.query_one("#kv-budget").value = "0.3"
+        await pilot.press("ctrl+s")
+        await wait_idle(pilot)
+        saved = json.loads((data_dir() / "app-settings.json").read_text())
+        assert (saved["kv_policy"], saved["kv_budget"], app.backend.kv_budget) == ("xkv", 0.3, 0.3)
+        await pilot.press(*"What is my name?", "enter")
+        await wait_idle(pilot)
+        rows = store().rounds(sid)
+        # a chat this short keeps a handful of tokens a layer: the answer is the model's, saved as shown
+        assert shown_messages(app)[-1] == ("assistant", rows[-1].assistant_text) and rows[-1].assistant_text
+        budgets = store().kv_budgets(sid)
+        assert (budgets["policy"], budgets["budget"]) == ("xkv", 0.3)
+        assert len(notifications(app, "error")) == 1  # the refused budget's, nothing since
+    app.backend.close()
+
+
 async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_chat_reopens_under_it():
     sid = seed_chat("ada", ["My name is Ada."])  # stored under the full cache: all layers per round
     app = make_app()

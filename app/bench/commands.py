@@ -10,7 +10,6 @@ Every import of torch, the engine or a harness is inside a command, so `kvchat -
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -100,10 +99,14 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
                     gpu_memory=gpu_memory)
         steps = 1 + sum(1 + (1 if "llama.cpp" in plan.methods else 0) + len(plan.workloads) * len(plan.methods)
                         for _ in plan.models)
-        with click.progressbar(length=steps, label="kvchat bench", file=sys.stderr, show_pos=True,
-                               item_show_func=lambda label: label) as bar:
+        from kvchat.app.cli_progress import counted_progress
+
+        done = 0
+        with counted_progress(f"kvchat bench: {steps} steps") as shown:
             def progress(label: str) -> None:
-                bar.update(1, label)
+                nonlocal done
+                done = min(done + 1, steps)
+                shown(done, steps)  # each step's label is in the log lines above the bar
 
             def save(results: dict) -> None:  # after every workload too: a run stopped at a time limit keeps its rows
                 if json_path:
@@ -234,6 +237,52 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         figures = as_dict(bench_model(engine, contexts, repeats, log=click.echo, alpha=alpha, budget=budget))
         figures["attention"] = kernel
         figures["shape"] = shape
+        if json_path:
+            Path(json_path).write_text(json.dumps(figures, indent=2))
+
+    @bench.command("xkv")
+    @model_option
+    @click.option("--shape", default=None, help="A random-weight model shaped like a public one instead of --model "
+                                                "(speed only: random attention is nearly uniform).")
+    @click.option("--qtype", default="BF16", show_default=True, type=click.Choice(BENCH_QTYPES),
+                  help="With --shape: the file's type (quantized types run in their blocks on CUDA).")
+    @click.option("--context", "contexts", default="8192,32768", show_default=True, callback=_int_list,
+                  help="Context lengths (tokens).")
+    @click.option("--budgets", default="0.4,0.2,0.1", show_default=True,
+                  help="Shares of the K/V each reply reads (comma-separated, each in (0, 1]).")
+    @click.option("--decode-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+    @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+    @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+    @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                  help="Where the random models are kept (default: $KVCHAT_HOME/bench-models).")
+    @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+    def bench_xkv(model_path, shape, qtype, contexts, budgets, decode_tokens, repeats, device, cache_dir,
+                  json_path) -> None:
+        """XKV: decode over per-layer budgets (xkv, and uniform at the same budget) against the full cache, with the
+        bytes each step reads and the speed-up those bytes bound; each pair in the same run."""
+        from pathlib import Path
+
+        from kvchat.app.bench.engine_speed import model_file
+        from kvchat.app.bench.xkv import as_dict, bench_model
+        from kvchat.engine.engine import Engine
+        from kvchat.engine.train.synthetic import SHAPES
+        from kvchat.errors import KvchatError
+        from kvchat.paths import data_dir
+
+        try:
+            shares = [float(x) for x in budgets.split(",") if x.strip()]
+        except ValueError:
+            raise KvchatError(f"--budgets takes comma-separated shares, not {budgets!r}") from None
+        if not shares or not all(0 < x <= 1 for x in shares):
+            raise KvchatError(f"--budgets takes shares in (0, 1], not {budgets!r}")
+        if shape is not None and shape not in SHAPES:
+            raise KvchatError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
+        cache = Path(cache_dir) if cache_dir else data_dir() / "bench-models"
+        path = model_file(cache, shape, qtype) if shape else model_path
+        engine = Engine(path, device=to_device(device))
+        click.echo(f"{shape or path} {qtype if shape else ''}: {engine.device}")
+        figures = as_dict(bench_model(engine, contexts, shares, repeats, log=click.echo, decode_tokens=decode_tokens))
+        figures["shape"], figures["qtype"] = shape, qtype if shape else None
         if json_path:
             Path(json_path).write_text(json.dumps(figures, indent=2))
 

@@ -15,8 +15,9 @@ from kvchat.app.chats import gpu_memory_option
 
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
 # command then paid for at start, `kvchat --help` and `kvchat sessions` too.
-EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "round", "round-adaptive", "round-threshold",
-                 "round-topk"]
+EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "pyramid", "round", "round-adaptive",
+                 "round-threshold", "round-topk", "uniform", "xkv"]
+BUDGET_POLICIES = ("xkv", "uniform", "pyramid")  # engine.policies.BUDGET_POLICIES, written out: --kv-budget
 
 
 def register(main: click.Group, model_option, to_device) -> None:
@@ -66,14 +67,16 @@ def register(main: click.Group, model_option, to_device) -> None:
                   help="--text: chat lengths in tokens (comma-separated).")
     @click.option("--positions", default=256, show_default=True, type=click.IntRange(min=2),
                   help="--text: reply tokens teacher-forced per chat (at most).")
+    @click.option("--kv-budget", "kv_budget", default=None, type=float, metavar="SHARE",
+                  help="xkv, uniform, pyramid: the share of the chat's K/V each reply reads, in (0, 1] (default 0.2).")
     @click.option("--option", "given_options", multiple=True, metavar="KEY=VALUE",
                   help="An option of the policy --kv-policy names (e.g. pool=1 for loopserve); repeatable.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
     @gpu_memory_option
     @click.pass_context
     def eval_(ctx, model_path, policy_name, mode, chats, seed, report, min_rounds, max_rounds, min_tokens, device, watershed,
-              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, given_options, as_json,
-              gpu_memory) -> None:
+              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, kv_budget, given_options,
+              as_json, gpu_memory) -> None:
         """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
         how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
         from kvchat.app.bench.evaluate import (
@@ -90,6 +93,10 @@ def register(main: click.Group, model_option, to_device) -> None:
         from kvchat.errors import KvchatError
 
         given = _parse_options(given_options)
+        if kv_budget is not None:
+            if ctx.get_parameter_source("policy_name") != click.core.ParameterSource.DEFAULT and \
+                    policy_name not in BUDGET_POLICIES:
+                raise KvchatError(f"--kv-budget is an option of {', '.join(BUDGET_POLICIES)}, not of {policy_name}")
         if gpu_memory is not None:  # torch's allocator capped, and the weights checked against it, before loading
             from kvchat.app.session import memory
 
@@ -101,7 +108,8 @@ def register(main: click.Group, model_option, to_device) -> None:
                 raise KvchatError("--option needs --kv-policy: options belong to one policy")
             n_chats = chats if ctx.get_parameter_source("chats") != source.DEFAULT else 2
             _eval_text(model_path, [policy_name] if named else EVAL_POLICIES, n_chats, seed, device,
-                       lambda name: _policy_options(name, watershed, r_l, unchecked, given), lengths, positions,
+                       lambda name: _policy_options(name, watershed, r_l, unchecked, given, kv_budget), lengths,
+                       positions,
                        as_json, to_device)
             return
         if report and ctx.get_parameter_source("seed") != click.core.ParameterSource.DEFAULT:
@@ -110,24 +118,27 @@ def register(main: click.Group, model_option, to_device) -> None:
             raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
         engine = Engine(model_path, device=to_device(device))
         policy = build_policy(policy_name, engine, calibrating,
-                              **_policy_options(policy_name, watershed, r_l, unchecked, given))
+                              **_policy_options(policy_name, watershed, r_l, unchecked, given, kv_budget))
         try:
             dialogues = report_chats(chats, min_rounds, max_rounds, engine, min_tokens, phrasing) if report else \
                 heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
         except ValueError as exc:
             raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
 
-        def progress(done: int, total: int) -> None:
-            if not as_json:
-                click.echo(f"\r{done}/{total} chats", nl=False, err=True)
+        from kvchat.app.cli_progress import counted_progress
 
-        result = evaluate(engine, policy, dialogues, progress=progress, mode=mode)
+        def plain(done: int, total: int) -> None:
+            click.echo(f"\r{done}/{total} chats", nl=False, err=True)
+
+        with counted_progress(f"eval: {policy_name}, {len(dialogues)} chats", None if as_json else plain) as progress:
+            result = evaluate(engine, policy, dialogues, progress=progress, mode=mode)
         d = result.as_dict() | ({"options": given} if given else {})
         d["seeds"] = list(REPORT_SEEDS) if report else [seed]
         if samples:
             more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
-            d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=None if as_json else (
-                lambda done, total: click.echo(f"\r{done}/{total} sampled replies", nl=False, err=True))).as_dict()
+            with counted_progress(f"eval: {samples} sampled replies", None if as_json else (
+                    lambda done, total: click.echo(f"\r{done}/{total} sampled replies", nl=False, err=True))) as shown:
+                d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=shown).as_dict()
         if as_json:
             click.echo(json.dumps(d))
             return
@@ -160,9 +171,12 @@ def register(main: click.Group, model_option, to_device) -> None:
                        f"{s['longest']} tokens")
 
 
-def _policy_options(name: str, watershed, r_l, unchecked, given: dict | None = None) -> dict:
+def _policy_options(name: str, watershed, r_l, unchecked, given: dict | None = None,
+                    kv_budget: float | None = None) -> dict:
     """The options `kvchat eval` passes to policy `name`: its flags', then those given with --option."""
-    if name.startswith("round") or name == "loopserve+round":
+    if name in BUDGET_POLICIES:
+        options = {} if kv_budget is None else {"budget": kv_budget}
+    elif name.startswith("round") or name == "loopserve+round":
         options = {} if watershed is None else {"watershed": watershed}
     elif name == "krul":
         options = {"r_l": r_l, "checked": not unchecked}
@@ -210,9 +224,12 @@ def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, 
     engine = Engine(model_path, device=to_device(device))
     makers = {name: (lambda name=name: build_policy(name, engine, calibrating, **options(name)))
               for name in policy_names}
-    result = text_fidelity(engine, makers, wanted, chats, positions, seed,
-                           progress=None if as_json else lambda what: click.echo(f"\r{what:<70}", nl=False,
-                                                                                  err=True))
+    from kvchat.app.cli_progress import counted_progress
+
+    with counted_progress(f"eval --text: {len(policy_names)} policies", None if as_json else (
+            lambda done, total: click.echo(f"\r{done}/{total} policy runs", nl=False, err=True))) as shown:
+        result = text_fidelity(engine, makers, wanted, chats, positions, seed,
+                               progress=lambda what, done, total: shown(done, total))
     d = result.as_dict()
     if as_json:
         click.echo(json.dumps(d))
@@ -232,5 +249,7 @@ def _eval_text(model_path, policy_names, chats, seed, device, options, lengths, 
             at = f"@{p['watershed']}" if "watershed" in p else ""
             if "merged_pairs" in p:
                 at = " " + "/".join(",".join(pairs) or "none" for pairs in p["merged_pairs"])
+            if "kept_share" in p:
+                at = f" {p['kept_share']:.0%} kept"
             click.echo(f"  {p['policy'] + at:<16} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
                        f"(full {p['ppl_full']:.3f})  over {p['positions']} positions;  by position {buckets}")

@@ -68,6 +68,10 @@ class PolicyFidelity:
     error: str | None = None  # the policy refused this model (one line), nothing measured
     watershed: int | None = None  # round policies: the layer they chose at
     merged: list[list[str]] = field(default_factory=list)  # krul: the pairs merged, per chat
+    # layer-budget policies (xkv, uniform, pyramid), per chat: the share of the input's K/V the reply read (mean
+    # over the global layers, window included) and the mean share of the window's scored attention kept
+    kept: list[float] = field(default_factory=list)
+    retention: list[float] = field(default_factory=list)
 
     def add(self, position: int, kl: float, agree: bool, nll: float, nll_full: float) -> None:
         self.overall.add(kl, agree, nll, nll_full)
@@ -80,6 +84,9 @@ class PolicyFidelity:
         extra = {} if self.watershed is None else {"watershed": self.watershed}
         if self.merged:
             extra["merged_pairs"] = self.merged
+        if self.kept:
+            extra["kept_share"] = round(sum(self.kept) / len(self.kept), 4)
+            extra["retention"] = round(sum(self.retention) / len(self.retention), 4)
         return {"policy": self.policy, **extra, **self.overall.as_dict(),
                 "by_position": {k: v.as_dict() for k, v in self.by_position.items()}}
 
@@ -177,14 +184,18 @@ class FidelityResult:
 
 def text_fidelity(engine: Engine, policies: dict[str, Callable[[], KVPolicy]], lengths=LENGTHS, chats: int = 2,
                   max_positions: int = 256, seed: int = 0,
-                  progress: Callable[[str], None] | None = None) -> FidelityResult:
+                  progress: Callable[[str, int, int], None] | None = None) -> FidelityResult:
     """Every policy (name -> a maker, so a policy that refuses the model is reported, not fatal) against the full
-    cache, on `chats` chats per length. `full` is always measured against itself as the harness's own check."""
+    cache, on `chats` chats per length. `full` is always measured against itself as the harness's own check.
+    `progress(what, done, total)`: before each run, counted in runs (the reference and each policy, per chat)."""
     from kvchat.engine.policies import make_policy
 
     result = FidelityResult(engine.path, str(engine.device))
     started = time.perf_counter()
     full = make_policy("full", engine)
+    runs = [length for length in lengths if length + max_positions <= engine.config.context_length]
+    total = len(runs) * chats * (1 + len([p for p in policies if p != "full"]) + 1)  # + the reference per chat
+    done = 0
     for length in lengths:
         if length + max_positions > engine.config.context_length:
             result.skipped[length] = f"longer than the model's context of {engine.config.context_length} tokens"
@@ -194,22 +205,30 @@ def text_fidelity(engine: Engine, policies: dict[str, Callable[[], KVPolicy]], l
         rows = {name: PolicyFidelity(name) for name in ["full", *[p for p in policies if p != "full"]]}
         for chat in material:
             ref = forced_logits(engine, full, chat)
+            done += 1
             for name, fid in rows.items():
+                if progress:
+                    progress(f"{length} tokens, {chat.name}: {name}", done, total)
+                done += 1
                 if fid.error:
                     continue
-                if progress:
-                    progress(f"{length} tokens, {chat.name}: {name}")
                 try:
                     policy = full if name == "full" else policies[name]()
                     fid.watershed = getattr(policy, "watershed", None)
                     got = forced_logits(engine, policy, chat)
                     if hasattr(policy, "last_pairs"):
                         fid.merged.append([str(p) for p in policy.last_pairs])
+                    choice = getattr(policy, "last_choice", None)
+                    if choice is not None:
+                        fid.kept.append(choice.kept_share)
+                        fid.retention.append(sum(choice.retention) / max(len(choice.retention), 1))
                 except KvchatError as exc:
                     fid.error = str(exc)
                     continue
                 compare(fid, ref, got, chat.reply)
             del ref
         result.lengths[length] = list(rows.values())
+    if progress and total:
+        progress("done", total, total)
     result.seconds = time.perf_counter() - started
     return result

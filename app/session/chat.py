@@ -343,6 +343,7 @@ class ChatSession:
             raise
         crash_point("round-committed")
         self.rounds.append(row)
+        self._save_budgets(mp, idx)
         if not self._settle_cache(start, prompt + result.tokens[:-1], closed):
             return result  # its K/V are computed again (and stored) when the chat is next restored
         if self.merges is not None and self.policy is None:  # the chat's statistics: late rows of message, reply
@@ -374,6 +375,19 @@ class ChatSession:
         device_tier = self.cache.lower if isinstance(self.cache, TieredKV) else self.cache
         if device_tier.capacity < slots:
             device_tier.reserve(slots, exact=True)
+
+    def _save_budgets(self, policy: KVPolicy | None, idx: int) -> None:
+        """A layer-budget policy's choice for this reply (XKV: engine.policies.budgets), kept with the chat for
+        `kvchat show`. The reply is saved already: a store that refuses this costs the figures, nothing else."""
+        choice = getattr(policy, "last_choice", None)
+        if choice is None:
+            return
+        try:
+            self.store.save_kv_budgets(self.sid, policy=policy.name, budget=policy.budget,
+                                       input_slots=choice.input_slots, kept=choice.kept,
+                                       retention=choice.retention, round_idx=idx)
+        except StoreError:
+            pass
 
     def _keep_partial(self, pending: RoundRow, text: str) -> None:
         """Save what streamed of an interrupted reply over its pending one, if the store still takes writes."""

@@ -20,7 +20,7 @@ from kvchat.app.session.artifacts import (
 )
 from kvchat.engine.calibrate.merge_check import MergeCalibration, calibrate_merges, default_check_chats
 from kvchat.engine.calibrate.watershed import DEFAULT_CHATS, Calibration, calibrate
-from kvchat.engine.policies import KVPolicy, chat_policy_class, policy_class
+from kvchat.engine.policies import BUDGET_POLICIES, KVPolicy, chat_policy_class, policy_class
 from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
 from kvchat.errors import KvchatError
 
@@ -81,11 +81,14 @@ def build_policy(name: str, engine=None, progress: Progress | None = None, **opt
     return policy
 
 
-def chat_policy(name: str, engine=None, progress: Progress | None = None) -> KVPolicy | None:
-    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy) or
-    `loopserve`."""
+def chat_policy(name: str, engine=None, progress: Progress | None = None,
+                kv_budget: float | None = None) -> KVPolicy | None:
+    """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy),
+    `loopserve`, or `xkv` reading `kv_budget` of the chat's K/V (default: the policy's own, 0.2)."""
     if chat_policy_class(name) is None:
         return None
+    if name in BUDGET_POLICIES:
+        return build_policy(name, engine, progress, **({} if kv_budget is None else {"budget": kv_budget}))
     if name == "loopserve":
         # A chat's prefill goes sparse only from where the kernel measured faster (a whole prefill never has yet:
         # docs/benchmarks.md, "LoopServe"); its reply always reads a progressively chosen budget.

@@ -42,7 +42,7 @@ from kvchat.app.session.writer import KVWriter
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine, ModelInfo
 from kvchat.engine.generate import GenerationResult, TokenCallback
-from kvchat.engine.policies import KVPolicy, chat_policy_class
+from kvchat.engine.policies import BUDGET_POLICIES, KVPolicy, chat_policy_class
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.text.chat_format import Conversation
@@ -126,7 +126,8 @@ class ChatService:
         self._store: Store | None = None
         self._engines: dict[str, Engine] = {}
         self._writers: dict[str, KVWriter] = {}  # one background writer per model fingerprint
-        self._policies: dict[tuple[str, str], KVPolicy | None] = {}  # (model file, policy name) -> built policy
+        # (model file, policy name, its budget) -> built policy
+        self._policies: dict[tuple[str, str, float | None], KVPolicy | None] = {}
         self._open: OrderedDict[str, _OpenChat] = OrderedDict()  # restored chats, least recently used first
         self.model_lock = threading.RLock()  # one forward pass at a time, and no save racing a delete
         self._state_lock = threading.RLock()
@@ -134,6 +135,9 @@ class ChatService:
         # The app's setting (`kvchat send --compact`): after each saved round, drop the K/V restores on this machine
         # recompute anyway. Read when a round is saved, so a change reaches the chats already open.
         self.compact_kv = True
+        # The share of a chat's K/V each reply reads under the xkv policy (`--kv-budget`, the app's setting; None:
+        # the policy's default). Read when the policy is built, so a new setting applies to the chats opened next.
+        self.kv_budget: float | None = None
         self.notice: Callable[[str], None] | None = None  # tells the user about a profile being measured
         self.on_progress: OnProgress | None = None  # shows how far a profile being measured is (app/session/progress)
 
@@ -212,12 +216,12 @@ class ChatService:
     def policy(self, engine: Engine, name: str, calibrating: Progress | None = None) -> KVPolicy | None:
         """The chat policy `name` (None: the full cache) for the engine's model, built once. The round policy
         calibrates a model on its first use (seconds to minutes, reported to `calibrating(done, total)`)."""
-        key = (str(engine.path), name)
+        key = (str(engine.path), name, self.kv_budget if name in BUDGET_POLICIES else None)
         with self.model_lock:  # calibrating runs the model; held, it also keeps two workers from calibrating twice
             with self._state_lock:
                 if key in self._policies:
                     return self._policies[key]
-            policy = chat_policy(name, engine, calibrating)
+            policy = chat_policy(name, engine, calibrating, self.kv_budget)
             with self._state_lock:
                 self._policies[key] = policy
             return policy
@@ -308,6 +312,8 @@ class ChatService:
             if opened is not None and opened.kv_policy == kv_policy:
                 self._open.move_to_end(sid)
         if opened is not None and opened.kv_policy == kv_policy:
+            if kv_policy in BUDGET_POLICIES:  # a new budget needs no reopening: the full cache stays as it is
+                opened.session.message_policy = self.policy(opened.session.engine, kv_policy, calibrating)
             if restore and opened.session.restored is None:  # opened by a send that did not get to restore it
                 opened.stats = opened.session.restore(progress=progress, cancel=cancel)
             return opened.session

@@ -27,7 +27,8 @@ class KvchatApp(App[None]):
                                 "disk before the app exits)")]
 
     def __init__(self, *, model_path: str | None = None, device: str | None = None, kv_policy: str | None = None,
-                 gpu_memory: int | None = None, home: Path | None = None, clock: Callable[[], datetime] = utc_now,
+                 gpu_memory: int | None = None, kv_budget: float | None = None, home: Path | None = None,
+                 clock: Callable[[], datetime] = utc_now,
                  show_measurements: bool = True, cursor_blink: bool = True) -> None:
         """`clock`, `show_measurements` and `cursor_blink` exist so snapshot tests can freeze the screen: ages are
         computed from `clock()`, timings and compressed sizes are drawn as "…" when measurements are hidden."""
@@ -39,8 +40,11 @@ class KvchatApp(App[None]):
             self.preferences.model_path = str(Path(model_path).resolve())
         if kv_policy:  # --kv-policy: likewise for this run only
             self.preferences.kv_policy = kv_policy
+        if kv_budget is not None:  # --kv-budget: likewise
+            self.preferences.kv_budget = kv_budget
         self.gpu_memory = gpu_memory  # --gpu-memory: this run's budget, over the settings' (which may change)
         self.backend.compact_kv = self.preferences.compact_kv
+        self.backend.kv_budget = self.preferences.kv_budget
         self.apply_gpu_memory(self.preferences)
         self.clock, self.show_measurements, self.cursor_blink = clock, show_measurements, cursor_blink
 
@@ -78,8 +82,9 @@ class KvchatApp(App[None]):
 
 
 def run_app(model_path: str | None = None, device: str | None = None, kv_policy: str | None = None,
-            gpu_memory: int | None = None) -> None:
-    app = KvchatApp(model_path=model_path, device=device, kv_policy=kv_policy, gpu_memory=gpu_memory)
+            gpu_memory: int | None = None, kv_budget: float | None = None) -> None:
+    app = KvchatApp(model_path=model_path, device=device, kv_policy=kv_policy, gpu_memory=gpu_memory,
+                    kv_budget=kv_budget)
     try:
         app.run()
     finally:

@@ -235,6 +235,7 @@ class ChatActions:
         policy_changed = prefs.kv_policy != self.app.preferences.kv_policy
         self.app.preferences = prefs
         self.backend.compact_kv = prefs.compact_kv
+        self.backend.kv_budget = prefs.kv_budget  # xkv: from the next message on
         self.app.apply_gpu_memory(prefs)  # planned from the next message (or chat opened) on
         self.notify("Settings saved.")
         if self.open_sid is None:

@@ -29,6 +29,7 @@ class Preferences:
     seed: int | None = None
     max_tokens: int = 512
     kv_policy: str = "full"  # one of CHAT_POLICIES: what the chats opened from now on run under
+    kv_budget: float = 0.2  # xkv: the share of a chat's K/V each reply reads, in (0, 1]
     compact_kv: bool = True  # after each saved round, drop the K/V that restoring on this machine recomputes anyway
     reply_guard: bool = True  # stop a reply that loops or runs past the model's reply cap (engine.reply_guard)
     gpu_memory: str = ""  # what kvchat may use of the GPU, as written ("8GiB"); empty: what it has free
@@ -56,6 +57,9 @@ class Preferences:
             raise KvchatError(f"the reply length must be at least 1 token, not {self.max_tokens}")
         if self.kv_policy not in CHAT_POLICIES:
             raise KvchatError(f"unknown KV policy {self.kv_policy!r} for chats (accepted: {', '.join(CHAT_POLICIES)})")
+        if isinstance(self.kv_budget, bool) or not isinstance(self.kv_budget, (int, float)) or \
+                not 0 < self.kv_budget <= 1:
+            raise KvchatError(f"the KV budget is a share of the chat's K/V in (0, 1], not {self.kv_budget!r}")
         if not isinstance(self.gpu_memory, str):
             raise KvchatError("the GPU memory must be a size such as 8GiB")
         try:
@@ -80,6 +84,9 @@ class Preferences:
                 prefs.reply_guard = True
             if not isinstance(prefs.keep_edited_branch, bool):
                 prefs.keep_edited_branch = True
+            if isinstance(prefs.kv_budget, bool) or not isinstance(prefs.kv_budget, (int, float)) or \
+                    not 0 < prefs.kv_budget <= 1:
+                prefs.kv_budget = 0.2
             if not isinstance(prefs.theme, str):  # an unknown name is let go when the app applies it
                 prefs.theme = ""
             try:

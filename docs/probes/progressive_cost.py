@@ -54,7 +54,7 @@ def select_per_layer(self: ProgressiveDecode) -> None:
             mass = F.max_pool1d(mass[:, None], self.pool, stride=1, padding=self.pool // 2)[:, 0, : self.first]
         mass = mass.masked_fill(~self.candidates[layer], -1.0)
         n_keep = min(self.budget, self.n_candidates[layer])
-        self._write(layer, mass.topk(n_keep, dim=1).indices.to(torch.int32))
+        self.write(layer, mass.topk(n_keep, dim=1).indices.to(torch.int32))
     self.selections += 1
 
 

@@ -10,23 +10,29 @@ from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.full import FullKV
 from kvchat.engine.policies.krul import KrulMerge
 from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
+from kvchat.engine.policies.pyramid import PyramidBudget
 from kvchat.engine.policies.round_attention import (
     RoundAttention,
     RoundAttentionAdaptive,
     RoundAttentionThreshold,
     RoundAttentionTopK,
 )
+from kvchat.engine.policies.uniform import UniformBudget
+from kvchat.engine.policies.xkv import XKV
 from kvchat.errors import KvchatError
 
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
-    for cls in (FullKV, KrulMerge, LoopServe, LoopServeRound, RoundAttention, RoundAttentionThreshold, RoundAttentionTopK, RoundAttentionAdaptive)
+    for cls in (FullKV, KrulMerge, LoopServe, LoopServeRound, RoundAttention, RoundAttentionThreshold,
+                RoundAttentionTopK, RoundAttentionAdaptive, XKV, UniformBudget, PyramidBudget)
 }
 
 
-# What chats accept: the full cache, Round Attention on its tiered KV, or LoopServe on the full cache (sparse prefill
-# of long messages, progressive selection of what the reply reads).
-CHAT_POLICIES = ("full", "round", "loopserve")
+# What chats accept: the full cache, Round Attention on its tiered KV, LoopServe on the full cache (sparse prefill
+# of long messages, progressive selection of what the reply reads), or XKV (per-layer budgets of what the reply reads).
+CHAT_POLICIES = ("full", "round", "loopserve", "xkv")
+# Policies whose reply reads a per-layer budget (engine.policies.budgets): they take `budget=` (a share in (0, 1]).
+BUDGET_POLICIES = ("xkv", "uniform", "pyramid")
 
 
 def policy_class(name: str) -> type[KVPolicy]:
@@ -38,10 +44,10 @@ def policy_class(name: str) -> type[KVPolicy]:
 
 def chat_policy_class(name: str) -> type[KVPolicy] | None:
     """The class of the policy a chat runs under: None for the full cache, else a tiered policy (`round` or a
-    strategy) or `loopserve`; a one-line error for any other name."""
+    strategy), `loopserve` or `xkv`; a one-line error for any other name."""
     if name == "full":
         return None
-    if name == "loopserve" or (name in POLICIES and POLICIES[name].tiered):
+    if name in ("loopserve", "xkv") or (name in POLICIES and POLICIES[name].tiered):
         return POLICIES[name]
     raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
                       f"{', '.join(n for n in POLICIES if n in CHAT_POLICIES or POLICIES[n].tiered)})")

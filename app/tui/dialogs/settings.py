@@ -22,6 +22,7 @@ POLICY_CHOICES = {
     "full": "full: every round's K/V on the GPU",
     "round": "round: Round Attention on a tiered KV cache (calibrates the model once)",
     "loopserve": "loopserve: sparse prefill of long messages, progressive decode",
+    "xkv": "xkv: each layer reads its own budget of the chat's K/V (XKV)",
 }
 # Round Attention is offered, not recommended: on the embedded model its recall is still below the full cache's.
 ROUND_HINT = ("round: lower layers of every round on the GPU, upper layers only of the rounds each message picks "
@@ -66,6 +67,8 @@ class SettingsDialog(SaveOrCancel, ModalScreen[SettingsChoice | None]):
                 yield Select([(POLICY_CHOICES.get(name, name), name) for name in CHAT_POLICIES], value=p.kv_policy,
                              allow_blank=False, id="kv-policy")
                 yield self._hint(ROUND_HINT)
+                with Horizontal(classes="row"):
+                    yield self._field("xkv budget (share of K/V)", "kv-budget", p.kv_budget)
                 yield WrappingCheckbox("Compact chats: after each reply, drop the stored K/V that reopening the chat "
                                        "on this machine recomputes anyway", p.compact_kv, id="compact-kv")
                 yield WrappingCheckbox("Guard replies: stop a reply that keeps repeating itself or runs past the "
@@ -128,6 +131,7 @@ class SettingsDialog(SaveOrCancel, ModalScreen[SettingsChoice | None]):
                        top_p=number("top-p", float), seed=number("seed", int) if seed else None,
                        max_tokens=number("max-tokens", int),
                        kv_policy=self.query_one("#kv-policy", Select).value,
+                       kv_budget=number("kv-budget", float),
                        compact_kv=self.query_one("#compact-kv", Checkbox).value,
                        reply_guard=self.query_one("#reply-guard", Checkbox).value,
                        keep_edited_branch=self.query_one("#keep-edited-branch", Checkbox).value,

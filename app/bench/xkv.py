@@ -1,0 +1,135 @@
+"""XKV's speed figures (`kvchat bench xkv`): decode over the full cache against decode over per-layer budgets
+(xkv, and the uniform baseline at the same budget), on a real chat's tokens (MT-Bench in the model's template),
+each pair in the same run.
+
+Per context and budget: tokens/s of each (the median of `repeats` runs of `decode_tokens` greedy steps, the step
+built — a CUDA graph captured — before the clock starts); the bytes each step reads (the weights as placed, plus
+the K/V the lists name: measured from the lists, not assumed from the budget); the bound those bytes set on the
+speed-up (bytes of the full step / bytes of the budgeted one) and the share of it reached; the time the choice
+takes after a prefill (the window's queries recomputed, scored, allocated: what it adds to the time to first
+token) beside the prefill's own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvchat.app.bench.loopserve import CHUNK, chat_tokens
+from kvchat.engine.engine import Engine
+from kvchat.app.bench.engine_speed import quantized_matrices
+from kvchat.engine.model.cuda_graph import decoder_step
+from kvchat.engine.policies import make_policy
+from kvchat.engine.timing import timed_runs
+
+
+@dataclass
+class XKVFigures:
+    model: str
+    device: str
+    contexts: list[dict] = field(default_factory=list)
+
+
+def weight_bytes(engine: Engine) -> int:
+    """The bytes of weights one decode step reads (as placed on the device; quantized matrices in their blocks)."""
+    kept = quantized_matrices(engine.model)
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(m.nbytes for m in kept)
+
+
+def kv_bytes_read(engine: Engine, kept: list[int], reply: int) -> int:
+    """K/V bytes one decode step reads when layer i reads kept[i] input slots per KV head, plus `reply` tokens."""
+    cfg = engine.config
+    per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * engine.model.dtype.itemsize
+    return sum(n + reply for n in kept) * per_slot
+
+
+@torch.inference_mode()
+def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: int = 3,
+                   decode_tokens: int = 128) -> dict:
+    model, device = engine.model, engine.device
+    tokens = chat_tokens(engine, context)
+    capacity = context + decode_tokens + 2
+    window = tokens[-8:].tolist()
+
+    def prefill():
+        cache = model.new_cache(capacity)
+        for s in range(0, context, CHUNK):
+            model(tokens[s : s + CHUNK], cache)
+        return cache
+
+    prefill_s = timed_runs(prefill, device, 1)[0]
+    cache = prefill()
+
+    def rates(make_step) -> list[float]:
+        out = []
+        for run in range(repeats + 1):
+            cache.length = context
+            step = make_step()
+            token = 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens):
+                token = int(torch.argmax(step(token)))  # the host sync a real decode loop has
+            if run:  # the first run warms up
+                out.append(decode_tokens / (time.perf_counter() - t0))
+        return out
+
+    weights = weight_bytes(engine)
+    full_kv = kv_bytes_read(engine, [context] * engine.config.n_layers, decode_tokens // 2)
+    figures: dict = {"context": context, "prefill_s": prefill_s, "weight_bytes": weights,
+                     "full": {"tok_s": rates(lambda: decoder_step(model, cache, capacity, None)),
+                              "bytes_per_token": weights + full_kv}, "budgets": []}
+    full_rate = statistics.median(figures["full"]["tok_s"])
+    for budget in budgets:
+        for name in ("xkv", "uniform"):
+            policy = make_policy(name, engine, budget=budget)
+            cache.length = context
+            policy.visible_slots(cache, [], window, model=model)
+            choose_s = timed_runs(lambda: policy.choose(model, cache), device, 3)
+            made: list = []
+
+            def step(policy=policy, made=made):
+                cache.length = context
+                s = policy.decode_step(model, cache, context - len(window), None, capacity, None)
+                made.append(policy.last_choice)
+                return s
+
+            tok_s = rates(step)
+            kept = made[-1].kept
+            read = weights + kv_bytes_read(engine, kept, decode_tokens // 2)
+            bound = (weights + full_kv) / read
+            speedup = statistics.median(tok_s) / full_rate
+            figures["budgets"].append({
+                "policy": name, "budget": budget, "tok_s": tok_s, "kept_share": made[-1].kept_share,
+                "bytes_per_token": read, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
+                "choose_ms": 1e3 * statistics.median(choose_s),
+                "retention": sum(made[-1].retention) / max(len(made[-1].retention), 1)})
+    return figures
+
+
+def bench_model(engine: Engine, contexts: list[int], budgets: list[float], repeats: int = 3, log=print,
+                decode_tokens: int = 128) -> XKVFigures:
+    figures = XKVFigures(str(engine.path), torch.cuda.get_device_name(engine.device)
+                         if engine.device.type == "cuda" else "cpu")
+    for context in contexts:
+        f = decode_figures(engine, context, budgets, repeats, decode_tokens)
+        figures.contexts.append(f)
+        full = f["full"]
+        log(f"  {context} tokens: prefill {f['prefill_s'] * 1e3:,.0f} ms; full decode "
+            f"{statistics.median(full['tok_s']):.1f} tok/s ({min(full['tok_s']):.1f}-{max(full['tok_s']):.1f}), "
+            f"{full['bytes_per_token'] / 2**20:,.1f} MiB a token")
+        for b in f["budgets"]:
+            log(f"    {b['policy']:<8} {b['budget']:g}: {statistics.median(b['tok_s']):.1f} tok/s "
+                f"({min(b['tok_s']):.1f}-{max(b['tok_s']):.1f}), {b['kept_share']:.1%} of the K/V read, "
+                f"{b['bytes_per_token'] / 2**20:,.1f} MiB a token; {b['speedup']:.2f}x of the bound's "
+                f"{b['bound']:.2f}x ({b['share_of_bound']:.0%}); choice {b['choose_ms']:.1f} ms; attention kept "
+                f"{b['retention']:.1%}")
+    return figures
+
+
+def as_dict(figures: XKVFigures) -> dict:
+    return asdict(figures)

@@ -1,0 +1,60 @@
+"""XKV against its baselines at several budgets, in one run of `kvchat eval --text`'s harness (app/bench/fidelity.py):
+the full cache's logits are computed once per chat and every (policy, budget) pair is scored against them, so the
+pairs differ only in how the budget is shared among the layers (all three score and select alike).
+
+    python docs/probes/xkv_fidelity.py --model gemma-3-270m --lengths 2000,8000 --chats 2 --json out.json
+
+Prints mean KL, top-1 agreement and the kept share per pair and length (docs/benchmarks.md, "XKV").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvchat.app.bench.fidelity import text_fidelity
+from kvchat.engine.engine import Engine
+from kvchat.engine.policies import make_policy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file or gemma-3-270m (default: the embedded model)")
+    parser.add_argument("--lengths", default="2000,8000")
+    parser.add_argument("--chats", type=int, default=2)
+    parser.add_argument("--positions", type=int, default=128)
+    parser.add_argument("--budgets", default="0.4,0.2,0.1")
+    parser.add_argument("--policies", default="xkv,uniform,pyramid")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.storage.known_models import is_known_model, resolve_model
+
+    path = str(resolve_model(args.model)) if args.model and is_known_model(args.model) else args.model or str(
+        DEFAULT_MODEL)
+    engine = Engine(path, device=args.device)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    makers = {f"{name}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b))
+              for b in budgets for name in args.policies.split(",")}
+    result = text_fidelity(engine, makers, [int(x) for x in args.lengths.split(",")], args.chats, args.positions,
+                           progress=lambda what, done, total: print(f"\r{done}/{total} {what:<60}", end="",
+                                                                     file=sys.stderr, flush=True))
+    d = result.as_dict()
+    print(file=sys.stderr)
+    print(f"model {path}  device {result.device}  {args.chats} chats per length, up to {args.positions} positions "
+          f"({result.seconds:.0f} s)")
+    for length, entry in d["lengths"].items():
+        print(f"{length} tokens (chats of {', '.join(map(str, entry['chat_tokens']))}):")
+        for p in entry["policies"]:
+            kept = f"  kept {p['kept_share']:.1%}, attention kept {p['retention']:.1%}" if "kept_share" in p else ""
+            print(f"  {p['policy']:<14} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
+                  f"(full {p['ppl_full']:.3f}){kept}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(d, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Per-layer KV budgets (the base of engine.policies.xkv, .uniform and .pyramid): the new message's prefill reads the
+whole chat, then the reply reads, in each global layer, only the input slots that layer's budget keeps.
+
+What is scored (XKV's Alg. 2, SnapKV's observation window): the attention the input's last `window` tokens (8, the
+paper's `ows`) pay each earlier input slot, per layer and KV head — softmax probabilities over the keys each of
+them saw (causal), summed over the window's tokens and the KV head's query heads (kernels/slot_mass.py, the kernel
+LoopServe's selection runs) — then averaged over `pool` (7, the paper's `ps`) neighbouring slots, so that a value
+of several tokens is kept whole.
+
+Decisions the paper leaves open, made here once:
+* The window's own slots are always kept and counted in the budget: a layer keeps `window` + n_i input slots, and
+  the policy's budget is the mean of those over the global layers. A budget below the window is refused.
+* Scores and budgets are per layer (the paper's w_i: the KV heads' scores summed); within a layer each KV head keeps
+  its own top n_i slots by its own score (SnapKV, per head), because K/V are stored and read per KV head.
+* No minimum beyond the window (the paper's allocation list starts at zero): a layer whose attention is all on the
+  window may keep nothing else.
+* Sliding-window layers (Gemma 3) are outside the budget: they read at most their window already.
+* The scores come from the message's own prefill (the chat's K/V are all on the device while a message is read):
+  the window's queries are recomputed after the prefill for its `window` tokens (their K/V written back as they
+  were), so there is no mini-prefill. The full K/V stays where it is: each message chooses again over everything
+  the chat has, so a fact left out for one reply can come back for a later one.
+
+The decode is engine.policies.slot_lists' (one CUDA graph; the reply reads all of itself). A budget that keeps every
+input slot of every layer runs the engine's own decode step: budget 1.0 gives the full cache's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
+from kvchat.engine.policies.base import KVPolicy
+from kvchat.engine.policies.progressive_decode import layer_groups
+from kvchat.engine.policies.slot_lists import SlotListDecode
+from kvchat.errors import KvchatError
+from kvchat.kernels.slot_mass import slot_mass
+
+# Scores of one group of layers stay under this without the Triton kernel (as engine.policies.progressive_decode).
+SCORE_BYTES = 256 << 20
+
+
+@dataclass
+class BudgetChoice:
+    """What one message's reply reads: per layer (all layers, sliding-window ones at their window) the input slots
+    kept by each KV head, the window included, and the share of the layer's scored attention they hold."""
+
+    input_slots: int  # slots [0, input_slots) were the input (history and message)
+    kept: list[int]  # per layer: input slots each KV head reads
+    retention: list[float]  # per global layer: R_i(n_i), the kept share of its pooled window scores
+    global_layers: list[int] = field(default_factory=list)
+
+    @property
+    def mean_kept(self) -> float:
+        """The mean kept input slots over the global layers."""
+        return sum(self.kept[i] for i in self.global_layers) / max(len(self.global_layers), 1)
+
+    @property
+    def kept_share(self) -> float:
+        return self.mean_kept / max(self.input_slots, 1)
+
+
+@dataclass(eq=False)
+class LayerBudgetPolicy(KVPolicy):
+    """A budget of input slots per global layer for the reply; subclasses decide how it is shared (`allocate`)."""
+
+    budget: float = 0.2  # share of the input's slots a global layer keeps on average, window included, in (0, 1]
+    tokens: int = 0  # instead of `budget`: input slots a global layer keeps on average (0: use `budget`)
+    window: int = 8  # the observation window: the input's last tokens, always kept, whose attention is scored
+    pool: int = 7  # slots averaged into each score (odd)
+    # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
+    last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
+    _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 < self.budget <= 1:
+            raise KvchatError(f"the KV budget is a share of the chat's K/V in (0, 1], not {self.budget}")
+        if self.window < 1 or self.pool < 1 or self.pool % 2 == 0:
+            raise KvchatError("window is a count of tokens (at least 1) and pool an odd count of slots")
+        if self.tokens < 0 or (self.tokens and self.tokens < self.window):
+            raise KvchatError(f"a KV budget of {self.tokens} tokens is smaller than the always-kept window of "
+                              f"{self.window} tokens")
+
+    @abstractmethod
+    def allocate(self, scores: Tensor, total: int) -> list[int]:
+        """Share `total` slots among the global layers, given their pooled scores [G, N] (each row normalized to
+        sum to 1; N candidate slots per layer): n_i per layer, each at most N, summing to min(total, G * N)."""
+
+    def kept_per_layer(self, input_slots: int) -> int:
+        """Input slots a global layer keeps on average (window included) for an input of `input_slots`."""
+        wanted = self.tokens or math.ceil(self.budget * input_slots)
+        return min(input_slots, max(wanted, self.window))
+
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
+                      model: Transformer | None = None) -> Attend:
+        # The message reads the whole chat; its last tokens are the window scored after its prefill.
+        self._window_tokens = list(new_tokens[-self.window:])
+        self.last_choice = None  # until this message's reply chooses
+        return None
+
+    @torch.inference_mode()
+    def choose(self, model: Transformer, cache: KVCache) -> tuple[BudgetChoice, list[Tensor | None]]:
+        """The budgets and, per layer, the kept input slots [Hkv, n_i] (None: the layer keeps every slot) for the
+        cache's input (slots [0, cache.length), ending with the window tokens handed to `visible_slots`)."""
+        cfg = model.cfg
+        first = cache.length
+        n_win = min(len(self._window_tokens), first)
+        globals_ = [i for i in range(cfg.n_layers) if not cfg.window(i)]
+        candidates = first - n_win  # scored slots: the input before the window
+        average = self.kept_per_layer(first)
+        if not globals_ or n_win == 0 or average >= first or candidates <= 0:
+            kept = [first if not cfg.window(i) else min(first, cfg.window(i)) for i in range(cfg.n_layers)]
+            return BudgetChoice(first, kept, [1.0] * len(globals_), globals_), [None] * cfg.n_layers
+        scores = self._scores(model, cache, globals_, self._window_tokens[-n_win:])  # [G, Hkv, N]
+        per_layer = scores.sum(1)
+        per_layer = per_layer / per_layer.sum(1, keepdim=True).clamp_min(1e-30)
+        total = len(globals_) * (average - n_win)
+        counts = self.allocate(per_layer, total)
+        if len(counts) != len(globals_) or any(not 0 <= n <= candidates for n in counts):
+            raise RuntimeError(f"{self.name} allocated {counts} for {len(globals_)} layers of {candidates} slots")
+        ordered = per_layer.sort(dim=1, descending=True).values.cumsum(1)
+        retention = [float(ordered[j, n - 1]) if n else 0.0 for j, n in enumerate(counts)]
+        window_slots = torch.arange(candidates, first, device=scores.device, dtype=torch.long)
+        slots: list[Tensor | None] = [None] * cfg.n_layers
+        kept = [min(first, cfg.window(i)) for i in range(cfg.n_layers)]
+        for j, layer in enumerate(globals_):
+            top = scores[j].topk(counts[j], dim=1).indices if counts[j] else scores.new_empty(
+                cfg.n_kv_heads, 0, dtype=torch.long)
+            chosen = torch.cat([top.sort(dim=1).values, window_slots.expand(cfg.n_kv_heads, -1)], dim=1)
+            slots[layer] = chosen.to(torch.int32)
+            kept[layer] = chosen.shape[1]
+        return BudgetChoice(first, kept, retention, globals_), slots
+
+    def _scores(self, model: Transformer, cache: KVCache, layers: list[int], tokens: list[int]) -> Tensor:
+        """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window."""
+        cfg = model.cfg
+        first, n_win = cache.length, len(tokens)
+        queries = window_queries(model, cache, tokens)  # [L, T, H, D]
+        out = []
+        per_layer_bytes = cfg.n_heads * n_win * first * 4
+        for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
+            keys = cache.keys_of(group, first)
+            out.append(slot_mass(queries[at], keys, first - n_win, None, cfg.softmax_scale))
+        mass = torch.cat(out)  # [G, Hkv, N]
+        if self.pool > 1:
+            g, h, n = mass.shape
+            mass = F.avg_pool1d(mass.view(g * h, 1, n), self.pool, stride=1, padding=self.pool // 2,
+                                count_include_pad=False).view(g, h, n)
+        return mass
+
+    def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
+                    cuda_graph: bool | None):
+        if attend is not None or cache.slot_positions is not None:
+            raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
+        choice, slots = self.choose(model, cache)
+        self.last_choice = choice
+        if all(s is None for s in slots):
+            return None  # every slot kept: the engine's own step, the full cache's tokens exactly
+        step = SlotListDecode(model, cache, prompt_start, capacity, None, cuda_graph)
+        for layer, kept in enumerate(slots):
+            if kept is not None:
+                step.write(layer, kept)
+        return step
+
+
+@torch.inference_mode()
+def window_queries(model: Transformer, cache: KVCache, tokens: list[int]) -> Tensor:
+    """The queries [L, T, H, D] of the cache's last T input slots, which hold `tokens`, at every layer: those tokens
+    run again over the cache (their K/V, rewritten on the way, are put back as they were)."""
+    cfg, first = model.cfg, cache.length
+    start = first - len(tokens)
+    layers = cache.layers
+    saved = cache.read(layers, start, first)
+    queries: list[Tensor] = []
+    positions = torch.arange(start, first)
+    try:
+        model.run_layers(model.embed(torch.tensor(tokens)), positions, cache, start, queries=queries)
+    finally:
+        cache.write(layers, start, saved)
+    return torch.stack([q.reshape(len(tokens), cfg.n_heads, cfg.head_dim) for q in queries])

@@ -1,0 +1,161 @@
+"""Per-layer KV budgets: XKV (engine.policies.xkv) and its baselines `uniform` and `pyramid`, on the embedded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import decode_steps
+from kvchat.engine.policies import make_policy
+from kvchat.engine.policies.budgets import window_queries
+from kvchat.engine.policies.pyramid import pyramid_counts
+from kvchat.engine.policies.xkv import allocate_greedy, allocate_top_n
+from kvchat.errors import KvchatError
+from kvchat.kernels.slot_mass import slot_mass_ref
+
+QUESTION = ("My dog is called Rex. Our canoe is called Blue Heron. My sister lives in Lisbon. The cat is called "
+            "Miso. My brother was born in Porto. What is my dog called?")
+BUDGET_POLICIES = ("xkv", "uniform", "pyramid")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def prefilled(engine, policy, capacity=256):
+    """The question prefilled into a fresh cache (what the policy saw of it handed over first)."""
+    m = engine.model
+    prompt = engine.encode_prompt(QUESTION)
+    cache = m.new_cache(capacity)
+    assert policy is None or policy.visible_slots(cache, [], prompt, model=m) is None
+    logits = m(torch.tensor(prompt), cache)[-1]
+    return cache, logits, prompt
+
+
+def decode(step, first_logits, n):
+    tokens, rows = [int(first_logits.argmax())], [first_logits]
+    for _ in range(n):
+        rows.append(step(tokens[-1]).clone())
+        tokens.append(int(rows[-1].argmax()))
+    return tokens, torch.stack(rows)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_global_top_n_is_the_papers_greedy_allocation(seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(6, 40, generator=g) ** 4  # skewed, as attention is
+    scores /= scores.sum(1, keepdim=True)
+    for total in (0, 1, 17, 100, 240, 500):
+        top_n = allocate_top_n(scores, total)
+        assert top_n == allocate_greedy(scores, total)
+        assert sum(top_n) == min(total, 240) and all(0 <= n <= 40 for n in top_n)
+
+
+def test_a_layer_whose_attention_is_concentrated_gets_fewer_slots():
+    peaked = torch.tensor([0.9, 0.05, 0.03, 0.02] + [0.0] * 12)
+    flat = torch.full((16,), 1 / 16)
+    counts = allocate_top_n(torch.stack([peaked, flat]), 12)
+    assert counts[0] < counts[1] and sum(counts) == 12
+
+
+def test_pyramid_budgets_fall_linearly_and_keep_the_mean():
+    counts = pyramid_counts(10, 50.0, 400)
+    assert counts == sorted(counts, reverse=True) and sum(counts) == 500
+    assert counts[-1] == round(50 / 20) and counts[0] == round(100 - 50 / 20)
+    assert pyramid_counts(4, 300.0, 400) == [300] * 4  # the line would pass the input: uniform, as kvpress
+
+
+def test_window_queries_are_the_prefills_and_leave_the_cache_as_it_was(engine):
+    m, cfg = engine.model, engine.config
+    prompt = engine.encode_prompt(QUESTION)
+    cache = m.new_cache(128)
+    expected: list = []
+    m.run_layers(m.embed(torch.tensor(prompt)), torch.arange(len(prompt)), cache, 0, queries=expected)
+    cache.length = len(prompt)
+    before = cache.read(cache.layers, 0, len(prompt))
+    got = window_queries(m, cache, prompt[-8:])
+    assert got.shape == (cfg.n_layers, 8, cfg.n_heads, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        want = expected[layer].reshape(len(prompt), cfg.n_heads, cfg.head_dim)[-8:]
+        torch.testing.assert_close(got[layer], want, rtol=1e-3, atol=1e-3)  # GEMMs of another shape
+    assert torch.equal(cache.read(cache.layers, 0, len(prompt)), before)
+
+
+@pytest.mark.parametrize("name", BUDGET_POLICIES)
+def test_a_budget_of_the_whole_input_gives_the_full_caches_tokens(engine, name):
+    m = engine.model
+    cache, logits, _ = prefilled(engine, None)
+    full_tokens, full = decode(decode_steps(m, cache, 13, 200, None, 0, False, make_policy("full")), logits, 12)
+    policy = make_policy(name, engine, budget=1.0)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    tokens, got = decode(step, logits, 12)
+    assert tokens == full_tokens
+    torch.testing.assert_close(got, full)
+    assert policy.last_choice.kept_share == 1.0
+
+
+@pytest.mark.parametrize("name", BUDGET_POLICIES)
+def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(engine, name):
+    m, cfg = engine.model, engine.config
+    policy = make_policy(name, engine, budget=0.25)
+    cache, logits, prompt = prefilled(engine, policy)
+    n = len(prompt)
+    step = decode_steps(m, cache, 5, 200, None, 0, False, policy)
+    choice = policy.last_choice
+    average = policy.kept_per_layer(n)
+    assert choice.input_slots == n and average == max(8, -(-n // 4))
+    assert sum(choice.kept) == cfg.n_layers * average  # every layer global here: the budget spent exactly
+    if name == "uniform":
+        assert set(choice.kept) == {average}
+    assert step.base.tolist() == choice.kept
+    # One layer's lists, recomputed by hand: the window's scores (softmax over what each of its tokens saw,
+    # summed over tokens and the KV head's query heads), averaged over 7 slots, the top n_i, then the window.
+    layer = max(range(cfg.n_layers), key=lambda i: choice.kept[i])
+    queries = window_queries(m, cache, prompt[-8:])[layer : layer + 1]
+    mass = slot_mass_ref(queries, cache.layer(layer)[0:1, :, :n], n - 8, scale=cfg.softmax_scale)[0]
+    pooled = torch.nn.functional.avg_pool1d(mass[:, None], 7, stride=1, padding=3, count_include_pad=False)[:, 0]
+    n_i = choice.kept[layer] - 8
+    for head in range(cfg.n_kv_heads):
+        listed = step.chosen[layer, head, : choice.kept[layer]].tolist()
+        assert listed[n_i:] == list(range(n - 8, n))
+        assert set(listed[:n_i]) == set(pooled[head].topk(n_i).indices.tolist())
+    tokens, _ = decode(step, logits, 4)
+    assert len(tokens) == 5 and cache.length == n + 4
+
+
+def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_evenly(engine):
+    retained = {}
+    for name in ("xkv", "uniform", "pyramid"):
+        policy = make_policy(name, engine, budget=0.2)
+        cache, _, _ = prefilled(engine, policy)
+        choice, _ = policy.choose(engine.model, cache)
+        retained[name] = sum(choice.retention) / len(choice.retention)
+    assert retained["xkv"] >= retained["uniform"] and retained["xkv"] >= retained["pyramid"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"budget": 0.0}, "in \\(0, 1\\]"),
+    ({"budget": 1.5}, "in \\(0, 1\\]"),
+    ({"budget": -0.2}, "in \\(0, 1\\]"),
+    ({"tokens": 4}, "smaller than the always-kept window of 8"),
+    ({"pool": 4}, "odd"),
+])
+def test_a_budget_out_of_range_is_one_line(engine, options, message):
+    for name in BUDGET_POLICIES:
+        with pytest.raises(KvchatError, match=message) as info:
+            make_policy(name, engine, **options)
+        assert "\n" not in str(info.value)
+
+
+def test_a_budget_runs_on_the_full_cache_only(engine):
+    from kvchat.engine.model.attention import SplitAttend
+
+    m = engine.model
+    policy = make_policy("xkv", engine, budget=0.2)
+    cache, _, _ = prefilled(engine, policy)
+    with pytest.raises(KvchatError, match="full cache"):
+        policy.decode_step(m, cache, 0, SplitAttend(1, torch.arange(4)), 200, False)

@@ -1,0 +1,50 @@
+"""Chats under the xkv policy: the full cache stays, each reply reads its per-layer budgets, the latest budgets are
+kept with the chat and shown; bad budgets are refused in one line with nothing changed."""
+
+from __future__ import annotations
+
+import json
+
+from cli_run import kvchat
+from kvchat.storage.db import Store
+
+SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
+MESSAGES = ["My name is Ada.", "My sister's name is Mira.", "I live in Lisbon.", "What is my sister's name?"]
+
+
+def chat_under(policy: list[str]) -> tuple[str, list[str]]:
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    replies = [kvchat("send", sid, m, "--device", "cpu", *policy).stdout.strip() for m in MESSAGES]
+    return sid, replies
+
+
+def test_a_chat_under_xkv_answers_and_keeps_its_budgets(kvchat_home):
+    _, full = chat_under(["--kv-policy", "full"])
+    sid, whole = chat_under(["--kv-policy", "xkv", "--kv-budget", "1.0"])
+    assert whole == full  # nothing left out: the full cache's replies
+    sid, replies = chat_under(["--kv-policy", "xkv", "--kv-budget", "0.4"])
+    assert replies[-1] == full[-1] == "Your sister's name is Mira."
+    budgets = json.loads(kvchat("show", sid, "--json").stdout)["kv_budgets"]
+    rounds = Store().rounds(sid)
+    assert budgets["policy"] == "xkv" and budgets["budget"] == 0.4 and budgets["round_idx"] == 3
+    # the input: the history and the last message's prompt, not its reply
+    assert rounds[-1].token_start < budgets["input_slots"] < rounds[-1].token_end
+    n = budgets["input_slots"]
+    kept = budgets["kept"]
+    assert len(kept) == 8 and sum(kept) == 8 * max(8, -(-4 * n // 10))  # the budget, spent across the layers
+    assert all(0 < r <= 1 for r in budgets["retention"])
+    shown = kvchat("show", sid).stdout
+    assert "KV budgets (xkv 0.4, at round 3)" in shown and "per layer: " + " ".join(map(str, kept)) in shown
+
+
+def test_a_bad_kv_budget_is_one_line_and_sends_nothing(kvchat_home):
+    sid = kvchat("new", "--system", SYSTEM).stdout.strip()
+    for args, words in ((["--kv-policy", "xkv", "--kv-budget", "0"], "in (0, 1], not 0"),
+                        (["--kv-policy", "xkv", "--kv-budget", "1.5"], "in (0, 1], not 1.5"),
+                        (["--kv-policy", "full", "--kv-budget", "0.2"], "an option of the xkv policy")):
+        proc = kvchat("send", sid, "hi", "--device", "cpu", *args, check=False)
+        assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert Store().rounds(sid) == []
+    proc = kvchat("--kv-budget", "0.2", "sessions", check=False)
+    assert proc.returncode != 0 and "apply to the app only" in proc.stderr
