@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from kvchat.app.merge_command import DEFAULT_CHECK_SECONDS
 from kvchat.app.terminal_text import terminal_line, terminal_text
 from kvchat.errors import InterruptedByUser, KvchatError
 
@@ -263,6 +264,12 @@ def register(main: click.Group, model_option, device_option) -> None:
         model_path = info["model_path"]
         if not Path(model_path).exists():
             raise KvchatError(f"the chat's model {model_path} is missing; its text is safe (kvchat show {info['id']})")
+        if merge_share:
+            from kvchat.app.merge_command import check_merges_bounded
+
+            # The model's check, bounded as `kvchat merge` bounds it, before the message is committed: a check cut
+            # short sends nothing and changes no setting.
+            check_merges_bounded(service, info, DEFAULT_CHECK_SECONDS)
 
         streamed = []
 
@@ -329,7 +336,7 @@ def register(main: click.Group, model_option, device_option) -> None:
     @click.argument("session")
     @click.option("--share", default=0.5, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True),
                   help="The share of layers merged, at most (r_l); only pairs the model's check accepted are used.")
-    @click.option("--check-seconds", default=45.0, show_default=True, type=click.FloatRange(min=0.0),
+    @click.option("--check-seconds", default=DEFAULT_CHECK_SECONDS, show_default=True, type=click.FloatRange(min=0.0),
                   help="Bound on the model's merge check, run on its first merge (0: none). A check that would "
                        "take longer stops, stores nothing and says how far it got.")
     @device_option

@@ -16,6 +16,9 @@ from kvchat.app.session.progress import BudgetSpent, Reporter
 from kvchat.errors import InterruptedByUser, KvchatError
 
 STEP = "checking the model's layer pairs for merging (once per model)"
+# `kvchat merge --check-seconds`' default, and the bound of `kvchat send --merge`'s check: with loading the model,
+# the command ends within a minute on the 2-core CPU.
+DEFAULT_CHECK_SECONDS = 45.0
 
 
 def _minutes(seconds: float) -> str:

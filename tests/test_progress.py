@@ -147,10 +147,13 @@ def test_a_cancelled_refinement_leaves_the_estimate_and_no_probe_files(engine, k
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # the probe's files are gone
 
 
-def test_kvchat_merge_respects_its_bound_and_stores_nothing_past_it(monkeypatch):
+def test_kvchat_merge_respects_its_bound_and_stores_nothing_past_it(monkeypatch, tmp_path):
     import time
 
-    from kvchat.app.session import policies
+    from kvchat.app.session import artifacts, policies
+
+    # A model without a shipped check (the embedded model's is shipped: the test below)
+    monkeypatch.setattr(artifacts, "SHIPPED_MERGE_CALIBRATION", tmp_path / "none.merges.json")
 
     def slow_check(engine, fingerprint, chats, progress):  # the real check's first report, after a slow chat
         time.sleep(0.05)
@@ -168,6 +171,33 @@ def test_kvchat_merge_respects_its_bound_and_stores_nothing_past_it(monkeypatch)
     fp = model_fingerprint(DEFAULT_MODEL, Store())
     assert not merge_calibration_path(fp).exists()
     assert Store().session(sid)["settings"].get("merge", 0) == 0  # the chat's setting is not changed either
+    # `send --merge` runs the check under the same bound, before its message is committed
+    out = kvchat("send", sid, "My name is Ada.", "--merge", "0.5", "--device", "cpu", check=False)
+    assert out.returncode == 1 and "the model's merge check did not finish within --check-seconds " in out.stderr
+    assert Store().rounds(sid) == [] and Store().session(sid)["settings"].get("merge", 0) == 0
+
+
+def test_the_embedded_model_s_merge_check_is_shipped_with_it():
+    """`kvchat merge` on the embedded model in a new home takes the check made when the model was shipped (the
+    whole check: 256 chats, minutes on 2 cores), not a new one: the fingerprint in the shipped file is the model's."""
+    import json
+    import time
+
+    from kvchat.app.session.artifacts import SHIPPED_MERGE_CALIBRATION, load_merge_calibration
+
+    fp = model_fingerprint(DEFAULT_MODEL, Store())
+    shipped = json.loads(SHIPPED_MERGE_CALIBRATION.read_text())
+    assert shipped["fingerprint"] == fp and shipped["chats"] == 256
+    assert load_merge_calibration(fp, 8) is not None and not merge_calibration_path(fp).exists()
+    assert load_merge_calibration("f" * 64, 8) is None  # another model's is not taken from it
+    sid = kvchat("new", "--title", "merged").stdout.strip()
+    kvchat("send", sid, "My name is Ada.", "--device", "cpu")
+    started = time.monotonic()
+    out = kvchat("merge", sid, "--device", "cpu", check=False)
+    assert time.monotonic() - started < 30, "the shipped check was not used"
+    assert out.returncode == 0 and "rounds stored with layers" in out.stdout, out.stderr
+    if not shipped["accepted"]:
+        assert "no layer pair of this chat passed the model's check" in out.stdout
 
 
 async def test_the_app_refines_a_quick_profile_when_idle_with_a_progress_bar(monkeypatch):

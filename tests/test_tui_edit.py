@@ -10,11 +10,13 @@ from textual.widgets import Input, Select
 from kvchat.app.tui.chat_view import MessageView
 from kvchat.app.tui.dialogs.chat_parameters import ChatParametersDialog
 from kvchat.app.tui.dialogs.export_dialog import ExportDialog
-from kvchat.app.tui.dialogs.text_prompt import TextPrompt
+from kvchat.app.tui.composer import Composer
+from kvchat.app.tui.dialogs.edit_message import EditMessageDialog
 from kvchat.app.tui.preferences import Preferences
 from kvchat.paths import data_dir
 from kvchat.storage.db import Store, chat_parameters
-from tui_support import make_app, notifications, screen, seed_chat, shown_messages, wait_for, wait_idle
+from tui_support import (make_app, notifications, screen, seed_chat, shown_messages, status_text, wait_for,
+                         wait_idle)
 
 
 def store() -> Store:
@@ -35,28 +37,37 @@ async def test_ctrl_t_edits_the_selected_message_keeps_the_rounds_before_and_for
         view = screen(app).chat_view
         view.select([m for m in view.query(MessageView) if m.role == "assistant"][0])  # a reply: its round's message
         await pilot.press("ctrl+t")
-        assert isinstance(app.screen, TextPrompt) and app.screen.query_one(Input).value == "My name is Ada."
+        assert isinstance(app.screen, EditMessageDialog) and app.screen.query_one(Composer).text == "My name is Ada."
         await pilot.press("escape")
         view.select(view.user_messages()[1])
         await pilot.press("ctrl+t")
-        assert isinstance(app.screen, TextPrompt)
-        answer = app.screen.query_one(Input)
-        assert answer.value == "I live in Paris."  # prefilled with the message
-        answer.value = "I live in Rome."
+        assert isinstance(app.screen, EditMessageDialog)
+        box = app.screen.query_one(Composer)
+        assert box.text == "I live in Paris." and box.has_focus  # prefilled with the message, the cursor at its end
+        # A multi-line message: ctrl+j starts a new line, Enter sends
+        await pilot.press(*" Not Rome.", "ctrl+j")
+        assert box.text == "I live in Paris. Not Rome.\n" and isinstance(app.screen, EditMessageDialog)
+        box.load_text("I live in Rome.\nNot Paris.")
         await pilot.press("enter")
         await wait_idle(pilot)
-        assert [r.user_text for r in store().rounds(sid)] == ["My name is Ada.", "I live in Rome."]
-        assert shown_messages(app)[2:] == [("user", "I live in Rome."), ("assistant", "Noted: you live in Rome.")]
+        assert [r.user_text for r in store().rounds(sid)] == ["My name is Ada.", "I live in Rome.\nNot Paris."]
+        assert shown_messages(app)[2][1] == "I live in Rome.\nNot Paris."
         [fork] = [s["id"] for s in store().sessions() if s["id"] != sid]
         assert [r.user_text for r in store().rounds(fork)] == ["My name is Ada.", "I live in Paris."]
         said = " ".join(notifications(app))
         assert "Edited round 1: kept the K/V of round 0 (in memory); only the edited round was computed" in said
+        # What the edit reused stays in the status bar until the next reply
+        assert "edited round 1: kept the K/V of round 0 (in memory); only the edited round was computed" in \
+            status_text(app)
         # With the setting off, the replaced branch is dropped.
         app.preferences.keep_edited_branch = False
         await screen(app).edit_message(0, "My name is Bob.")
         await wait_idle(pilot)
         assert [r.user_text for r in store().rounds(sid)] == ["My name is Bob."]
         assert len(store().sessions()) == 2
+        await pilot.press(*"What is my name?", "enter")
+        await wait_idle(pilot)
+        assert "edited round" not in status_text(app)
     app.backend.close()
 
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.calibrate.merge_check import MERGE_CALIBRATION_VERSION, MergeCalibration
 from kvchat.engine.calibrate.watershed import CALIBRATION_VERSION, Calibration
 from kvchat.engine.restore.plan import HardwareProfile
@@ -70,6 +71,23 @@ def merge_calibration_path(fingerprint: str) -> Path:
     return data_dir() / "calibrations" / f"{fingerprint}.merges.json"
 
 
+# The embedded model's merge check, run once when it was shipped (256 chats: minutes on a 2-core CPU, which a first
+# `kvchat merge` would otherwise spend): used for that model alone, by fingerprint (tests/test_merge_command.py
+# checks it is the shipped model's).
+SHIPPED_MERGE_CALIBRATION = DEFAULT_MODEL.with_suffix(".merges.json")
+
+
+def shipped_merge_calibration_path(fingerprint: str) -> Path | None:
+    """The shipped check of the model with this fingerprint, if there is one."""
+    if not SHIPPED_MERGE_CALIBRATION.exists():
+        return None
+    try:
+        shipped = json.loads(SHIPPED_MERGE_CALIBRATION.read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return SHIPPED_MERGE_CALIBRATION if shipped == fingerprint else None
+
+
 def save_merge_calibration(cal: MergeCalibration) -> Path:
     return write_json_atomically(merge_calibration_path(cal.fingerprint), cal.to_dict(), "merge calibration")
 
@@ -78,6 +96,8 @@ def load_merge_calibration(fingerprint: str, n_layers: int) -> MergeCalibration 
     """The stored check of this model's pairs; None when there is none or it is of an older version. A corrupt
     file or one of another model is an error naming the file."""
     path = merge_calibration_path(fingerprint)
+    if not path.exists() and shipped_merge_calibration_path(fingerprint) is not None:
+        path = shipped_merge_calibration_path(fingerprint)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:

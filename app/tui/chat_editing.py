@@ -15,7 +15,7 @@ class ChatEditing:
     """The edit flow of `ChatScreen` (a mixin: it uses the screen's parts, state and the reply flow's worker)."""
 
     def action_edit_message(self) -> None:
-        from kvchat.app.tui.dialogs.text_prompt import TextPrompt
+        from kvchat.app.tui.dialogs.edit_message import EditMessageDialog
 
         if self.generation is not None:
             self.notify("A reply is being generated: wait for it, or press Escape to stop it.", severity="warning")
@@ -40,9 +40,9 @@ class ChatEditing:
                 await self.edit_message(round_idx, text)
 
         keep = "kept as a fork" if self.app.preferences.keep_edited_branch else "dropped (see the settings)"
-        self.app.push_screen(TextPrompt(f"Edit message {round_idx}: the chat is answered again from it; the rounds "
-                                        f"before keep their KV, the replaced ones are {keep}", message.text,
-                                        hint="Enter: send the edited message · Escape: cancel"), edited)
+        self.app.push_screen(EditMessageDialog(f"Edit message {round_idx}: the chat is answered again from it; the "
+                                               f"rounds before keep their KV, the replaced ones are {keep}",
+                                               message.text), edited)
 
     async def edit_message(self, round_idx: int, text: str) -> None:
         """Replace round `round_idx`'s message with `text` and answer it (the key's dialog; the tests)."""
@@ -59,6 +59,8 @@ class ChatEditing:
         self._send_worker(gen, text, False, None, edit)
 
     def _edited(self, edit: EditRequest, reply) -> None:
-        """Said once the edited round is answered: what was kept and computed, where the old branch went."""
+        """Said once the edited round is answered: what was kept and computed, where the old branch went (in full
+        as a notification; what was reused stays in the status bar until the next reply)."""
         words = edit_words(edit, reply.restore)
         self.notify(words[:1].upper() + words[1:] + ".", timeout=10)
+        self.status_bar.set_note(words.split("; the replaced")[0])

@@ -27,6 +27,7 @@ class StatusBar(Static):
         self.stats: ChatStats | None = None
         self.last_reply: LastReply | None = None
         self.activity = ""
+        self.note = ""  # what the last step reused (an edit's kept K/V), until the next reply or another chat
         self.model_failed = False  # the model of new chats could not be loaded: say so instead of "loading…"
 
     def set_model(self, model_path: str, device: str) -> None:
@@ -41,6 +42,8 @@ class StatusBar(Static):
         self.redraw()
 
     def set_chat(self, stats: ChatStats | None, last_reply: LastReply | None) -> None:
+        if stats is None:  # no chat, or another one being opened
+            self.note = ""
         self.stats, self.last_reply = stats, last_reply
         if stats is not None:
             self.model_path = stats.model_path
@@ -48,7 +51,13 @@ class StatusBar(Static):
         self.redraw()
 
     def set_activity(self, activity: str) -> None:
+        if activity == "generating…":
+            self.note = ""
         self.activity = activity
+        self.redraw()
+
+    def set_note(self, note: str) -> None:
+        self.note = note
         self.redraw()
 
     def redraw(self) -> None:
@@ -71,6 +80,8 @@ class StatusBar(Static):
             second += [restore_line(s, self.measured), kv_line(s, self.measured)]
             if s.memory:  # the GPU memory budget put the chat on the tiered cache
                 second.append("K/V tiered to fit the GPU memory budget")
+            if self.note:
+                second.append(self.note)
         if self.activity:
             first.append(self.activity)
         # Each line escaped: a model file's name or another process's command (in "waiting for…") is stored text.
