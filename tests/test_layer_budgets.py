@@ -14,6 +14,7 @@ from kvchat.engine.policies.pyramid import pyramid_counts
 from kvchat.engine.policies.xkv import allocate_greedy, allocate_top_n
 from kvchat.errors import KvchatError
 from kvchat.kernels.slot_mass import slot_mass_ref
+from test_progressive_decode import decode
 
 QUESTION = ("My dog is called Rex. Our canoe is called Blue Heron. My sister lives in Lisbon. The cat is called "
             "Miso. My brother was born in Porto. What is my dog called?")
@@ -33,14 +34,6 @@ def prefilled(engine, policy, capacity=256):
     assert policy is None or policy.visible_slots(cache, [], prompt, model=m) is None
     logits = m(torch.tensor(prompt), cache)[-1]
     return cache, logits, prompt
-
-
-def decode(step, first_logits, n):
-    tokens, rows = [int(first_logits.argmax())], [first_logits]
-    for _ in range(n):
-        rows.append(step(tokens[-1]).clone())
-        tokens.append(int(rows[-1].argmax()))
-    return tokens, torch.stack(rows)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -159,3 +152,23 @@ def test_a_budget_runs_on_the_full_cache_only(engine):
     cache, _, _ = prefilled(engine, policy)
     with pytest.raises(KvchatError, match="full cache"):
         policy.decode_step(m, cache, 0, SplitAttend(1, torch.arange(4)), 200, False)
+
+
+def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path):
+    import json
+
+    from cli_run import kvchat
+
+    out = tmp_path / "xkv.json"
+    proc = kvchat("bench", "xkv", "--context", "600", "--budgets", "0.4", "--repeats", "1", "--decode-tokens", "4",
+                  "--device", "cpu", "--json", str(out))
+    assert "xkv      0.4:" in proc.stdout and "uniform  0.4:" in proc.stdout and "of the bound's" in proc.stdout
+    [context] = json.loads(out.read_text())["contexts"]
+    full = context["full"]
+    assert context["context"] == 600 and len(full["tok_s"]) == 1 and full["bytes_per_token"] > context["weight_bytes"]
+    for b in context["budgets"]:
+        assert abs(b["kept_share"] - 0.4) < 0.01  # the budget, measured from the lists the step read
+        assert context["weight_bytes"] < b["bytes_per_token"] < full["bytes_per_token"] and b["bound"] > 1
+        assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"]) and b["choose_ms"] > 0
+    bad = kvchat("bench", "xkv", "--budgets", "0", check=False)
+    assert bad.returncode != 0 and "--budgets takes shares in (0, 1]" in bad.stderr

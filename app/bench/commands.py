@@ -37,6 +37,19 @@ class _MethodsOption(click.Option):
         return super().get_help_record(ctx)
 
 
+def _shares(text: str, option: str) -> list[float]:
+    """Comma-separated shares, each in (0, 1]; a one-line error naming `option` otherwise."""
+    from kvchat.errors import KvchatError
+
+    try:
+        shares = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"{option} takes comma-separated shares, not {text!r}") from None
+    if not shares or not all(0 < x <= 1 for x in shares):
+        raise KvchatError(f"{option} takes shares in (0, 1], not {text!r}")
+    return shares
+
+
 def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     """Add `eval` and the `bench` group to `main`. `model_option` decorates a command with --model; `to_device`
     turns a --device value into a torch device (None: the default) and refuses an unknown or absent one;
@@ -211,12 +224,7 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         from kvchat.errors import KvchatError
         from kvchat.paths import data_dir
 
-        try:
-            shares = [float(x) for x in densities.split(",") if x.strip()]
-        except ValueError:
-            raise KvchatError(f"--densities takes comma-separated shares, not {densities!r}") from None
-        if not shares or not all(0 < x <= 1 for x in shares):
-            raise KvchatError(f"--densities takes shares in (0, 1], not {densities!r}")
+        shares = _shares(densities, "--densities")
         if shape is not None and shape not in SHAPES:
             raise KvchatError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
         path = model_file(Path(cache_dir) if cache_dir else data_dir() / "bench-models", shape) if shape else model_path
@@ -269,12 +277,7 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         from kvchat.errors import KvchatError
         from kvchat.paths import data_dir
 
-        try:
-            shares = [float(x) for x in budgets.split(",") if x.strip()]
-        except ValueError:
-            raise KvchatError(f"--budgets takes comma-separated shares, not {budgets!r}") from None
-        if not shares or not all(0 < x <= 1 for x in shares):
-            raise KvchatError(f"--budgets takes shares in (0, 1], not {budgets!r}")
+        shares = _shares(budgets, "--budgets")
         if shape is not None and shape not in SHAPES:
             raise KvchatError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
         cache = Path(cache_dir) if cache_dir else data_dir() / "bench-models"

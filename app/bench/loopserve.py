@@ -106,6 +106,24 @@ def chat_tokens(engine: Engine, context: int) -> torch.Tensor:
     return torch.tensor(tokens[:context])
 
 
+def decode_rates(cache, context: int, make_step, device: torch.device, repeats: int, decode_tokens: int) -> list[float]:
+    """Tokens/s of `decode_tokens` greedy steps after the cache's first `context` slots, `repeats` times (after one
+    run that warms up), the step made (a graph captured) by `make_step()` before the clock starts."""
+    rates = []
+    for run in range(repeats + 1):
+        cache.length = context
+        step = make_step()
+        token = 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            token = int(torch.argmax(step(token)))  # the host sync a real decode loop has
+        if run:  # the first run warms up
+            rates.append(decode_tokens / (time.perf_counter() - t0))
+    return rates
+
+
 @dataclass
 class ModelFigures:
     model: str
@@ -139,20 +157,7 @@ def prefill_and_decode(engine: Engine, context: int, repeats: int = 3, alpha: fl
     cache, _ = prefill()
 
     def decode_times(make_step) -> list[float]:
-        """Tokens/s of `decode_tokens` greedy steps, the step made (a graph captured) before the clock starts."""
-        rates = []
-        for run in range(repeats + 1):
-            cache.length = context
-            step = make_step()
-            token = 1
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(decode_tokens):
-                token = int(torch.argmax(step(token)))  # the host sync a real decode loop has
-            if run:  # the first run warms up
-                rates.append(decode_tokens / (time.perf_counter() - t0))
-        return rates
+        return decode_rates(cache, context, make_step, device, repeats, decode_tokens)
 
     figures["decode_full_tok_s"] = decode_times(lambda: decoder_step(model, cache, capacity, None))
     figures["decode_progressive_tok_s"] = decode_times(

@@ -13,12 +13,11 @@ token) beside the prefill's own.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvchat.app.bench.loopserve import CHUNK, chat_tokens
+from kvchat.app.bench.loopserve import CHUNK, chat_tokens, decode_rates
 from kvchat.engine.engine import Engine
 from kvchat.app.bench.engine_speed import quantized_matrices
 from kvchat.engine.model.cuda_graph import decoder_step
@@ -64,19 +63,7 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
     cache = prefill()
 
     def rates(make_step) -> list[float]:
-        out = []
-        for run in range(repeats + 1):
-            cache.length = context
-            step = make_step()
-            token = 1
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(decode_tokens):
-                token = int(torch.argmax(step(token)))  # the host sync a real decode loop has
-            if run:  # the first run warms up
-                out.append(decode_tokens / (time.perf_counter() - t0))
-        return out
+        return decode_rates(cache, context, make_step, device, repeats, decode_tokens)
 
     weights = weight_bytes(engine)
     full_kv = kv_bytes_read(engine, [context] * engine.config.n_layers, decode_tokens // 2)
