@@ -172,3 +172,18 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path):
         assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"]) and b["choose_ms"] > 0
     bad = kvchat("bench", "xkv", "--budgets", "0", check=False)
     assert bad.returncode != 0 and "--budgets takes shares in (0, 1]" in bad.stderr
+
+
+def test_progressive_budgets_are_chosen_again_by_the_reply_and_keep_each_layers_count(engine):
+    from kvchat.engine.policies.progressive_decode import ProgressiveDecode
+
+    m = engine.model
+    policy = make_policy("xkv", engine, budget=0.3, progressive=True)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 40, 200, None, 0, False, policy)
+    assert isinstance(step, ProgressiveDecode)
+    kept = policy.last_choice.kept
+    first = step.chosen[:, :, : max(kept)].clone()
+    decode(step, logits, 20)  # chosen again after the 16th token
+    assert step.selections == 1 and step.base.tolist() == kept
+    assert not torch.equal(step.chosen[:, :, : max(kept)], first)

@@ -171,7 +171,10 @@ def test_kvchat_merge_respects_its_bound_and_stores_nothing_past_it(monkeypatch,
     fp = model_fingerprint(DEFAULT_MODEL, Store())
     assert not merge_calibration_path(fp).exists()
     assert Store().session(sid)["settings"].get("merge", 0) == 0  # the chat's setting is not changed either
-    # `send --merge` runs the check under the same bound, before its message is committed
+    # `send --merge` runs the check under the same bound (made tiny here), before its message is committed
+    from kvchat.app import chats
+
+    monkeypatch.setattr(chats, "DEFAULT_CHECK_SECONDS", 0.01)
     out = kvchat("send", sid, "My name is Ada.", "--merge", "0.5", "--device", "cpu", check=False)
     assert out.returncode == 1 and "the model's merge check did not finish within --check-seconds " in out.stderr
     assert Store().rounds(sid) == [] and Store().session(sid)["settings"].get("merge", 0) == 0

@@ -38,22 +38,28 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     makers = {f"{name}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b))
               for b in budgets for name in args.policies.split(",")}
-    result = text_fidelity(engine, makers, [int(x) for x in args.lengths.split(",")], args.chats, args.positions,
-                           progress=lambda what, done, total: print(f"\r{done}/{total} {what:<60}", end="",
-                                                                     file=sys.stderr, flush=True))
-    d = result.as_dict()
-    print(file=sys.stderr)
-    print(f"model {path}  device {result.device}  {args.chats} chats per length, up to {args.positions} positions "
-          f"({result.seconds:.0f} s)")
-    for length, entry in d["lengths"].items():
-        print(f"{length} tokens (chats of {', '.join(map(str, entry['chat_tokens']))}):")
-        for p in entry["policies"]:
-            kept = f"  kept {p['kept_share']:.1%}, attention kept {p['retention']:.1%}" if "kept_share" in p else ""
-            print(f"  {p['policy']:<14} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
-                  f"(full {p['ppl_full']:.3f}){kept}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(d, f, indent=2)
+    print(f"model {path}  device {engine.device}  {args.chats} chats per length, up to {args.positions} positions",
+          flush=True)
+    every: dict = {}
+    for length in [int(x) for x in args.lengths.split(",")]:  # each length printed (and saved) as it ends
+        result = text_fidelity(engine, makers, [length], args.chats, args.positions,
+                               progress=lambda what, done, total: print(f"\r{done}/{total} {what:<60}", end="",
+                                                                         file=sys.stderr, flush=True))
+        d = result.as_dict()
+        print(file=sys.stderr)
+        for skipped, why in d["skipped"].items():
+            print(f"{skipped} tokens: skipped, {why}")
+        for length_name, entry in d["lengths"].items():
+            print(f"{length_name} tokens (chats of {', '.join(map(str, entry['chat_tokens']))}; "
+                  f"{result.seconds:.0f} s):")
+            for p in entry["policies"]:
+                kept = f"  kept {p['kept_share']:.1%}, attention kept {p['retention']:.1%}" if "kept_share" in p else ""
+                print(f"  {p['policy']:<14} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
+                      f"(full {p['ppl_full']:.3f}){kept}", flush=True)
+        every = {**d, "lengths": {**every.get("lengths", {}), **d["lengths"]}}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(every, f, indent=2)
 
 
 if __name__ == "__main__":

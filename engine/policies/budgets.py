@@ -38,7 +38,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
-from kvchat.engine.policies.progressive_decode import layer_groups
+from kvchat.engine.policies.progressive_decode import ProgressiveDecode, layer_groups
 from kvchat.engine.policies.slot_lists import SlotListDecode
 from kvchat.errors import KvchatError
 from kvchat.kernels.slot_mass import slot_mass
@@ -75,6 +75,9 @@ class LayerBudgetPolicy(KVPolicy):
     tokens: int = 0  # instead of `budget`: input slots a global layer keeps on average (0: use `budget`)
     window: int = 8  # the observation window: the input's last tokens, always kept, whose attention is scored
     pool: int = 7  # slots averaged into each score (odd)
+    # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
+    # progressive decode, engine.policies.progressive_decode), the layer keeping its budget; off: chosen once.
+    progressive: bool = False
     # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
     last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
@@ -163,7 +166,11 @@ class LayerBudgetPolicy(KVPolicy):
         self.last_choice = choice
         if all(s is None for s in slots):
             return None  # every slot kept: the engine's own step, the full cache's tokens exactly
-        step = SlotListDecode(model, cache, prompt_start, capacity, None, cuda_graph)
+        if self.progressive:
+            step = ProgressiveDecode(model, cache, prompt_start, capacity, attend=None, capture=cuda_graph,
+                                     pool=self.pool, layer_budgets=choice.kept)
+        else:
+            step = SlotListDecode(model, cache, prompt_start, capacity, None, cuda_graph)
         for layer, kept in enumerate(slots):
             if kept is not None:
                 step.write(layer, kept)

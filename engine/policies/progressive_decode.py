@@ -42,10 +42,12 @@ from kvchat.kernels.slot_mass import slot_mass, triton_kernel_runs_on
 class ProgressiveDecode(SlotListDecode):
     def __init__(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int, budget: int = 1024,
                  interval: int = 16, warmup: int = 16, attend: Attend = None, capture: bool | None = None,
-                 pool: int = 1):
+                 pool: int = 1, layer_budgets: list[int] | None = None):
         if budget < 1 or interval < 1 or warmup < 1 or pool < 1:
             raise ValueError("budget, interval, warmup and pool must be at least 1")
         self.budget, self.interval, self.warmup, self.pool = budget, interval, warmup, pool
+        # per layer instead of `budget` (engine.policies.budgets: XKV's budgets, chosen again as the reply goes)
+        self.layer_budgets = layer_budgets
         self.selections = 0
         super().__init__(model, cache, prompt_start, capacity, attend, capture, keep_queries=interval)
         cfg = model.cfg
@@ -78,7 +80,8 @@ class ProgressiveDecode(SlotListDecode):
                 mass = pooled[:, 0, :first].view(g, cfg.n_kv_heads, first)
             if candidates is not None:
                 mass = mass.masked_fill(~candidates[:, None], -1.0)
-            n_keep = [min(self.budget, self.n_candidates[layer]) for layer in layers]
+            n_keep = [min(self.budget if self.layer_budgets is None else self.layer_budgets[layer],
+                          self.n_candidates[layer]) for layer in layers]
             top = mass.topk(max(n_keep), dim=2).indices.to(torch.int32)  # [G, Hkv, k], largest first
             if len(set(n_keep)) == 1:
                 self.write_group(at, top)
