@@ -349,7 +349,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         from kvchat.app.merge_command import check_merges_bounded
 
         # The model's check first, bounded, before the chat's setting changes: a check cut short changes nothing.
-        check_merges_bounded(service, info, check_seconds)
+        check = check_merges_bounded(service, info, check_seconds)
         # Every stored round is loaded (no restore plan) so that each can be stored again merged.
         chat = service.wire(info, service.engine(info["model_path"]), merge_share=share, calibrating=calibrating,
                             planned=False)
@@ -361,8 +361,10 @@ def register(main: click.Group, model_option, device_option) -> None:
             raise KvchatError(f"the rounds could not all be stored merged ({chat.writer.errors[0]}); those keep "
                               f"their K/V as it was")
         pairs = ", ".join(map(str, chat.merges.pairs())) or "none"
+        why = ("no layer pair of this model passed its check: its chats stay whole" if not check.accepted else
+               "no layer pair of this chat passed the model's check")
         click.echo(f"{info['id']}: {merged} of {len(chat.rounds)} rounds stored with layers {pairs} merged"
-                   + ("" if merged else " (no layer pair of this chat passed the model's check)"))
+                   + ("" if merged else f" ({why})"))
 
     @main.command()
     @click.argument("session")
