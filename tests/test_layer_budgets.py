@@ -187,3 +187,22 @@ def test_progressive_budgets_are_chosen_again_by_the_reply_and_keep_each_layers_
     decode(step, logits, 20)  # chosen again after the 16th token
     assert step.selections == 1 and step.base.tolist() == kept
     assert not torch.equal(step.chosen[:, :, : max(kept)], first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("progressive", [False, True])
+def test_gpu_budgets_decode_captured_as_eager_and_score_with_the_kernel(progressive):
+    """On CUDA (the window scored by kernels/slot_mass.py's kernel, the lists read by the decode kernel): the
+    budgeted step captured in a CUDA graph gives the logits of the same step run uncaptured, after the same choice."""
+    engine = Engine(DEFAULT_MODEL, device="cuda")
+    runs, chosen = [], []
+    for capture in (True, False):
+        policy = make_policy("xkv", engine, budget=0.3, progressive=progressive)
+        cache, logits, prompt = prefilled(engine, policy)
+        step = policy.decode_step(engine.model, cache, 0, None, 200, capture)
+        chosen.append(policy.last_choice.kept)
+        runs.append(decode(step, logits, 20))
+    assert chosen[0] == chosen[1]
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
