@@ -136,6 +136,7 @@ def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_eve
     ({"budget": -0.2}, "in \\(0, 1\\]"),
     ({"tokens": 4}, "smaller than the always-kept window of 8"),
     ({"pool": 4}, "odd"),
+    ({"pooling": "median"}, "avg or max"),
 ])
 def test_a_budget_out_of_range_is_one_line(engine, options, message):
     for name in BUDGET_POLICIES:

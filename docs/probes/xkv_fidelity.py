@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--budgets", default="0.4,0.2,0.1")
     parser.add_argument("--policies", default="xkv,uniform,pyramid")
+    parser.add_argument("--progressive", action="store_true",
+                        help="each policy with progressive=true (its slots chosen again as the reply goes)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -36,7 +38,9 @@ def main() -> None:
         DEFAULT_MODEL)
     engine = Engine(path, device=args.device)
     budgets = [float(b) for b in args.budgets.split(",")]
-    makers = {f"{name}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b))
+    more = {"progressive": True} if args.progressive else {}
+    makers = {f"{name}{'+p' if more else ''}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b,
+                                                                                         **more))
               for b in budgets for name in args.policies.split(",")}
     print(f"model {path}  device {engine.device}  {args.chats} chats per length, up to {args.positions} positions",
           flush=True)

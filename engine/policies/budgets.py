@@ -74,7 +74,8 @@ class LayerBudgetPolicy(KVPolicy):
     budget: float = 0.2  # share of the input's slots a global layer keeps on average, window included, in (0, 1]
     tokens: int = 0  # instead of `budget`: input slots a global layer keeps on average (0: use `budget`)
     window: int = 8  # the observation window: the input's last tokens, always kept, whose attention is scored
-    pool: int = 7  # slots averaged into each score (odd)
+    pool: int = 7  # slots pooled into each score (odd)
+    pooling: str = "avg"  # "avg": the paper's; "max": each slot scored as its best neighbour (LoopServe's)
     # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
     # progressive decode, engine.policies.progressive_decode), the layer keeping its budget; off: chosen once.
     progressive: bool = False
@@ -87,6 +88,8 @@ class LayerBudgetPolicy(KVPolicy):
             raise KvchatError(f"the KV budget is a share of the chat's K/V in (0, 1], not {self.budget}")
         if self.window < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise KvchatError("window is a count of tokens (at least 1) and pool an odd count of slots")
+        if self.pooling not in ("avg", "max"):
+            raise KvchatError(f"pooling is avg or max, not {self.pooling!r}")
         if self.tokens < 0 or (self.tokens and self.tokens < self.window):
             raise KvchatError(f"a KV budget of {self.tokens} tokens is smaller than the always-kept window of "
                               f"{self.window} tokens")
@@ -154,8 +157,12 @@ class LayerBudgetPolicy(KVPolicy):
         mass = torch.cat(out)  # [G, Hkv, N]
         if self.pool > 1:
             g, h, n = mass.shape
-            mass = F.avg_pool1d(mass.view(g * h, 1, n), self.pool, stride=1, padding=self.pool // 2,
-                                count_include_pad=False).view(g, h, n)
+            flat = mass.view(g * h, 1, n)
+            if self.pooling == "max":
+                mass = F.max_pool1d(flat, self.pool, stride=1, padding=self.pool // 2).view(g, h, n)
+            else:
+                mass = F.avg_pool1d(flat, self.pool, stride=1, padding=self.pool // 2,
+                                    count_include_pad=False).view(g, h, n)
         return mass
 
     def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
