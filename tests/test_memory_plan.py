@@ -186,7 +186,7 @@ def test_a_bad_size_is_a_one_line_usage_error(args):
 
 def test_before_a_command_it_is_the_apps_option():
     out = kvchat("--gpu-memory", "8GiB", "sessions", check=False)
-    assert out.returncode == 1 and "--gpu-memory before a command apply to the app only" in out.stderr
+    assert out.returncode == 1 and "--gpu-memory and --kv-budget before a command apply to the app only" in out.stderr
 
 
 def test_a_budget_below_the_weights_is_refused_before_loading(models, cpu_budget, monkeypatch):
