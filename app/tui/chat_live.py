@@ -112,8 +112,13 @@ class ChatLive:
                              elsewhere: bool) -> None:
         self._show_chats(seq, chats)
         gen = self.generation
-        if stats is None or sid != self.open_sid or (gen is not None and gen.sid == sid and not gen.abandoned):
-            return  # unchanged; or moved on; or a reply is being written here: the reply flow reloads after it
+        if stats is not None and gen is not None and gen.sid == sid and not gen.abandoned and sid == self.open_sid:
+            # A reply is being written here: the reply flow shows the chat as stored after it (this change, such as
+            # another process's reply finishing, would otherwise be missed: its store version is taken already).
+            gen.store_changed = True
+            return
+        if stats is None or sid != self.open_sid:
+            return  # unchanged; or moved on
         await self._reloaded(sid, transcript, stats, elsewhere)
 
     async def _open_chat_deleted(self, seq: int, chats, sid: str) -> None:

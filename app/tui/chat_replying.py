@@ -33,6 +33,7 @@ class Generation:
     cancel: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False  # the user switched away: the reply is saved but no longer shown
     waiting: bool = False  # the status bar says it waits for another process writing to the chat
+    store_changed: bool = False  # another process changed the chat while this reply was written: reload after it
 
 
 class ChatReplying:
@@ -120,10 +121,10 @@ class ChatReplying:
             if gen.view is not None and gen.view.is_attached:
                 note = STOP_NOTES.get(result.stop_reason, "")
                 await gen.view.finish(reply.round.assistant_text, note)
-                if reply.round.idx == len(shown.rounds):
+                if reply.round.idx == len(shown.rounds) and not gen.store_changed:
                     self.shown = replace(shown, rounds=(*shown.rounds, reply.round))
-                else:  # another process added rounds before this send took the chat (the core took them in
-                    self._reload_transcript(gen.sid)  # first, the view did not): show the chat as stored
+                else:  # another process added or finished rounds before or while this send wrote (the core took
+                    self._reload_transcript(gen.sid)  # them in, the view did not): show the chat as stored
             else:  # the view was replaced meanwhile (switched away and back): show the stored rounds
                 self._reload_transcript(gen.sid)
         if reply.restore is not None:  # the open's restore (said already) or one this send made after a reload
