@@ -135,7 +135,8 @@ def budget_words(b: dict) -> str:
     kept, retention = b["kept"], b["retention"]
     n = max(b["input_slots"], 1)
     mean_retention = sum(retention) / max(len(retention), 1)
-    return (f"KV budgets ({b['policy']} {b['budget']:g}, at round {b['round_idx']}): of {b['input_slots']} input "
+    return (f"KV budgets ({terminal_line(str(b['policy']))} {b['budget']:g}, at round {b['round_idx']}): of "
+            f"{b['input_slots']} input "
             f"tokens, layers kept {min(kept)}-{max(kept)} (mean {sum(kept) / len(kept) / n:.1%}), holding "
             f"{mean_retention:.1%} of the attention scored\n  per layer: {' '.join(map(str, kept))}")
 
