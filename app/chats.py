@@ -259,7 +259,7 @@ def register(main: click.Group, model_option, device_option) -> None:
         service = _service(device, gpu_memory)
         service.compact_kv = compact
         service.kv_budget = kv_budget
-        if kv_budget is not None and policy_name not in ("xkv",):
+        if kv_budget is not None and policy_name != "xkv":
             raise KvchatError(f"--kv-budget is an option of the xkv policy, not of {policy_name}")
         info = service.chat_info(session)
         model_path = info["model_path"]

@@ -120,7 +120,7 @@ class LayerBudgetPolicy(KVPolicy):
         cfg = model.cfg
         first = cache.length
         n_win = min(len(self._window_tokens), first)
-        globals_ = [i for i in range(cfg.n_layers) if not cfg.window(i)]
+        globals_ = cfg.global_layers
         candidates = first - n_win  # scored slots: the input before the window
         average = self.kept_per_layer(first)
         if not globals_ or n_win == 0 or average >= first or candidates <= 0:

@@ -89,11 +89,6 @@ class SlotListDecode:
         self.chosen[at, :, n : n + self.reply_slots.numel()] = self.reply_slots
         self.base[at] = n
 
-    def listed_input_slots(self) -> list[int]:
-        """Per layer, the input slots each KV head's list holds now (sliding-window layers: their window)."""
-        window = self.model.cfg.sliding_window or self.first
-        return [int(n) if i in self.layers else min(window, self.first) for i, n in enumerate(self.base.tolist())]
-
     @torch.inference_mode()
     def _step(self) -> tuple[Tensor, Tensor | None]:
         m = self.model
