@@ -236,6 +236,23 @@ def test_ensure_calibration_calibrates_once_then_reuses(engine, monkeypatch):
     assert ensure_calibration(engine, "12" * 32).watershed == 5
 
 
+def test_the_embedded_model_s_calibration_is_shipped_with_it(kvchat_home):
+    """A round policy's first use on the embedded model in a new home takes the calibration shipped with it (the
+    Pilot test of the settings checks that calibrating gives the same file); a home's own calibration comes first,
+    and another model's fingerprint is not answered from it."""
+    from kvchat.app.session.artifacts import SHIPPED_CALIBRATION
+    from kvchat.storage.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(DEFAULT_MODEL)
+    shipped = load_calibration(fp, 8)
+    assert shipped is not None and shipped.fingerprint == fp and not calibration_path(fp).exists()
+    assert shipped == Calibration.from_dict(json.loads(SHIPPED_CALIBRATION.read_text()))
+    assert 1 <= shipped.watershed <= 6 and shipped.chats == calibration.DEFAULT_CHATS
+    assert load_calibration("f" * 64, 8) is None
+    save_calibration(replace(shipped, watershed=2))
+    assert load_calibration(fp, 8).watershed == 2
+
+
 # ---- the command ----
 
 def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home):

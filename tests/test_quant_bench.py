@@ -141,8 +141,8 @@ def check_probe(path, positions: int, decode: int, monkeypatch, **kw) -> dict:
 
     rows = []
     real = QuantizedMatrix.linear
-    monkeypatch.setattr(QuantizedMatrix, "linear", lambda self, x, bias=None: (rows.append(x.shape[0]),
-                                                                                real(self, x, bias))[1])
+    monkeypatch.setattr(QuantizedMatrix, "linear", lambda self, x, bias=None, xq=None: (rows.append(x.shape[0]),
+                                                                                         real(self, x, bias, xq))[1])
     result = probe().agreement(path, "cpu", positions=positions, decode=decode, **kw)
     json.dumps(result)
     assert result["matrices_kept_quantized"] > 0 and result["dequantized_types"] == []

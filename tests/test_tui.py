@@ -366,7 +366,12 @@ async def test_the_xkv_policy_and_its_budget_are_set_checked_and_the_open_chat_a
     app.backend.close()
 
 
-async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_chat_reopens_under_it():
+async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_chat_reopens_under_it(monkeypatch,
+                                                                                                   tmp_path):
+    from kvchat.app.session import artifacts
+
+    # A model whose calibration is not shipped (the embedded model's is: made here again, it must be the same)
+    monkeypatch.setattr(artifacts, "SHIPPED_CALIBRATION", tmp_path / "none.calibration.json")
     sid = seed_chat("ada", ["My name is Ada."])  # stored under the full cache: all layers per round
     app = make_app()
     async with app.run_test(size=(120, 35)) as pilot:
@@ -386,6 +391,9 @@ async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_cha
         assert json.loads((data_dir() / "app-settings.json").read_text())["kv_policy"] == "round"
         # The model had no calibration in this fresh home: it is made now, and said.
         assert any("Calibrating the model for the round KV policy or for merging" in n for n in told)
+        made = json.loads(next((data_dir() / "calibrations").glob("*[0-9a-f].json")).read_text())
+        shipped = json.loads(artifacts.DEFAULT_MODEL.with_suffix(".calibration.json").read_text())
+        assert {**made, "date": None} == {**shipped, "date": None}  # the shipped file is what calibrating gives
         assert any("reopening “ada” under it" in n for n in told)
         session = app.backend._open[sid].session
         assert isinstance(session.cache, TieredKV)

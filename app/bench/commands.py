@@ -162,11 +162,13 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
                   callback=lambda ctx, param, value: None if value is None else resolve_model(ctx, param, value),
                   help="A GGUF file or known short name to measure instead of the random shapes (a model with "
                        "sliding-window layers is measured with them in rings as well).")
-    @click.option("--weights", type=click.Choice(["auto", "quantized", "dequantized", "both"]), default="auto",
-                  show_default=True,
+    @click.option("--weights", type=click.Choice(["auto", "quantized", "quantized-float", "dequantized", "both",
+                                                   "all"]), default="auto", show_default=True,
                   help="Keep a quantized file's matrices in their GGUF blocks on the device (quantized: the decode "
-                       "GEMVs dequantize in registers), dequantize them at load (bf16), or measure both in one run "
-                       "(auto: quantized on CUDA).")
+                       "products quantize x to int8 and take integer dot products where the type has such a kernel; "
+                       "quantized-float: every one dequantizes in registers in float), dequantize them at load "
+                       "(bf16), or measure several in one run (both: dequantized and quantized; all: the three; "
+                       "auto: quantized on CUDA).")
     def bench_engine(shapes, contexts, qtype, device, cache_dir, cold, json_path, model_path, weights) -> None:
         """Load time, prefill and decode tokens/s and KV cache memory of the bare engine, on random models of real
         shapes or on --model."""
@@ -177,11 +179,14 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
         from kvchat.errors import KvchatError
         from kvchat.paths import data_dir
 
-        kinds = {"auto": [None], "quantized": [True], "dequantized": [False], "both": [False, True]}[weights]
+        # (quantized, int8 activations) per measured engine
+        kinds = {"auto": [(None, True)], "quantized": [(True, True)], "quantized-float": [(True, False)],
+                 "dequantized": [(False, True)], "both": [(False, True), (True, True)],
+                 "all": [(False, True), (True, False), (True, True)]}[weights]
         if model_path is not None:
             path = Path(model_path)
             results = [as_dict(bench_file(path, path.name, "file", contexts, to_device(device), log=click.echo,
-                                          cold=cold, quantized=q)) for q in kinds]
+                                          cold=cold, quantized=q, int8_activations=a)) for q, a in kinds]
             if json_path:
                 Path(json_path).write_text(json.dumps(results, indent=2))
             return
@@ -190,7 +195,7 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
             raise KvchatError(f"unknown shape {unknown[0]!r} (accepted: {', '.join(SHAPES)})")
         folder = Path(cache_dir) if cache_dir else data_dir() / "bench-models"
         results = [as_dict(bench_shape(folder, s, contexts, qtype, to_device(device), log=click.echo, cold=cold,
-                                       quantized=q)) for s in shapes for q in kinds]
+                                       quantized=q, int8_activations=a)) for s in shapes for q, a in kinds]
         if json_path:
             Path(json_path).write_text(json.dumps(results, indent=2))
 

@@ -132,16 +132,19 @@ def drop_page_cache() -> bool:
 
 def bench_shape(cache_dir: Path, shape: str, contexts: list[int], qtype: str = "BF16",
                 device: str | None = None, log: Callable[[str], None] = print, cold: bool = False,
-                quantized: bool | None = None) -> ShapeFigures:
+                quantized: bool | None = None, int8_activations: bool = True) -> ShapeFigures:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r} (accepted: {', '.join(SHAPES)})")
-    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold, quantized)
+    return bench_file(model_file(cache_dir, shape, qtype), shape, qtype, contexts, device, log, cold, quantized,
+                      int8_activations)
 
 
 def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: str | None = None,
-               log: Callable[[str], None] = print, cold: bool = False, quantized: bool | None = None) -> ShapeFigures:
+               log: Callable[[str], None] = print, cold: bool = False, quantized: bool | None = None,
+               int8_activations: bool = True) -> ShapeFigures:
     """Load, prefill and decode figures of one model file (`name`, `qtype`: how to report it); `quantized`: keep
-    its matrices in their blocks (default: the engine's, on CUDA)."""
+    its matrices in their blocks (default: the engine's, on CUDA); `int8_activations` off: their one-row products
+    take the float GEMVs (kernels.quant_gemv) rather than the integer ones (kernels.quant_dot)."""
     shape = name
     dropped = drop_page_cache() if cold else False
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
@@ -149,10 +152,13 @@ def bench_file(path: Path, name: str, qtype: str, contexts: list[int], device: s
     engine = Engine(path, device=device, quantized=quantized)
     dev = engine.device
     kept = quantized_matrices(engine.model)
+    for matrix in kept:
+        matrix.int8_activations = int8_activations
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(m.nbytes for m in kept)
     figures = ShapeFigures(shape, qtype, _device_name(dev), str(engine.dtype).removeprefix("torch."),
                            path.stat().st_size, engine.load_seconds, weights / 2**30, cold_load=dropped,
-                           weights="quantized" if kept else "dequantized",
+                           weights=("quantized" if int8_activations else "quantized, float GEMVs") if kept
+                           else "dequantized",
                            dequantized_types=list(engine.dequantized_types))
     log(f"{shape} {qtype}, weights {figures.weights}: loaded in {engine.load_seconds:.2f} s "
         f"{'(page cache dropped first) ' if dropped else ''}"

@@ -1,7 +1,8 @@
 """Every per-model file kvchat keeps under $KVCHAT_HOME, in one place: where it lives, how it is read back and how
 it is written (atomically: a reader never sees half a file).
 
-- the watershed calibration (engine.calibrate.watershed.Calibration): calibrations/<fingerprint>.json;
+- the watershed calibration (engine.calibrate.watershed.Calibration): calibrations/<fingerprint>.json (the embedded
+  model's is shipped beside it, assets/kvchat-memory-demo.calibration.json, as is its merge check);
 - the model's check of its merge pairs (engine.calibrate.merge_check.MergeCalibration):
   calibrations/<fingerprint>.merges.json;
 - this machine's hardware profile of a model on a device (engine.restore.plan.HardwareProfile):
@@ -38,10 +39,31 @@ def save_calibration(cal: Calibration) -> Path:
     return write_json_atomically(calibration_path(cal.fingerprint), cal.to_dict(), "calibration")
 
 
+# The embedded model's watershed calibration, measured once when it was shipped (`kvchat calibrate`: 8 chats, ~10 s
+# on a 2-core CPU that a first round policy would otherwise spend): used for that model alone, by fingerprint, when
+# the home has none of its own (tests/test_calibration.py checks it is the shipped model's and what calibrating
+# gives).
+SHIPPED_CALIBRATION = DEFAULT_MODEL.with_suffix(".calibration.json")
+
+
+def _shipped(path: Path, fingerprint: str) -> Path | None:
+    """`path` if it is a shipped calibration of the model with this fingerprint."""
+    if not path.exists():
+        return None
+    try:
+        shipped = json.loads(path.read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if shipped == fingerprint else None
+
+
 def load_calibration(fingerprint: str, n_layers: int | None = None) -> Calibration | None:
-    """The stored calibration of this model, or None when there is none (or it is of an older calibration version,
-    which is recalibrated rather than trusted). A corrupt file, or one for another model, is an error."""
+    """The stored calibration of this model (the home's, else the shipped one of the embedded model), or None when
+    there is none (or it is of an older calibration version, which is recalibrated rather than trusted). A corrupt
+    file, or one for another model, is an error."""
     path = calibration_path(fingerprint)
+    if not path.exists():
+        path = _shipped(SHIPPED_CALIBRATION, fingerprint) or path
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -79,13 +101,7 @@ SHIPPED_MERGE_CALIBRATION = DEFAULT_MODEL.with_suffix(".merges.json")
 
 def shipped_merge_calibration_path(fingerprint: str) -> Path | None:
     """The shipped check of the model with this fingerprint, if there is one."""
-    if not SHIPPED_MERGE_CALIBRATION.exists():
-        return None
-    try:
-        shipped = json.loads(SHIPPED_MERGE_CALIBRATION.read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return SHIPPED_MERGE_CALIBRATION if shipped == fingerprint else None
+    return _shipped(SHIPPED_MERGE_CALIBRATION, fingerprint)
 
 
 def save_merge_calibration(cal: MergeCalibration) -> Path:

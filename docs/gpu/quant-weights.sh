@@ -3,8 +3,12 @@
 # image has torch, triton and numpy, with the other wheels in .whl/ (../shared/gpu/prepare-wheels.sh).
 #
 #   bash docs/gpu/quant-weights.sh tests     # the GPU tests of the quantized GEMVs and of quantized models
-#   bash docs/gpu/quant-weights.sh probe     # each kernel's tiles against the bf16 GEMV, 8B-shape matrices
-#   bash docs/gpu/quant-weights.sh engine    # kvchat bench engine, 8B shape Q4_K_M, both weight kinds, 1k/8k/32k
+#   bash docs/gpu/quant-weights.sh probe     # each float kernel's tiles against the bf16 GEMV, 8B-shape matrices
+#   bash docs/gpu/quant-weights.sh dot-probe # each integer kernel's tiles (kernels/quant_dot.py); the best of each
+#                                            # type go to /tmp/dot-tiles.json, which later parts use
+#   bash docs/gpu/quant-weights.sh model     # only build the 8B-shape Q4_K_M file (llama.cpp's quantizer)
+#   bash docs/gpu/quant-weights.sh engine    # kvchat bench engine, 8B shape Q4_K_M, 1k/8k/32k: dequantized at load,
+#                                            # kept in blocks with float GEMVs, kept in blocks with integer ones
 #   bash docs/gpu/quant-weights.sh agreement # the same answers? the 8B Q4_K_M file kept in its blocks against
 #                                            # dequantized at load: 1,000 prefill positions, 200 decoded (JSON)
 #   bash docs/gpu/quant-weights.sh floor     # both paths in bf16 against float32: bf16's own share of the above
@@ -19,20 +23,29 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
+# The integer kernels' tiles measured by dot-probe on this machine, once it has run.
+[ -f /tmp/dot-tiles.json ] && export KVCHAT_QUANT_DOT_TILES=/tmp/dot-tiles.json
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/machine.txt"
 kvchat() { python3 -m kvchat.app.cli "$@"; }
 for part in "${@:-tests}"; do
   case "$part" in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_gemv.py tests/test_decode_kernels.py \
-        tests/test_quant_bench.py \
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_dot.py tests/test_quant_gemv.py \
+        tests/test_decode_kernels.py tests/test_quant_bench.py \
         2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt" ;;
     probe)
       python3 docs/probes/quant_gemv.py > "$OUT/quant-gemv.jsonl" 2> "$OUT/quant-gemv.log"; tail -3 "$OUT/quant-gemv.log" ;;
+    dot-probe)
+      python3 docs/probes/quant_dot.py --best /tmp/dot-tiles.json > "$OUT/quant-dot.jsonl" 2> "$OUT/quant-dot.log"
+      tail -3 "$OUT/quant-dot.log"; tail -1 "$OUT/quant-dot.jsonl"; cp /tmp/dot-tiles.json "$OUT/" 2>/dev/null
+      [ -f /tmp/dot-tiles.json ] && export KVCHAT_QUANT_DOT_TILES=/tmp/dot-tiles.json ;;
+    model)
+      python3 -c "from pathlib import Path; from kvchat.app.bench.engine_speed import model_file; \
+print(model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M'))" ;;
     engine)  # one run of the bench (each figure the median of 3); repeat the word for more runs
       run=$(( ${run:-0} + 1 ))
-      kvchat bench engine --shape llama-3.1-8b --qtype Q4_K_M --weights both --context 1024,8192,32768 \
+      kvchat bench engine --shape llama-3.1-8b --qtype Q4_K_M --weights "${WEIGHTS:-all}" --context 1024,8192,32768 \
         --cache-dir /tmp/bench-models --json "$OUT/engine-q4km-run$run.json" 2>&1 | tee "$OUT/engine-q4km-run$run.txt" ;;
     agreement)  # both models on the GPU one after the other (15 GiB dequantized, then 4.6 GiB in blocks)
       python3 docs/probes/quant_agreement.py --shape llama-3.1-8b --qtype Q4_K_M --cache-dir /tmp/bench-models \
@@ -49,6 +62,6 @@ model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M')"
         kvchat bench engine --shape llama-3.1-8b --qtype "$q" --weights quantized --context 1024,8192,32768 \
           --cache-dir /tmp/bench-models --json "$OUT/engine-$q.json" 2>&1 | tee "$OUT/engine-$q.txt"
       done ;;
-    *) echo "unknown part $part (tests, probe, engine, agreement, floor, engine-types)" >&2 ;;
+    *) echo "unknown part $part (tests, probe, dot-probe, model, engine, agreement, floor, engine-types)" >&2 ;;
   esac
 done

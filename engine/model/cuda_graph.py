@@ -17,6 +17,7 @@ The step runs over any DeviceKV (engine.kv.base): it binds to the tensors `cache
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Callable
 
@@ -72,9 +73,20 @@ class CudaGraphs:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = fn()
+        # No garbage collection during the capture: an earlier step's graph that only the cycle collector frees (a
+        # step holds its replay, which holds the step's bound method) would be reset inside the capture, freeing
+        # its memory pool, which CUDA refuses while a stream captures: the capture failed ("operation not
+        # permitted when stream is capturing"), seen when one process decoded under several KV budgets at 32k.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # thread_local: a KV writer thread may be using the GPU on its own stream while we capture.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = fn()
+        finally:
+            if collecting:
+                gc.enable()
         return graph, outputs
 
 

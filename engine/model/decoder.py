@@ -37,6 +37,7 @@ from kvchat.engine.model.attention import (
 from kvchat.kernels._triton import SUPPORTED_DTYPES, triton_kernel_runs_on
 from kvchat.kernels.decode_attention import decode_attention, unsupported_reason
 from kvchat.engine.model.quantized import QuantizedMatrix, linear
+from kvchat.kernels.quant_dot import QuantX
 from kvchat.kernels.gemv import gemv
 from kvchat.kernels.rms_norm import add_rms_norm
 from kvchat.kernels.rope_kv import rope_kv
@@ -160,10 +161,19 @@ def weight_attribute(weight: Tensor | QuantizedMatrix) -> nn.Parameter | Quantiz
     return weight if isinstance(weight, QuantizedMatrix) else nn.Parameter(weight, requires_grad=False)
 
 
-def any_gemv(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None) -> Tensor:
-    """A decode step's product over either kind of weight (kernels.gemv, or kernels.quant_gemv through the
-    matrix)."""
-    return weight.linear(x, bias) if isinstance(weight, QuantizedMatrix) else gemv(x, weight, bias)
+def any_gemv(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None, xq: QuantX | None = None
+             ) -> Tensor:
+    """A decode step's product over either kind of weight (kernels.gemv, or kernels.quant_dot / quant_gemv through
+    the matrix; `xq`: x already quantized by the kernel that made it)."""
+    return weight.linear(x, bias, xq) if isinstance(weight, QuantizedMatrix) else gemv(x, weight, bias)
+
+
+def int8_input(weight: Tensor | QuantizedMatrix, rounding: Callable[[Tensor], Tensor], x_dtype: torch.dtype,
+               device: torch.device) -> bool:
+    """Whether a decode step's x for `weight` is best quantized by the kernel that makes it (a norm, SwiGLU): the
+    matrix takes int8 x for that dtype and no input rounding (numerics="llama.cpp" on the CPU) comes between."""
+    return (isinstance(weight, QuantizedMatrix) and rounding is identity
+            and weight.takes_int8(x_dtype, device))
 
 
 def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
@@ -265,36 +275,48 @@ class DecoderLayer(nn.Module):
         over slots [0, step.length), SwiGLU, and the matrix products as GEMVs. ~10 kernels instead of ~26, so a
         captured step spends its time reading weights rather than between small kernels. forward()'s numbers
         within the dtype's rounding."""
-        return self._fused(h, pending, lambda x: self._decode_attention(x, layer, cache, step, queries), any_gemv)
+        return self._fused(h, pending, lambda x, xq: self._decode_attention(x, layer, cache, step, queries, xq),
+                           any_gemv, decode=True)
 
     def fused_prefill(self, h: Tensor, pending: Tensor | None, layer: int, rot: Rotations, cache: KVCache,
                       start: int, attend: Tensor | None, queries: list | None) -> tuple[Tensor, Tensor]:
         """forward() for T new tokens on the GPU with the norms fused with their residual adds and SwiGLU in one
         kernel, (h, pending) as in fused_decode: a third fewer kernels, which a short prefill (a message over a
         chat, a restore's recomputed rounds) spends its time queuing."""
-        return self._fused(h, pending, lambda x: self._attention(x, layer, rot, cache, start, attend, None, queries),
+        return self._fused(h, pending, lambda x, xq: self._attention(x, layer, rot, cache, start, attend, None,
+                                                                     queries),
                            linear)
 
-    def _fused(self, h: Tensor, pending: Tensor | None, attention: Callable[[Tensor], Tensor],
-               linear: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
-        h, x = add_rms_norm(h, pending, self.attn_norm.weight, self.attn_norm.eps)
-        out = attention(x)
+    def _fused(self, h: Tensor, pending: Tensor | None, attention: Callable[[Tensor, QuantX | None], Tensor],
+               linear: Callable[..., Tensor], decode: bool = False) -> tuple[Tensor, Tensor]:
+        # A decode step's x for an int8 product (kernels.quant_dot) is quantized by the norm or SwiGLU kernel that
+        # makes it: three kernels a layer fewer than quantizing each x on its own.
+        def int8(weight, rounding) -> bool:
+            return decode and int8_input(weight, rounding, h.dtype, h.device)
+
+        h, x, *xq = add_rms_norm(h, pending, self.attn_norm.weight, self.attn_norm.eps,
+                                 quantize=int8(self.wqkv, self.round_qkv))
+        out = attention(x, xq[0] if xq else None)
         if self.post_attn_norm is not None:
             out = self.post_attn_norm(out)
-        h, x = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps)
-        gate_up = linear(self.round_gate_up(x), self.w_gate_up)
+        h, x, *xq = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps,
+                                 quantize=int8(self.w_gate_up, self.round_gate_up))
+        gate_up = linear(self.round_gate_up(x), self.w_gate_up, xq=xq[0] if xq else None)
+        xq = []
         if self.cfg.gelu_ffn:
             gate, up = gate_up.chunk(2, dim=-1)
             act = self.gelu(gate) * up
+        elif int8(self.w_down, self.round_down):
+            act, *xq = silu_mul(gate_up, quantize=True)
         else:
             act = silu_mul(gate_up)
-        out = linear(self.round_down(act), self.w_down)
+        out = linear(self.round_down(act), self.w_down, xq=xq[0] if xq else None)
         return h, out if self.post_ffn_norm is None else self.post_ffn_norm(out)
 
     def _decode_attention(self, x: Tensor, layer: int, cache: KVCache, step: DecodeStep,
-                          queries: list | None) -> Tensor:
+                          queries: list | None, xq: QuantX | None = None) -> Tensor:
         cfg = self.cfg
-        qkv = any_gemv(self.round_qkv(x), self.wqkv, self.bqkv)  # [1, (H + 2 Hkv) D]
+        qkv = any_gemv(self.round_qkv(x), self.wqkv, self.bqkv, xq)  # [1, (H + 2 Hkv) D]
         if self.q_norm is not None:
             n_qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
             qk = self._head_norms(qkv[:, :n_qk].view(-1, cfg.head_dim)[None]).view(1, n_qk)

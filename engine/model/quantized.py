@@ -10,6 +10,11 @@ Matrices the decoder fuses (q, k, v; gate, up) are stacked into one part where t
 for gate and up, and for q, k and v of one type), and stay separate parts where they differ, since a Q4_K_M file
 mixes types among them (attn_v in Q6_K in some layers); each part writes its slice of the fused output.
 
+A 16-bit model's one-row products quantize x to int8 once per product and take integer dot products
+(kernels.quant_dot, llama.cpp's way: half the instructions a weight, docs/benchmarks.md, issue 41) for the types
+with such a kernel; Q5_0 parts and float32 models keep the float GEMVs (kernels.quant_gemv), which round nothing
+beyond the weights' own.
+
 Shapes: x [T, K]; the matrix [N, K] is the parts' rows stacked in order.
 """
 
@@ -20,11 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.gguf.dequant import dequantize
+from kvchat.kernels._triton import INTERPRET
+from kvchat.kernels.quant_dot import QUANT_DOT_TYPES, QuantX, quant_dot, quant_dot_runs, quantize_x
 from kvchat.kernels.quant_gemv import QuantBlocks, dequantize_rows, quant_gemv, quant_gemv_runs
 
 # Rows dequantized at once by a many-row product: a band of at most this many weights (32 MiB of bf16), so the
 # output matrix of a 128k vocabulary never exists whole in bf16.
 BAND_ELEMENTS = 1 << 24
+# The activations' dtypes whose one-row products take the integer kernels (x rounded to int8 per 32 values).
+INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class QuantizedMatrix:
@@ -43,6 +52,9 @@ class QuantizedMatrix:
         parts = [run[0] if len(run) == 1 else QuantBlocks.stack(run) for run in runs]
         self.parts, self.n_in, self.dtype = parts, n_in, dtype
         self.n_out = sum(p.n_out for p in parts)
+        # One-row products of 16-bit x through kernels.quant_dot where a part's type has a kernel (off: the float
+        # GEMVs for every part; the engine bench's comparison of the two).
+        self.int8_activations = True
 
     @property
     def device(self) -> torch.device:
@@ -52,13 +64,26 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """F.linear(x, W, bias) for x [T, K] -> [T, N] in x's dtype."""
+    def takes_int8(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a one-row product of x in `dtype` on `device` quantizes x for kernels.quant_dot (some part has
+        such a kernel): a kernel that makes x may then quantize it too and hand it to `linear`."""
+        return (self.int8_activations and dtype in INT8_ACTIVATION_DTYPES and (device.type == "cuda" or INTERPRET)
+                and any(p.qtype in QUANT_DOT_TYPES for p in self.parts) and self.n_in % 32 == 0)
+
+    def linear(self, x: Tensor, bias: Tensor | None = None, xq: QuantX | None = None) -> Tensor:
+        """F.linear(x, W, bias) for x [T, K] -> [T, N] in x's dtype; `xq`: one row of x already quantized (as
+        kernels.quant_dot.quantize_x would), for the parts that take it."""
         out = torch.empty(x.shape[0], self.n_out, dtype=x.dtype, device=x.device)
+        int8 = self.int8_activations and x.shape[0] == 1 and x.dtype in INT8_ACTIVATION_DTYPES
+        # x quantized once for every part that takes it
         start = 0
         for part in self.parts:
             stop = start + part.n_out
-            if x.shape[0] == 1 and quant_gemv_runs(x, part):
+            if int8 and quant_dot_runs(x, part):
+                if xq is None:
+                    xq = quantize_x(x)
+                quant_dot(xq, part, out[:, start:stop])
+            elif x.shape[0] == 1 and quant_gemv_runs(x, part):
                 quant_gemv(x, part, out=out[:, start:stop])
             else:
                 band = max(1, BAND_ELEMENTS // self.n_in)
@@ -83,8 +108,9 @@ class QuantizedMatrix:
                                                   dtype)
 
 
-def linear(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None) -> Tensor:
-    """F.linear over either kind of weight."""
+def linear(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None, xq: QuantX | None = None
+           ) -> Tensor:
+    """F.linear over either kind of weight (`xq`: QuantizedMatrix.linear's)."""
     if isinstance(weight, QuantizedMatrix):
-        return weight.linear(x, bias)
+        return weight.linear(x, bias, xq)
     return F.linear(x, weight, bias)
