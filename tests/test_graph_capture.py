@@ -59,6 +59,39 @@ def test_without_the_stand_in_the_cpu_refuses_to_capture():
         Replay(lambda: torch.zeros(1), CPU)
 
 
+# ---------------------------------------------------------------- what a dropped cache leaves behind
+
+
+def test_a_dropped_cache_and_its_captured_steps_are_freed_at_once(models):
+    """A KV cache, its kept decode graph (`graphed_decode`) and a policy's slot-list step are freed as soon as they
+    are dropped, not when the cycle collector runs: a cycle through a replay once kept a 32k chat's 4 GiB of K/V on
+    the GPU beside the next one's, and a budgeted run ran out of memory (docs/benchmarks.md, issue 41)."""
+    import gc
+    import weakref
+
+    from kvchat.engine.policies.slot_lists import SlotListDecode
+
+    engine = Engine(models.get(**SPECS[0]), device="cpu", dtype=torch.float32)
+    m = engine.model
+    prompt = torch.tensor(engine.encode_prompt(REFERENCE_PROMPT))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with standin_graphs():
+            for make_step in (lambda cache: graphed_decode(m, cache, 96),
+                              lambda cache: SlotListDecode(m, cache, 0, 96, None, capture=True)):
+                cache = m.new_cache(96)
+                m(prompt, cache)
+                step = make_step(cache)
+                step(1)
+                gone = weakref.ref(cache), weakref.ref(step), weakref.ref(step._replay)
+                del cache, step
+                assert [ref() for ref in gone] == [None, None, None]
+    finally:
+        if collecting:
+            gc.enable()
+
+
 # ---------------------------------------------------------------- the full cache's captured step
 
 

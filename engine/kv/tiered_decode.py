@@ -6,6 +6,7 @@ Shapes: d model width, H query heads, D head size, V vocabulary.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,12 +27,21 @@ class TieredDecode:
 
     def __init__(self, tiered: TieredKV, capture: bool):
         m = tiered.model
-        self.tiered, self.capture = tiered, capture
+        # Held weakly: the tiered cache keeps this step (`_replayed`), and a strong reference back would keep a
+        # dropped cache on the GPU until the cycle collector runs (engine.model.cuda_graph.Replay).
+        self._tiered, self.capture = weakref.ref(tiered), capture
         self.inputs = StepInputs(m.device, n_caches=2)
         self.h = torch.zeros(1, m.cfg.d_model, device=m.device, dtype=m.dtype)
         self.query_w = torch.zeros(1, m.cfg.n_heads, m.cfg.head_dim, device=m.device, dtype=m.dtype)
         self._lower = self._upper = None
         self._lower_bound = self._upper_bound = Bound()
+
+    @property
+    def tiered(self) -> TieredKV:
+        tiered = self._tiered()
+        if tiered is None:
+            raise RuntimeError("the tiered cache of this decode step is gone")
+        return tiered
 
     def prepare(self) -> None:
         """Capture both replays before the reply's first step, as the full cache's graph is captured before its

@@ -18,6 +18,7 @@ The step runs over any DeviceKV (engine.kv.base): it binds to the tensors `cache
 from __future__ import annotations
 
 import gc
+import inspect
 import weakref
 from typing import Callable
 
@@ -95,15 +96,28 @@ GRAPHS = CudaGraphs()
 
 class Replay:
     """`fn` (no arguments, device tensors in and out) captured in a CUDA graph and replayed, or with capture=False
-    simply called."""
+    simply called.
+
+    A bound method is held weakly: its object owns this replay (a decode step's `self._replay = Replay(self._step,
+    ...)`), and a strong reference back would make a cycle that only Python's cycle collector frees. Until it runs,
+    the step, the KV cache it holds (gigabytes at 32k) and the graph's memory pool would stay on the GPU after the
+    step and its cache were dropped; under --gpu-memory the next chat's cache then ran out of memory."""
 
     def __init__(self, fn: Callable[[], object], device: torch.device, capture: bool = True):
-        self.fn, self.graph, self.outputs = fn, None, None
+        self._fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        self.graph, self.outputs = None, None
         if not capture:
             return
         if not GRAPHS.takes(device):
             raise ValueError("CUDA graphs need a CUDA model")
         self.graph, self.outputs = GRAPHS.capture(fn, device)
+
+    @property
+    def fn(self) -> Callable[[], object]:
+        fn = self._fn()
+        if fn is None:
+            raise RuntimeError("the decode step this replay ran is gone")
+        return fn
 
     def __call__(self):
         if self.graph is None:
@@ -124,8 +138,12 @@ class Bound:
 
 
 class GraphedDecode:
+    """The full cache's decode step, replayed. It is kept on its cache (`graphed_decode`) for the next reply, and
+    holds the cache weakly: a strong reference back would keep a dropped cache alive until the cycle collector runs
+    (see Replay)."""
+
     def __init__(self, model: Transformer, cache: DeviceKV, capacity: int, capture: bool = True):
-        self.model, self.cache = model, cache
+        self.model, self._cache = model, weakref.ref(cache)
         cache.reserve(capacity)  # the graph is bound to this storage: it must not grow while in use
         model.reserve_rotations(cache.capacity)
         self._bound = Bound(*cache.storage(), model.rope.c_table)
@@ -135,9 +153,16 @@ class GraphedDecode:
         with cache.keeping_slot(cache.capacity - 1):
             self._replay = Replay(self._step, model.device, capture)
 
+    @property
+    def cache(self) -> DeviceKV:
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("the KV cache of this decode step is gone")
+        return cache
+
     def fits(self, cache: DeviceKV, capacity: int) -> bool:
         """Whether this graph can serve `cache` up to `capacity` slots (same storage, same rotary table)."""
-        return (cache is self.cache and self._bound.holds(*cache.storage(), self.model.rope.c_table)
+        return (cache is self._cache() and self._bound.holds(*cache.storage(), self.model.rope.c_table)
                 and capacity <= cache.capacity)
 
     @torch.inference_mode()
