@@ -74,11 +74,10 @@ class CudaGraphs:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # No garbage collection during the capture: an earlier step's graph that only the cycle collector frees (a
-        # step holds its replay, which holds the step's bound method) would be reset inside the capture, freeing
-        # its memory pool, which CUDA refuses while a stream captures: the capture failed ("operation not
-        # permitted when stream is capturing"), seen when one process decoded under several KV budgets at 32k.
-        gc.collect()
+        # No garbage collection during the capture: a graph in some reference cycle, freed by the cycle collector
+        # inside the capture, would free its memory pool there, which CUDA refuses while a stream captures ("operation
+        # not permitted when stream is capturing": seen when one process decoded under several KV budgets at 32k,
+        # before Replay held its step weakly). Collected after instead, whenever the collector next runs.
         collecting = gc.isenabled()
         gc.disable()
         try:
