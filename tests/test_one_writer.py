@@ -200,7 +200,11 @@ def check_race(engine, sid: str, sent: list[list[tuple[str, str]]]) -> None:
     with torch.inference_mode():
         prefill(engine.model, fresh, tokens)
     n = len(tokens)
-    assert (chat.cache.kv[:, :, :, :n] - fresh.kv[:, :, :, :n]).abs().max() < 1e-2
+    # The same K/V up to float32's order of summation: a reply's K/V was made one token at a time, the fresh one in
+    # one batch, and the difference grows through the layers (layer 0: ~1e-6; the last: 0.004-0.011, measured, with
+    # K/V values up to 28). Any K/V of other tokens would differ by the values' own size.
+    stored, expected = chat.cache.kv[:, :, :, :n], fresh.kv[:, :, :, :n]
+    assert (stored - expected).abs().max() < 1e-3 * expected.abs().max()
     chat.close()
 
 
