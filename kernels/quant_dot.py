@@ -66,10 +66,6 @@ class QuantX:
     d: Tensor
     sums: Tensor
 
-    @property
-    def n_in(self) -> int:
-        return self.q.numel()
-
 
 def quantize_x_ref(x: Tensor) -> QuantX:
     """x [1, K] (K a multiple of 32) -> QuantX, in torch: per 32 values d = max|x| / 127 and q = x · 127 / max|x|

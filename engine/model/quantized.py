@@ -26,7 +26,7 @@ from torch import Tensor
 
 from kvchat.engine.gguf.dequant import dequantize
 from kvchat.kernels._triton import INTERPRET
-from kvchat.kernels.quant_dot import QUANT_DOT_TYPES, QuantX, quant_dot, quant_dot_runs, quantize_x
+from kvchat.kernels.quant_dot import QUANT_DOT_TYPES, X_GROUP, QuantX, quant_dot, quant_dot_runs, quantize_x
 from kvchat.kernels.quant_gemv import QuantBlocks, dequantize_rows, quant_gemv, quant_gemv_runs
 
 # Rows dequantized at once by a many-row product: a band of at most this many weights (32 MiB of bf16), so the
@@ -68,14 +68,13 @@ class QuantizedMatrix:
         """Whether a one-row product of x in `dtype` on `device` quantizes x for kernels.quant_dot (some part has
         such a kernel): a kernel that makes x may then quantize it too and hand it to `linear`."""
         return (self.int8_activations and dtype in INT8_ACTIVATION_DTYPES and (device.type == "cuda" or INTERPRET)
-                and any(p.qtype in QUANT_DOT_TYPES for p in self.parts) and self.n_in % 32 == 0)
+                and any(p.qtype in QUANT_DOT_TYPES for p in self.parts) and self.n_in % X_GROUP == 0)
 
     def linear(self, x: Tensor, bias: Tensor | None = None, xq: QuantX | None = None) -> Tensor:
         """F.linear(x, W, bias) for x [T, K] -> [T, N] in x's dtype; `xq`: one row of x already quantized (as
         kernels.quant_dot.quantize_x would), for the parts that take it."""
         out = torch.empty(x.shape[0], self.n_out, dtype=x.dtype, device=x.device)
-        int8 = self.int8_activations and x.shape[0] == 1 and x.dtype in INT8_ACTIVATION_DTYPES
-        # x quantized once for every part that takes it
+        int8 = x.shape[0] == 1 and self.takes_int8(x.dtype, x.device)  # x quantized once for the parts that take it
         start = 0
         for part in self.parts:
             stop = start + part.n_out
