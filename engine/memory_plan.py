@@ -18,6 +18,8 @@ MiB) lies outside torch's allocator and outside the budget: on a real 8 GB card,
     token, in the activations' dtype (the 8B shape: 480 MiB);
   - a prefill band: a quantized matrix meets a chunk as bands of 2^24 weights dequantized to bf16 just before
     their product (engine.model.quantized.BAND_ELEMENTS, 32 MiB), the next band allocated while the last is freed;
+    a prompt of at most 2,048 tokens takes bands of 2^26 weights (128 MiB, fewer launches) beside at most half
+    the activations: the higher of the two is planned;
   - the vocabulary's logits in fp32, and what sampling makes of them (softmax, sorted values, their int64 indices);
   - the decode step's CUDA graph: its private memory pool holds one token's activations (about 2 MiB on the 8B
     shape) but in whole allocator segments; the tiered cache captures two graphs (its lower and upper replays);
@@ -61,6 +63,8 @@ MIB = 1 << 20
 
 PREFILL_CHUNK = 4096  # tokens a prefill runs at once (engine.kv.cache.KVCache.prefill_prompt)
 BAND_BYTES = (1 << 24) * 2  # engine.model.quantized.BAND_ELEMENTS bf16 weights
+SHORT_PREFILL = 2048  # engine.model.quantized.SHORT_PREFILL: prompts this short take bands of SHORT_BAND_BYTES
+SHORT_BAND_BYTES = 4 * BAND_BYTES
 GRAPH_POOL = 32 * MIB  # a captured decode step's private pool, in whole allocator segments
 ALLOCATOR_SLACK = 128 * MIB  # split blocks and cuBLAS's workspace; plus 1 MiB per weight tensor (rounding)
 PREFETCH_WINDOW = 1 << 30  # storage.prefetch.SegmentPrefetcher.WINDOW_BYTES (engine/ may not import storage/)
@@ -185,13 +189,19 @@ def workspace_bytes(cfg, act_bytes: int, tokens: int, quantized: bool, graphs: i
     `act_bytes` each, over a cache of `tokens` positions: the terms the module's docstring lists."""
     d, hd = cfg.d_model, cfg.head_dim
     per_token = 2 * d + (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd + 3 * cfg.ffn_dim
-    activations = min(chunk, max(tokens, 1)) * per_token * act_bytes
-    bands = 2 * BAND_BYTES if quantized else 0
+    def activations(n: int) -> int:
+        return min(n, max(tokens, 1)) * per_token * act_bytes
+
+    if quantized:  # a chunk's activations and bands, or a short prompt's and its larger bands
+        prefill = max(activations(chunk) + 2 * BAND_BYTES,
+                      activations(min(chunk, SHORT_PREFILL)) + 2 * SHORT_BAND_BYTES)
+    else:
+        prefill = activations(chunk)
     logits = cfg.vocab_size * (4 + 4 + 4 + 8)
     positions = max(ROPE_START, 1 << max(tokens - 1, 1).bit_length())
     rope = positions * hd * 4 * 2 * (2 if cfg.rope_base_swa else 1)
     slack = ALLOCATOR_SLACK + weight_tensors * MIB
-    return activations + bands + logits + graphs * GRAPH_POOL + rope + slack
+    return prefill + logits + graphs * GRAPH_POOL + rope + slack
 
 
 def weight_bytes(path: str | os.PathLike[str], device_type: str, dtype_bytes: int | None = None,

@@ -291,34 +291,64 @@ def quantize_x(x: Tensor) -> QuantX:
     return out
 
 
-# A JSON file {"Q4_K": [BLOCK_N, BLOCK_B, num_warps], ...} whose tiles replace the defaults (tiles measured on another
-# card: docs/probes/quant_dot.py --best FILE writes one).
+# A JSON file {"Q4_K": [BLOCK_N, BLOCK_B, num_warps], "Q6_K/long": [...], ...} whose tiles replace the defaults: a type
+# name alone for all of its matrices, "TYPE/CLASS" for one class (`matrix_class`); tiles measured on another card:
+# docs/probes/quant_dot_tiles.py --best FILE writes one.
 TILES_ENV = "KVCHAT_QUANT_DOT_TILES"
+# Matrices whose best tiles differ (docs/probes/quant_dot_tiles.py, in a CUDA graph as a decode step runs them):
+# "tall" ones (≥ 16k rows: gate+up, the output matrix) have rows enough to fill the card with small tiles; "long"
+# rows (≥ 8k columns: down) want few rows a program and long runs of blocks; the rest are "small" (q/k/v, o), whose
+# few rows must still spread over every SM.
+MATRIX_CLASSES = ("small", "tall", "long")
+
+
+def matrix_class(n_out: int, n_in: int) -> str:
+    if n_in >= 8192:
+        return "long"
+    return "tall" if n_out >= 16384 else "small"
 
 
 @cache
-def _tiles_from_env() -> dict[GGMLQuantizationType, tuple[int, int, int]]:
+def _tiles_from_env() -> dict[str, tuple[int, int, int]]:
     path = os.environ.get(TILES_ENV)
     if not path:
         return {}
     try:
         named = json.loads(open(path).read())
-        return {_T[name]: (int(n), int(b), int(warps)) for name, (n, b, warps) in named.items()}
+        tiles = {}
+        for key, (n, b, warps) in named.items():
+            name, _, kind = key.partition("/")
+            if name not in _T.__members__ or (kind and kind not in MATRIX_CLASSES):
+                raise KeyError(key)
+            tiles[key] = (int(n), int(b), int(warps))
+        return tiles
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{TILES_ENV}={path}: not a JSON object of type names to [rows, blocks, warps] ({e})") from e
+        raise ValueError(f"{TILES_ENV}={path}: not a JSON object of type names (or TYPE/CLASS, a class one of "
+                         f"{', '.join(MATRIX_CLASSES)}) to [rows, blocks, warps] ({e})") from e
 
 
-def default_dot_tiles(qtype: GGMLQuantizationType) -> tuple[int, int, int]:
-    """(BLOCK_N rows, BLOCK_B blocks, num_warps); in the interpreter, large tiles (fewer Python-run programs)."""
+# The tiles with the least time per matrix class, each in a CUDA graph of 32 copies, on an H100 (2026-11-27,
+# docs/probes/quant_dot_tiles.py; docs/benchmarks.md, issue 41); a type without a class of its own here takes its
+# "" entry.
+# Q8_0, Q4_0 and Q5_K: one tile a type, the least summed time over the 8B shape's matrices on an H200 (each launch
+# timed alone, docs/probes/quant_dot.py, the same day).
+DEFAULT_DOT_TILES: dict[tuple[GGMLQuantizationType, str], tuple[int, int, int]] = {
+    (_T.Q4_K, "small"): (2, 4, 1), (_T.Q4_K, "tall"): (2, 2, 1), (_T.Q4_K, "long"): (1, 4, 1),
+    (_T.Q6_K, "small"): (2, 2, 1), (_T.Q6_K, "tall"): (2, 2, 1), (_T.Q6_K, "long"): (1, 2, 1),
+    (_T.Q4_K, ""): (2, 2, 1), (_T.Q6_K, ""): (2, 2, 1),
+    (_T.Q8_0, ""): (1, 32, 1), (_T.Q4_0, ""): (2, 32, 2), (_T.Q5_K, ""): (1, 4, 1),
+}
+
+
+def default_dot_tiles(qtype: GGMLQuantizationType, n_out: int = 0, n_in: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N rows, BLOCK_B blocks, num_warps) for a matrix [n_out, n_in] of `qtype`: the environment's file, then
+    the measured defaults, by class then by type; in the interpreter, large tiles (fewer Python-run programs)."""
     if INTERPRET:
         return 16, 2, 1
-    chosen = _tiles_from_env().get(qtype)
-    if chosen:
-        return chosen
-    # The least summed time over the 8B shape's layer and output matrices, on an H200 (docs/probes/quant_dot.py,
-    # 2026-11-27; docs/benchmarks.md, issue 41).
-    return {_T.Q8_0: (1, 32, 1), _T.Q4_0: (2, 32, 2), _T.Q4_K: (4, 4, 2), _T.Q5_K: (1, 4, 1),
-            _T.Q6_K: (4, 2, 1)}[qtype]
+    kind = matrix_class(n_out, n_in)
+    chosen = _tiles_from_env()
+    tiles = chosen.get(f"{qtype.name}/{kind}") or chosen.get(qtype.name)
+    return tiles or DEFAULT_DOT_TILES.get((qtype, kind)) or DEFAULT_DOT_TILES[qtype, ""]
 
 
 def _words(t: Tensor) -> Tensor:
@@ -328,7 +358,7 @@ def _words(t: Tensor) -> Tensor:
 def quant_dot(xq: QuantX, w: QuantBlocks, out: Tensor, tiles: tuple[int, int, int] | None = None) -> Tensor:
     """y = x W^T into `out` [1, N] (any float dtype; a slice of a fused output is fine) for x as `quantize_x` gave
     it; the caller checked `quant_dot_runs` on x."""
-    block_n, block_b, warps = tiles or default_dot_tiles(w.qtype)
+    block_n, block_b, warps = tiles or default_dot_tiles(w.qtype, w.n_out, w.n_in)
     grid = (triton.cdiv(w.n_out, block_n),)
     x_args = (_words(xq.q), xq.d, xq.sums, out, w.n_out, w.n_blocks)
     tile = dict(BLOCK_N=block_n, BLOCK_B=block_b, EVEN=w.n_blocks % block_b == 0, ASM=not INTERPRET,

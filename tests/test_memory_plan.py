@@ -104,6 +104,30 @@ def test_the_upper_share_is_the_first_round_and_twice_the_top_tenth_of_the_other
     assert upper_share_tokens([50]) == 50 and upper_share_tokens([]) == 0
 
 
+def test_the_plan_s_bands_are_the_products_bands():
+    """engine/ plans what engine.model.quantized allocates (the numbers are written twice: the plan is pure
+    arithmetic, importing no model code); a short prompt's larger bands stay within what its activations save on
+    the 8B shape, and are planned on a small model, where they do not."""
+    from kvchat.engine import memory_plan
+    from kvchat.engine.model import quantized
+
+    assert memory_plan.BAND_BYTES == 2 * quantized.BAND_ELEMENTS
+    assert memory_plan.SHORT_BAND_BYTES == 2 * quantized.SHORT_BAND_ELEMENTS
+    assert memory_plan.SHORT_PREFILL == quantized.SHORT_PREFILL
+    big = ModelConfig(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                      vocab_size=128256, context_length=131072, rms_eps=1e-5, rope_base=5e5, rope_dim=128,
+                      rope_neox=False, rope_freq_scale=1.0, qkv_bias=False, tied_output=False, llama3_rope=True)
+    small = ModelConfig(arch="llama", n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+                        vocab_size=1000, context_length=8192, rms_eps=1e-5, rope_base=1e4, rope_dim=64,
+                        rope_neox=False, rope_freq_scale=1.0, qkv_bias=False, tied_output=False, llama3_rope=False)
+    per_token = 2 * 4096 + 48 * 128 + 32 * 128 + 3 * 14336
+    extra = workspace_bytes(big, 2, 8192, quantized=True) - workspace_bytes(big, 2, 8192, quantized=False)
+    assert extra == 2 * memory_plan.BAND_BYTES  # the chunk's own bands are the higher of the two
+    assert 2048 * per_token * 2 + 2 * memory_plan.SHORT_BAND_BYTES <= 4096 * per_token * 2 + extra
+    extra = workspace_bytes(small, 2, 8192, quantized=True) - workspace_bytes(small, 2, 8192, quantized=False)
+    assert extra > 2 * memory_plan.SHORT_BAND_BYTES - 4096 * 1600 * 2  # the larger bands, less the few saved
+
+
 def test_the_8b_shape_at_32k():
     """The figures docs/architecture.md quotes: the 8B shape in Q4_K_M (4.58 GiB of weights on the GPU), a 32k
     chat of 51 rounds, a 512-token reply; the tiered cache at the watershed the benchmarks use (layer 4, split 5)."""

@@ -64,6 +64,41 @@ def test_what_the_integer_kernels_do_not_take():
         assert not quant_dot_runs(torch.randn(1, 256), w)  # on the CPU without the interpreter
 
 
+def test_tiles_come_from_the_environment_s_file_by_class_then_by_type(tmp_path, monkeypatch):
+    from kvchat.kernels import quant_dot as module
+
+    path = tmp_path / "tiles.json"
+    path.write_text('{"Q4_K": [2, 4, 1], "Q4_K/long": [1, 8, 2]}')
+    monkeypatch.setattr(module, "INTERPRET", False)  # the interpreter's own tiles aside
+    monkeypatch.setenv(module.TILES_ENV, str(path))
+    module._tiles_from_env.cache_clear()
+    try:
+        assert module.default_dot_tiles(_T.Q4_K, 4096, 14336) == (1, 8, 2)  # down: long rows
+        assert module.default_dot_tiles(_T.Q4_K, 28672, 4096) == (2, 4, 1)  # gate+up: the type's entry
+        assert module.default_dot_tiles(_T.Q6_K, 4096, 4096) == module.DEFAULT_DOT_TILES[_T.Q6_K, ""]
+        path.write_text('{"Q4_K/wide": [1, 8, 2]}')
+        module._tiles_from_env.cache_clear()
+        with pytest.raises(ValueError, match="Q4_K/wide") as caught:
+            module.default_dot_tiles(_T.Q4_K, 4096, 4096)
+        assert "\n" not in str(caught.value)
+    finally:
+        monkeypatch.delenv(module.TILES_ENV)
+        module._tiles_from_env.cache_clear()
+
+
+def test_a_prefill_band_is_whole_tiles_of_rows():
+    from kvchat.engine.model.quantized import (BAND_ELEMENTS, BAND_ROW_MULTIPLE, SHORT_BAND_ELEMENTS, SHORT_PREFILL,
+                                               band_rows)
+
+    for n_in in (896, 2048, 4096, 14336, 18944, 1 << 20):
+        for n_tokens, elements in ((SHORT_PREFILL + 1, BAND_ELEMENTS), (SHORT_PREFILL, SHORT_BAND_ELEMENTS)):
+            rows = band_rows(n_in, n_tokens)
+            assert rows * n_in <= elements or rows == 1
+            assert rows % BAND_ROW_MULTIPLE == 0 or rows < BAND_ROW_MULTIPLE
+    assert band_rows(14336, 4096) == 1152  # not 1,170: its slices of the output would start 2-element aligned
+    assert band_rows(4096, 1024) == 4 * band_rows(4096, 4096)  # a short prompt: a quarter of the launches
+
+
 def test_the_reference_quantizes_x_as_llama_cpp_does():
     """Per 32 values: d = max|x| / 127 and q = round(x / d); a group of zeros has d = 0 and q = 0."""
     x = some_x(256, torch.float32, "cpu")

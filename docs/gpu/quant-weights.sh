@@ -6,6 +6,10 @@
 #   bash docs/gpu/quant-weights.sh probe     # each float kernel's tiles against the bf16 GEMV, 8B-shape matrices
 #   bash docs/gpu/quant-weights.sh dot-probe # each integer kernel's tiles (kernels/quant_dot.py); the best of each
 #                                            # type go to /tmp/dot-tiles.json, which later parts use
+#   bash docs/gpu/quant-weights.sh tile-probe # the integer kernels' tiles per matrix class, each in a CUDA graph
+#                                            # (docs/probes/quant_dot_tiles.py); the best go to /tmp/dot-tiles.json
+#   bash docs/gpu/quant-weights.sh profile   # kernel by kernel: an 8k prefill and decode steps, kept in blocks
+#                                            # against dequantized at load (docs/probes/quant_profile.py)
 #   bash docs/gpu/quant-weights.sh model     # only build the 8B-shape Q4_K_M file (llama.cpp's quantizer)
 #   bash docs/gpu/quant-weights.sh engine    # kvchat bench engine, 8B shape Q4_K_M, 1k/8k/32k: dequantized at load,
 #                                            # kept in blocks with float GEMVs, kept in blocks with integer ones
@@ -40,6 +44,13 @@ for part in "${@:-tests}"; do
       python3 docs/probes/quant_dot.py --best /tmp/dot-tiles.json > "$OUT/quant-dot.jsonl" 2> "$OUT/quant-dot.log"
       tail -3 "$OUT/quant-dot.log"; tail -1 "$OUT/quant-dot.jsonl"; cp /tmp/dot-tiles.json "$OUT/" 2>/dev/null
       [ -f /tmp/dot-tiles.json ] && export KVCHAT_QUANT_DOT_TILES=/tmp/dot-tiles.json ;;
+    tile-probe)
+      python3 docs/probes/quant_dot_tiles.py --best /tmp/dot-tiles.json > "$OUT/dot-tiles.jsonl" 2> "$OUT/dot-tiles.log"
+      tail -1 "$OUT/dot-tiles.jsonl"; cp /tmp/dot-tiles.json "$OUT/" 2>/dev/null
+      [ -f /tmp/dot-tiles.json ] && export KVCHAT_QUANT_DOT_TILES=/tmp/dot-tiles.json ;;
+    profile)
+      python3 docs/probes/quant_profile.py --context 8192 > "$OUT/profile-8k.jsonl" 2> "$OUT/profile-8k.log"
+      grep -E "prefill|decode" "$OUT/profile-8k.log" ;;
     model)
       python3 -c "from pathlib import Path; from kvchat.app.bench.engine_speed import model_file; \
 print(model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M'))" ;;
@@ -62,6 +73,6 @@ model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M')"
         kvchat bench engine --shape llama-3.1-8b --qtype "$q" --weights quantized --context 1024,8192,32768 \
           --cache-dir /tmp/bench-models --json "$OUT/engine-$q.json" 2>&1 | tee "$OUT/engine-$q.txt"
       done ;;
-    *) echo "unknown part $part (tests, probe, dot-probe, model, engine, agreement, floor, engine-types)" >&2 ;;
+    *) echo "unknown part $part (tests, probe, dot-probe, tile-probe, profile, model, engine, agreement, floor, engine-types)" >&2 ;;
   esac
 done

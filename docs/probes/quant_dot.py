@@ -70,11 +70,17 @@ def main() -> None:
                 summed[qtype.name, tiles] = summed.get((qtype.name, tiles), 0.0) + us
                 print(json.dumps({"matrix": name, "kind": f"{qtype.name} int8", "tiles": tiles, "us": round(us, 1),
                                   "TB/s": round(w.nbytes / us / 1e6, 3)}), flush=True)
-    best = {}
-    for (name, tiles), us in summed.items():
-        if name not in best or us < summed[name, best[name]]:
-            best[name] = tiles
-    print(json.dumps({"best tiles": best, "summed us": {n: round(summed[n, t], 1) for n, t in best.items()}}),
+    report_best(summed, best_file)
+
+
+def report_best(summed: dict[tuple[str, tuple[int, int, int]], float], best_file: str | None) -> None:
+    """Per key (a type, or TYPE/CLASS) the tiles of least summed time: printed, and written to `best_file` as
+    JSON for KVCHAT_QUANT_DOT_TILES."""
+    best: dict[str, tuple[int, int, int]] = {}
+    for (key, tiles), us in summed.items():
+        if key not in best or us < summed[key, best[key]]:
+            best[key] = tiles
+    print(json.dumps({"best tiles": best, "summed us": {k: round(summed[k, t], 2) for k, t in best.items()}}),
           flush=True)
     if best_file:
         with open(best_file, "w") as f:

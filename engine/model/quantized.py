@@ -32,6 +32,16 @@ from kvchat.kernels.quant_gemv import QuantBlocks, dequantize_rows, quant_gemv, 
 # Rows dequantized at once by a many-row product: a band of at most this many weights (32 MiB of bf16), so the
 # output matrix of a 128k vocabulary never exists whole in bf16.
 BAND_ELEMENTS = 1 << 24
+# A band's rows are a multiple of this: each band's slice of the output then starts 16-byte aligned and fills
+# cuBLAS's tiles. A band of down's 1,170 rows (2^24 / 14,336) sent cuBLAS to a 2-element-aligned sm80 kernel at
+# ~0.6x the speed of the others: 125 of an 8k prefill's 318 ms on an H100 (docs/probes/quant_profile.py, 2026-11-27).
+BAND_ROW_MULTIPLE = 128
+# A prompt of at most SHORT_PREFILL tokens takes bands four times as large: its product launches a kernel and a
+# GEMM per band from Python, and at 2k tokens on an H100 those ~960 launches, not the GPU, set the pace (a 2k
+# prefill at 0.70x the bf16 path's, 2026-11-27). Its activations are at most half of a 4,096-token chunk's, which
+# pays for the larger bands (engine.memory_plan.workspace_bytes plans the higher of the two).
+SHORT_PREFILL = 2048
+SHORT_BAND_ELEMENTS = 4 * BAND_ELEMENTS
 # The activations' dtypes whose one-row products take the integer kernels (x rounded to int8 per 32 values).
 INT8_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -85,7 +95,7 @@ class QuantizedMatrix:
             elif x.shape[0] == 1 and quant_gemv_runs(x, part):
                 quant_gemv(x, part, out=out[:, start:stop])
             else:
-                band = max(1, BAND_ELEMENTS // self.n_in)
+                band = band_rows(self.n_in, x.shape[0])
                 for r in range(0, part.n_out, band):
                     w = self._dequantized(part.row_slice(r, min(r + band, part.n_out)), x.dtype)
                     torch.matmul(x, w.t(), out=out[:, start + r:start + r + w.shape[0]])
@@ -105,6 +115,12 @@ class QuantizedMatrix:
         w = dequantize_rows(band, dtype) if band.device.type == "cuda" else None
         return w if w is not None else dequantize(band.file_bytes().reshape(-1), band.qtype, (band.n_out, self.n_in),
                                                   dtype)
+
+
+def band_rows(n_in: int, n_tokens: int = SHORT_PREFILL + 1) -> int:
+    """Rows of a matrix n_in wide dequantized at once by a product with n_tokens rows of x."""
+    rows = max(1, (SHORT_BAND_ELEMENTS if n_tokens <= SHORT_PREFILL else BAND_ELEMENTS) // n_in)
+    return rows - rows % BAND_ROW_MULTIPLE if rows >= BAND_ROW_MULTIPLE else rows
 
 
 def linear(x: Tensor, weight: Tensor | QuantizedMatrix, bias: Tensor | None = None, xq: QuantX | None = None
