@@ -113,6 +113,9 @@ def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, 
             step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
             result.decode_setup_seconds = time.perf_counter() - setup_started
         token = sampler(step(token))
+    finish = getattr(step, "finish", None)  # a step over a working set of its own puts the reply's K/V back
+    if finish is not None:
+        finish()
     tail = text.feed(decoder.flush())
     tail += text.finish()
     if tail and on_token is not None:

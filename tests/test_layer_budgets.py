@@ -122,6 +122,38 @@ def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(e
     assert len(tokens) == 5 and cache.length == n + 4
 
 
+@pytest.mark.parametrize("name", BUDGET_POLICIES)
+def test_a_working_set_of_the_kept_slots_decodes_as_the_slot_lists_and_holds_only_the_budget(engine, name):
+    """working_set=true: each layer's kept slots gathered into a tensor of its own; the same tokens and logits as
+    the slot lists over the full cache, the reply's K/V put back into the full cache when it ends, and device
+    bytes of the budget (plus the reply's room) rather than every layer times the input."""
+    m, cfg = engine.model, engine.config
+    runs = {}
+    for working_set in (False, True):
+        policy = make_policy(name, engine, budget=0.25, working_set=working_set)
+        cache, logits, prompt = prefilled(engine, policy)
+        n = len(prompt)
+        step = decode_steps(m, cache, 8, 200, None, 0, False, policy)
+        tokens, rows = decode(step, logits, 6)
+        if working_set:
+            working = step.working
+            per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * rows.new_empty(0, dtype=m.dtype).element_size()
+            kept = policy.last_choice.kept
+            assert working.base == kept
+            assert working.device_bytes() == sum(k + working.room for k in kept) * per_slot
+            assert sum(kept) <= 0.25 * n * cfg.n_layers + cfg.n_layers  # the budget, rounded up per layer
+            step.finish()
+        runs[working_set] = tokens, rows, cache.read(range(cfg.n_layers), n, n + 6), cache.length
+    (tokens, rows, reply_kv, length), (ws_tokens, ws_rows, ws_reply_kv, ws_length) = runs[False], runs[True]
+    assert ws_tokens == tokens and ws_length == length
+    # Equal up to float32's order of summation: attention over 10-30 gathered slots against masked attention over
+    # the whole cache (SDPA blocks them differently), a difference that grows through the layers.
+    finite = torch.isfinite(rows)
+    assert torch.equal(finite, torch.isfinite(ws_rows))
+    assert (ws_rows - rows)[finite].abs().max() <= 1e-3 * rows[finite].abs().max()
+    assert (ws_reply_kv - reply_kv).abs().max() <= 1e-3 * reply_kv.abs().max()
+
+
 def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_evenly(engine):
     retained = {}
     for name in ("xkv", "uniform", "pyramid"):
@@ -173,6 +205,11 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path):
         assert abs(b["kept_share"] - 0.4) < 0.01  # the budget, measured from the lists the step read
         assert context["weight_bytes"] < b["bytes_per_token"] < full["bytes_per_token"] and b["bound"] > 1
         assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"]) and b["choose_ms"] > 0
+    held = {b["policy"]: b["working_set_bytes"] for b in context["budgets"]}
+    assert held["xkv"] is None and held["uniform"] is None  # slot lists over the full cache hold nothing apart
+    # the working set: 40% of the input and the reply's room in every layer, under half the full cache's bytes
+    assert 0.4 * context["full_kv_bytes"] * 600 / 604 < held["xkv+working-set"] < 0.5 * context["full_kv_bytes"]
+    assert "working set" in proc.stdout
     bad = kvchat("bench", "xkv", "--budgets", "0", check=False)
     assert bad.returncode != 0 and "--budgets takes shares in (0, 1]" in bad.stderr
 
@@ -194,14 +231,15 @@ def test_progressive_budgets_are_chosen_again_by_the_reply_and_keep_each_layers_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("progressive", [False, True])
-def test_gpu_budgets_decode_captured_as_eager_and_score_with_the_kernel(progressive):
-    """On CUDA (the window scored by kernels/slot_mass.py's kernel, the lists read by the decode kernel): the
-    budgeted step captured in a CUDA graph gives the logits of the same step run uncaptured, after the same choice."""
+@pytest.mark.parametrize("options", [{}, {"progressive": True}, {"working_set": True}], ids=str)
+def test_gpu_budgets_decode_captured_as_eager_and_score_with_the_kernel(options):
+    """On CUDA (the window scored by kernels/slot_mass.py's kernel, the lists or the working set read by the decode
+    kernel): the budgeted step captured in a CUDA graph gives the logits of the same step run uncaptured, after the
+    same choice."""
     engine = Engine(DEFAULT_MODEL, device="cuda")
     runs, chosen = [], []
     for capture in (True, False):
-        policy = make_policy("xkv", engine, budget=0.3, progressive=progressive)
+        policy = make_policy("xkv", engine, budget=0.3, **options)
         cache, logits, prompt = prefilled(engine, policy)
         step = policy.decode_step(engine.model, cache, 0, None, 200, capture)
         chosen.append(policy.last_choice.kept)

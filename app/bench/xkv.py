@@ -68,30 +68,37 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
     weights = weight_bytes(engine)
     full_kv = kv_bytes_read(engine, [context] * engine.config.n_layers, decode_tokens // 2)
     figures: dict = {"context": context, "prefill_s": prefill_s, "weight_bytes": weights,
+                     "full_kv_bytes": kv_bytes_read(engine, [context] * engine.config.n_layers, decode_tokens),
                      "full": {"tok_s": rates(lambda: decoder_step(model, cache, capacity, None)),
                               "bytes_per_token": weights + full_kv}, "budgets": []}
     full_rate = statistics.median(figures["full"]["tok_s"])
     for budget in budgets:
-        for name in ("xkv", "uniform"):
-            policy = make_policy(name, engine, budget=budget)
+        # xkv twice: through slot lists over the full cache, and over a working set of the kept slots alone
+        for name, working_set in (("xkv", False), ("xkv", True), ("uniform", False)):
+            policy = make_policy(name, engine, budget=budget, working_set=working_set)
             cache.length = context
             policy.visible_slots(cache, [], window, model=model)
             choose_s = timed_runs(lambda: policy.choose(model, cache), device, 3)
             made: list = []
+            last_step: list = []
 
-            def step(policy=policy, made=made):
+            def step(policy=policy, made=made, last_step=last_step):
                 cache.length = context
                 s = policy.decode_step(model, cache, context - len(window), None, capacity, None)
                 made.append(policy.last_choice)
+                last_step[:] = [s]  # the latest only: each holds a captured graph
                 return s
 
             tok_s = rates(step)
             kept = made[-1].kept
+            working_bytes = last_step[0].working.device_bytes() if working_set else None
+            last_step.clear()
             read = weights + kv_bytes_read(engine, kept, decode_tokens // 2)
             bound = (weights + full_kv) / read
             speedup = statistics.median(tok_s) / full_rate
             figures["budgets"].append({
-                "policy": name, "budget": budget, "tok_s": tok_s, "kept_share": made[-1].kept_share,
+                "policy": name + ("+working-set" if working_set else ""), "budget": budget, "tok_s": tok_s,
+                "kept_share": made[-1].kept_share, "working_set_bytes": working_bytes,
                 "bytes_per_token": read, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
                 "choose_ms": 1e3 * statistics.median(choose_s),
                 "retention": sum(made[-1].retention) / max(len(made[-1].retention), 1)})
@@ -110,11 +117,13 @@ def bench_model(engine: Engine, contexts: list[int], budgets: list[float], repea
             f"{statistics.median(full['tok_s']):.1f} tok/s ({min(full['tok_s']):.1f}-{max(full['tok_s']):.1f}), "
             f"{full['bytes_per_token'] / 2**20:,.1f} MiB a token")
         for b in f["budgets"]:
+            held = (f"; working set {b['working_set_bytes'] / 2**20:,.1f} MiB of the full cache's "
+                    f"{f['full_kv_bytes'] / 2**20:,.1f}" if b["working_set_bytes"] is not None else "")
             log(f"    {b['policy']:<8} {b['budget']:g}: {statistics.median(b['tok_s']):.1f} tok/s "
                 f"({min(b['tok_s']):.1f}-{max(b['tok_s']):.1f}), {b['kept_share']:.1%} of the K/V read, "
                 f"{b['bytes_per_token'] / 2**20:,.1f} MiB a token; {b['speedup']:.2f}x of the bound's "
                 f"{b['bound']:.2f}x ({b['share_of_bound']:.0%}); choice {b['choose_ms']:.1f} ms; attention kept "
-                f"{b['retention']:.1%}")
+                f"{b['retention']:.1%}{held}")
     return figures
 
 

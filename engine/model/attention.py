@@ -11,6 +11,7 @@ Shapes: T new tokens, S attended keys, C cache slots (capacity), H / Hkv query /
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,10 +93,12 @@ def attended_kv(cache: KVCache, layer: int, start: int, n_new: int, attend: Tens
     return keys, values, BottomRightCausal(n_new, n_prev + n_new).materialize(cache.kv.device), False
 
 
-def step_visible(cache: KVCache, step: DecodeStep, window: int) -> Tensor:
+def step_visible(cache: KVCache, step: DecodeStep, window: int, layer_kv: Tensor | None = None) -> Tensor:
     """The slots [C] a decode step sees, built on the device (graph-safe): [0, length), and for a sliding-window
-    layer only the last `window` positions (by slot, or by `slot_positions` in a packed cache)."""
-    slots = torch.arange(cache.capacity, device=cache.kv.device)
+    layer only the last `window` positions (by slot, or by `slot_positions` in a packed cache). `layer_kv`: the
+    layer's K/V [2, Hkv, C, D], where its slots are not the cache's (engine.kv.working_set)."""
+    slots = (torch.arange(cache.capacity, device=cache.kv.device) if layer_kv is None
+             else torch.arange(layer_kv.shape[2], device=layer_kv.device))
     visible = slots < step.length
     if window:
         if cache.slot_positions is None:
@@ -207,6 +210,18 @@ class DecodeStep:
     n_chosen: Tensor | None = None
     # Where the token's K/V go in a cache's sliding-window rings: slot % ring_size (set by run_layers).
     ring_slot: Tensor | None = None
+    # A cache whose layers keep different numbers of slots (engine.kv.working_set: each layer its own budget):
+    # per layer [L] long the token's slot and attended length in that layer's own storage; run_layers hands each
+    # layer its own as `slot` and `length`.
+    layer_slot: Tensor | None = None
+    layer_length: Tensor | None = None
+
+    def for_layer(self, layer: int) -> "DecodeStep":
+        """The step as one layer sees it: its own slot and length where the cache's layers differ."""
+        if self.layer_slot is None:
+            return self
+        return dataclasses.replace(self, slot=self.layer_slot[layer : layer + 1],
+                                   length=self.layer_length[layer : layer + 1], layer_slot=None, layer_length=None)
 
 
 def with_own_slots(attend: Attend, first: int, end: int) -> Attend:

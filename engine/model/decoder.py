@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
             elif in_ring:
                 mask = ring_visible(cache, step, self.window)[None, :]
             else:
-                mask = step_visible(cache, step, self.window)[None, :]
+                mask = step_visible(cache, step, self.window, kv)[None, :]
             return linear(self.round_wo(self._sdpa(q, kv[0], kv[1], mask, False)), self.wo)
         if in_ring:
             keys, values, mask = ring_window_kv(cache, layer, start, k.transpose(0, 1), v.transpose(0, 1), attend,
@@ -482,7 +482,7 @@ class Transformer(nn.Module):
         if step is not None and decode_kernel_runs(self.cfg, h.dtype, h.device):
             pending = None
             for i in layers:
-                h, pending = self.layers[i].fused_decode(h, pending, i, cache, step, queries)
+                h, pending = self.layers[i].fused_decode(h, pending, i, cache, step.for_layer(i), queries)
             return h + pending
         if step is None and h.shape[0] and fused_prefill_runs(h.dtype, h.device):
             pending = None
@@ -491,7 +491,7 @@ class Transformer(nn.Module):
                                                           queries)
             return h + pending
         for i in layers:
-            h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step, queries)
+            h = self.layers[i](h, i, rot, cache, start, attend_at(attend, i), step and step.for_layer(i), queries)
         return h
 
     def head(self, h: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.engine.policies.base import KVPolicy
@@ -81,6 +82,10 @@ class LayerBudgetPolicy(KVPolicy):
     # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
     # progressive decode, engine.policies.progressive_decode), the layer keeping its budget; off: chosen once.
     progressive: bool = False
+    # Beyond the paper: the reply decodes over a working set that holds each layer's kept slots alone, in a tensor of
+    # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
+    # off: over the full cache through per-layer slot lists. Not with `progressive` (its choice changes).
+    working_set: bool = False
     # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
     last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
@@ -175,6 +180,10 @@ class LayerBudgetPolicy(KVPolicy):
         self.last_choice = choice
         if all(s is None for s in slots):
             return None  # every slot kept: the engine's own step, the full cache's tokens exactly
+        if self.working_set and not self.progressive:
+            windows = [model.cfg.window(i) for i in range(model.cfg.n_layers)]
+            working = LayerWorkingSet.gather(cache, slots, windows, capacity - cache.length)
+            return WorkingSetDecode(model, cache, working, capacity, cuda_graph)
         if self.progressive:
             step = ProgressiveDecode(model, cache, prompt_start, capacity, attend=None, capture=cuda_graph,
                                      pool=self.pool, layer_budgets=choice.kept)
