@@ -154,6 +154,40 @@ def test_a_working_set_of_the_kept_slots_decodes_as_the_slot_lists_and_holds_onl
     assert (ws_reply_kv - reply_kv).abs().max() <= 1e-3 * reply_kv.abs().max()
 
 
+def test_a_host_resident_chat_streams_each_message_through_the_device_and_answers_as_the_device_cache(engine):
+    """HostResidentKV: the chat's K/V in host memory, each message run layer by layer over one staged layer at a
+    time, scored on the way, the reply over the working set — two messages give the tokens, choices and K/V of the
+    same policy over a cache on the device (up to float32's order of summation)."""
+    from kvchat.engine.generate import generate
+    from kvchat.engine.kv.host_resident import HostResidentKV
+
+    m, cfg = engine.model, engine.config
+    second = engine.encode_prompt("What is my brother's city?")
+    runs = {}
+    for resident in ("device", "host"):
+        policy = make_policy("xkv", engine, budget=0.3, working_set=True)
+        cache = m.new_cache(256) if resident == "device" else HostResidentKV(m, policy, 64)
+        out = []
+        for prompt in (engine.encode_prompt(QUESTION), second):
+            if resident == "device":
+                policy.visible_slots(cache, [], prompt, model=m)
+            result = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=6,
+                              policy=policy)
+            out.append((result.tokens, policy.last_choice.kept))
+            assert cache.length == sum(len(p) for p in (engine.encode_prompt(QUESTION), second)[: len(out)]) + sum(
+                len(t) - 1 for t, _ in out)
+        kv = (cache if resident == "device" else cache.host).read(range(cfg.n_layers), 0, cache.length)
+        runs[resident] = out, kv, cache
+    (device_out, device_kv, _), (host_out, host_kv, host) = runs["device"], runs["host"]
+    assert host_out == device_out  # the same replies, and each message the same kept slots per layer
+    assert (host_kv - device_kv).abs().max() <= 1e-3 * device_kv.abs().max()
+    # On the device between messages: the working set alone; while reading a message, one layer of the chat
+    per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * 4
+    assert host.device_bytes() == sum(k + host.working.room for k in host_out[-1][1]) * per_slot
+    assert 0 < host.peak_stage_bytes <= host.length * per_slot  # one layer of the chat, never two
+    assert host.device_bytes() < 0.5 * cfg.n_layers * host.length * per_slot
+
+
 def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_evenly(engine):
     retained = {}
     for name in ("xkv", "uniform", "pyramid"):
@@ -189,7 +223,7 @@ def test_a_budget_runs_on_the_full_cache_only(engine):
         policy.decode_step(m, cache, 0, SplitAttend(1, torch.arange(4)), 200, False)
 
 
-def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path):
+def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path, engine):
     import json
 
     from cli_run import kvchat
@@ -204,12 +238,19 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path):
     for b in context["budgets"]:
         assert abs(b["kept_share"] - 0.4) < 0.01  # the budget, measured from the lists the step read
         assert context["weight_bytes"] < b["bytes_per_token"] < full["bytes_per_token"] and b["bound"] > 1
-        assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"]) and b["choose_ms"] > 0
+        assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"])
+        assert b["policy"] == "xkv+host" or b["choose_ms"] > 0  # the host-resident chat chooses within its stream
     held = {b["policy"]: b["working_set_bytes"] for b in context["budgets"]}
     assert held["xkv"] is None and held["uniform"] is None  # slot lists over the full cache hold nothing apart
     # the working set: 40% of the input and the reply's room in every layer, under half the full cache's bytes
     assert 0.4 * context["full_kv_bytes"] * 600 / 604 < held["xkv+working-set"] < 0.5 * context["full_kv_bytes"]
     assert "working set" in proc.stdout
+    host = next(b for b in context["budgets"] if b["policy"] == "xkv+host")
+    per_slot = context["full_kv_bytes"] // (604 * engine.config.n_layers)  # one slot of one layer
+    assert host["working_set_bytes"] == held["xkv+working-set"]  # the same choice, the same working set
+    assert host["stage_bytes"] == 600 * per_slot  # one layer of the chat, staged while the message is read
+    assert host["stream_ms"] > 0 and host["allocator_peak_bytes"] is None  # no allocator to ask on the CPU
+    assert "streamed through the device" in proc.stdout
     bad = kvchat("bench", "xkv", "--budgets", "0", check=False)
     assert bad.returncode != 0 and "--budgets takes shares in (0, 1]" in bad.stderr
 

@@ -271,8 +271,10 @@ def register(main: click.Group, model_option, to_device, resolve_model) -> None:
     @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
     def bench_xkv(model_path, shape, qtype, contexts, budgets, decode_tokens, repeats, device, cache_dir,
                   json_path) -> None:
-        """XKV: decode over per-layer budgets (xkv, and uniform at the same budget) against the full cache, with the
-        bytes each step reads and the speed-up those bytes bound; each pair in the same run."""
+        """XKV: decode over per-layer budgets (xkv through slot lists and over its working set, uniform at the same
+        budget, and xkv with the chat in host memory, its message streamed through the device) against the full
+        cache, with the bytes each step reads, the speed-up those bytes bound, and the K/V each holds on the
+        device; each in the same run."""
         from pathlib import Path
 
         from kvchat.app.bench.engine_speed import model_file

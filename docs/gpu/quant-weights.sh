@@ -18,6 +18,8 @@
 #   bash docs/gpu/quant-weights.sh floor     # both paths in bf16 against float32: bf16's own share of the above
 #   bash docs/gpu/quant-weights.sh engine-types                # kvchat bench engine, 8B shape in Q5_K_M, Q6_K and
 #   QTYPES=Q8_0 bash docs/gpu/quant-weights.sh engine-types    # Q8_0 (or those named), weights kept quantized only
+#   bash docs/gpu/quant-weights.sh xkv       # kvchat bench xkv on the 8B Q4_K_M file at 32k, budgets 0.4/0.2/0.1
+#                                            # (BUDGETS=...): slot lists, the working set, the host-resident chat
 #   bash docs/gpu/quant-weights.sh tests probe engine engine engine   # all of it, the bench three times
 # The random 8B models are kept in /tmp/bench-models (the BF16 source 16 GB, then each type: ~40 GB for all five);
 # each is built on first use (llama.cpp's quantizer, a minute or two). One part per command keeps each under the
@@ -58,6 +60,9 @@ print(model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M'))" ;;
       run=$(( ${run:-0} + 1 ))
       kvchat bench engine --shape llama-3.1-8b --qtype Q4_K_M --weights "${WEIGHTS:-all}" --context 1024,8192,32768 \
         --cache-dir /tmp/bench-models --json "$OUT/engine-q4km-run$run.json" 2>&1 | tee "$OUT/engine-q4km-run$run.txt" ;;
+    xkv)
+      kvchat bench xkv --shape llama-3.1-8b --qtype Q4_K_M --context 32768 --budgets "${BUDGETS:-0.4,0.2,0.1}" \
+        --cache-dir /tmp/bench-models --json "$OUT/xkv-32k.json" 2>&1 | tee "$OUT/xkv-32k.txt" ;;
     agreement)  # both models on the GPU one after the other (15 GiB dequantized, then 4.6 GiB in blocks)
       python3 docs/probes/quant_agreement.py --shape llama-3.1-8b --qtype Q4_K_M --cache-dir /tmp/bench-models \
         > "$OUT/quant-agreement-q4km.json" 2> "$OUT/quant-agreement-q4km.log"
@@ -73,6 +78,6 @@ model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M')"
         kvchat bench engine --shape llama-3.1-8b --qtype "$q" --weights quantized --context 1024,8192,32768 \
           --cache-dir /tmp/bench-models --json "$OUT/engine-$q.json" 2>&1 | tee "$OUT/engine-$q.txt"
       done ;;
-    *) echo "unknown part $part (tests, probe, dot-probe, tile-probe, profile, model, engine, agreement, floor, engine-types)" >&2 ;;
+    *) echo "unknown part $part (tests, probe, dot-probe, tile-probe, profile, model, engine, xkv, agreement, floor, engine-types)" >&2 ;;
   esac
 done

@@ -44,10 +44,11 @@ class LayerWorkingSet:
 
     @classmethod
     @torch.inference_mode()
-    def gather(cls, cache: KVCache, kept: list[Tensor | None], windows: list[int], room: int) -> "LayerWorkingSet":
-        """The working set of a full cache's input (slots [0, cache.length)): layer i keeps, per KV head, the slots
-        kept[i] [Hkv, n_i] names (in that order); a layer without a list keeps its last windows[i] slots if it
-        has a window, else every slot."""
+    def gather(cls, cache: KVCache, kept: list[Tensor | None], windows: list[int], room: int,
+               device: torch.device | None = None) -> "LayerWorkingSet":
+        """The working set of a full cache's input (slots [0, cache.length)), on `device` (default: the cache's):
+        layer i keeps, per KV head, the slots kept[i] [Hkv, n_i] names (in that order); a layer without a list
+        keeps its last windows[i] slots if it has a window, else every slot."""
         first, kvs, base = cache.length, [], []
         for i in range(len(kept)):
             if kept[i] is not None:
@@ -57,6 +58,7 @@ class LayerWorkingSet:
             else:
                 start = max(0, first - windows[i]) if windows[i] else 0
                 chosen = cache.read(range(i, i + 1), start, first)[0]
+            chosen = chosen if device is None else chosen.to(device, non_blocking=True)
             n = chosen.shape[2]
             # zeros, not empty: a masked attention (SDPA off the kernels) multiplies the unread slots' V by zero
             # weights, and 0 * NaN from uninitialized memory would be NaN

@@ -122,16 +122,29 @@ class LayerBudgetPolicy(KVPolicy):
     def choose(self, model: Transformer, cache: KVCache) -> tuple[BudgetChoice, list[Tensor | None]]:
         """The budgets and, per layer, the kept input slots [Hkv, n_i] (None: the layer keeps every slot) for the
         cache's input (slots [0, cache.length), ending with the window tokens handed to `visible_slots`)."""
-        cfg = model.cfg
-        first = cache.length
+        cfg, first = model.cfg, cache.length
         n_win = min(len(self._window_tokens), first)
+        if not self.scores_needed(cfg, first, n_win):
+            return self.keep_everything(cfg, first)
+        scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:])  # [G, Hkv, N]
+        return self.choice_from_scores(cfg, scores, first, n_win)
+
+    def scores_needed(self, cfg, first: int, n_win: int) -> bool:
+        """Whether an input of `first` slots, the last n_win of them the window, is scored at all (else every
+        layer keeps every slot: nothing to score, or a budget holding everything)."""
+        return bool(cfg.global_layers) and n_win > 0 and first - n_win > 0 and self.kept_per_layer(first) < first
+
+    @staticmethod
+    def keep_everything(cfg, first: int) -> tuple[BudgetChoice, list[Tensor | None]]:
+        kept = [first if not cfg.window(i) else min(first, cfg.window(i)) for i in range(cfg.n_layers)]
+        return (BudgetChoice(first, kept, [1.0] * len(cfg.global_layers), cfg.global_layers),
+                [None] * cfg.n_layers)
+
+    def choice_from_scores(self, cfg, scores: Tensor, first: int, n_win: int
+                           ) -> tuple[BudgetChoice, list[Tensor | None]]:
+        """`choose` from the global layers' pooled window scores [G, Hkv, first - n_win] (`pooled`)."""
         globals_ = cfg.global_layers
-        candidates = first - n_win  # scored slots: the input before the window
-        average = self.kept_per_layer(first)
-        if not globals_ or n_win == 0 or average >= first or candidates <= 0:
-            kept = [first if not cfg.window(i) else min(first, cfg.window(i)) for i in range(cfg.n_layers)]
-            return BudgetChoice(first, kept, [1.0] * len(globals_), globals_), [None] * cfg.n_layers
-        scores = self._scores(model, cache, globals_, self._window_tokens[-n_win:])  # [G, Hkv, N]
+        candidates, average = first - n_win, self.kept_per_layer(first)
         per_layer = scores.sum(1)
         per_layer = per_layer / per_layer.sum(1, keepdim=True).clamp_min(1e-30)
         total = len(globals_) * (average - n_win)
@@ -161,7 +174,10 @@ class LayerBudgetPolicy(KVPolicy):
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
             keys = cache.keys_of(group, first)
             out.append(slot_mass(queries[at], keys, first - n_win, None, cfg.softmax_scale))
-        mass = torch.cat(out)  # [G, Hkv, N]
+        return self.pooled(torch.cat(out))  # [G, Hkv, N]
+
+    def pooled(self, mass: Tensor) -> Tensor:
+        """Window scores [G, Hkv, N] averaged (or maxed) over `pool` neighbouring slots."""
         if self.pool > 1:
             g, h, n = mass.shape
             flat = mass.view(g * h, 1, n)
