@@ -188,6 +188,30 @@ def test_a_host_resident_chat_streams_each_message_through_the_device_and_answer
     assert host.device_bytes() < 0.5 * cfg.n_layers * host.length * per_slot
 
 
+def test_sliding_window_layers_keep_their_window_in_the_working_set_and_in_a_host_resident_chat(models):
+    """Gemma 3's sliding-window layers (window 8 on 6 of 7 layers) keep their last 8 input slots in the working
+    set, outside the budget: the working set, the host-resident chat and the slot lists give the same tokens."""
+    from kvchat.engine.generate import generate
+    from kvchat.engine.kv.host_resident import HostResidentKV
+    from kvchat.engine.train.synthetic import REFERENCE_MODELS, REFERENCE_PROMPT
+
+    gemma = Engine(models.get(**REFERENCE_MODELS["gemma3-f32-swa"]), device="cpu")
+    m, cfg = gemma.model, gemma.config
+    prompt = gemma.encode_prompt(REFERENCE_PROMPT)
+    replies = {}
+    for mode in ("lists", "working_set", "host"):
+        policy = make_policy("xkv", gemma, budget=0.3, working_set=mode != "lists")
+        cache = HostResidentKV(m, policy, 64) if mode == "host" else m.new_cache(128)
+        if mode != "host":
+            policy.visible_slots(cache, [], prompt, model=m)
+        result = generate(m, cache, prompt, decoder=gemma.tokenizer.stream_decoder(), max_tokens=8, policy=policy)
+        replies[mode] = result.tokens, policy.last_choice.kept
+        if mode == "host":
+            windowed = [i for i in range(cfg.n_layers) if cfg.window(i)]
+            assert windowed and all(cache.working.base[i] == cfg.window(i) for i in windowed)
+    assert replies["working_set"] == replies["lists"] == replies["host"]
+
+
 def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_evenly(engine):
     retained = {}
     for name in ("xkv", "uniform", "pyramid"):

@@ -44,21 +44,34 @@ class LayerWorkingSet:
 
     @classmethod
     @torch.inference_mode()
-    def gather(cls, cache: KVCache, kept: list[Tensor | None], windows: list[int], room: int,
-               device: torch.device | None = None) -> "LayerWorkingSet":
-        """The working set of a full cache's input (slots [0, cache.length)), on `device` (default: the cache's):
-        layer i keeps, per KV head, the slots kept[i] [Hkv, n_i] names (in that order); a layer without a list
-        keeps its last windows[i] slots if it has a window, else every slot."""
-        first, kvs, base = cache.length, [], []
-        for i in range(len(kept)):
+    def gather(cls, cache: KVCache, kept: list[Tensor | None], windows: list[int], room: int) -> "LayerWorkingSet":
+        """The working set of a full cache's input (slots [0, cache.length)): layer i keeps, per KV head, the slots
+        kept[i] [Hkv, n_i] names (in that order); a layer without a list keeps its last windows[i] slots if it
+        has a window, else every slot."""
+        first = cache.length
+
+        def layer_kv(i: int) -> tuple[Tensor, int]:  # a listed layer is never in a ring; a window layer's span is read
             if kept[i] is not None:
-                src = cache.layer(i)  # [2, Hkv, capacity, D]
+                return cache.layer(i), 0
+            start = max(0, first - windows[i]) if windows[i] else 0
+            return cache.read(range(i, i + 1), start, first)[0], start
+
+        return cls.from_layers(layer_kv, kept, windows, first, room)
+
+    @classmethod
+    @torch.inference_mode()
+    def from_layers(cls, layer_kv, kept: list[Tensor | None], windows: list[int], first: int,
+                    room: int) -> "LayerWorkingSet":
+        """`gather` over any source: layer_kv(i) gives layer i's K/V [2, Hkv, S, D] on the device the working set
+        is to live on, and the slot its first place holds (0 for a layer with a list)."""
+        kvs, base = [], []
+        for i in range(len(kept)):
+            src, at = layer_kv(i)
+            if kept[i] is not None:
                 index = kept[i].to(src.device, torch.long)  # [Hkv, n]
                 chosen = torch.gather(src, 2, index[None, :, :, None].expand(2, -1, -1, src.shape[3]))
             else:
-                start = max(0, first - windows[i]) if windows[i] else 0
-                chosen = cache.read(range(i, i + 1), start, first)[0]
-            chosen = chosen if device is None else chosen.to(device, non_blocking=True)
+                chosen = src[:, :, (max(0, first - windows[i]) if windows[i] else 0) - at : first - at]
             n = chosen.shape[2]
             # zeros, not empty: a masked attention (SDPA off the kernels) multiplies the unread slots' V by zero
             # weights, and 0 * NaN from uninitialized memory would be NaN
@@ -66,6 +79,7 @@ class LayerWorkingSet:
             kv[:, :, :n] = chosen
             kvs.append(kv)
             base.append(n)
+            del src
         return cls(kvs, base, first, room)
 
     def layer(self, layer: int) -> Tensor:
