@@ -82,40 +82,44 @@ def generate(model: Transformer, cache: KVStore, prompt: list[int], *, decoder, 
     step = None  # built once the first token is out: capturing decode graphs would delay it
     decode_started = time.perf_counter()
     text = ReplyText(stop_strings, strip)
-    while True:
-        result.tokens.append(token)
-        if token in stop_tokens:
-            result.stop_reason = "eog"
-            break
-        piece = text.feed(decoder.feed(token))
-        if on_token is not None:
-            on_token(token, piece)
-        if text.stopped:
-            result.stop_reason = "stop_string"
-            break
-        if len(result.tokens) >= max_tokens:
-            result.stop_reason = "max_tokens"
-            break
-        if guard is not None and guard.loops(result.tokens):
-            result.stop_reason = "repetition"
-            break
-        if reply_cap is not None and len(result.tokens) >= reply_cap:
-            result.stop_reason = "reply_cap"
-            break
-        if cancel is not None and cancel.is_set():
-            result.stop_reason = "cancelled"
-            break
-        if cache.length + 1 > limit:
-            result.stop_reason = "context"
-            break
-        if step is None:
-            setup_started = time.perf_counter()
-            step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
-            result.decode_setup_seconds = time.perf_counter() - setup_started
-        token = sampler(step(token))
-    finish = getattr(step, "finish", None)  # a step over a working set of its own puts the reply's K/V back
-    if finish is not None:
-        finish()
+    try:
+        while True:
+            result.tokens.append(token)
+            if token in stop_tokens:
+                result.stop_reason = "eog"
+                break
+            piece = text.feed(decoder.feed(token))
+            if on_token is not None:
+                on_token(token, piece)
+            if text.stopped:
+                result.stop_reason = "stop_string"
+                break
+            if len(result.tokens) >= max_tokens:
+                result.stop_reason = "max_tokens"
+                break
+            if guard is not None and guard.loops(result.tokens):
+                result.stop_reason = "repetition"
+                break
+            if reply_cap is not None and len(result.tokens) >= reply_cap:
+                result.stop_reason = "reply_cap"
+                break
+            if cancel is not None and cancel.is_set():
+                result.stop_reason = "cancelled"
+                break
+            if cache.length + 1 > limit:
+                result.stop_reason = "context"
+                break
+            if step is None:
+                setup_started = time.perf_counter()
+                step = decode_steps(model, cache, max_tokens, limit, attend, first, cuda_graph, policy)
+                result.decode_setup_seconds = time.perf_counter() - setup_started
+            token = sampler(step(token))
+    finally:
+        # A step over a working set of its own (engine.kv.working_set) puts the reply's K/V back into the cache,
+        # whose length already counts them, even when the reply stopped on an error.
+        finish = getattr(step, "finish", None)
+        if finish is not None:
+            finish()
     tail = text.feed(decoder.flush())
     tail += text.finish()
     if tail and on_token is not None:

@@ -297,13 +297,13 @@ def quantize_x(x: Tensor) -> QuantX:
 TILES_ENV = "KVCHAT_QUANT_DOT_TILES"
 # Matrices whose best tiles differ (docs/probes/quant_dot_tiles.py, in a CUDA graph as a decode step runs them):
 # "tall" ones (≥ 16k rows: gate+up, the output matrix) have rows enough to fill the card with small tiles; "long"
-# rows (≥ 8k columns: down) want few rows a program and long runs of blocks; the rest are "small" (q/k/v, o), whose
-# few rows must still spread over every SM.
+# rows (at least twice as many columns as rows: down) want few rows a program and long runs of blocks; the rest are
+# "small" (q/k/v, o), whose few rows must still spread over every SM.
 MATRIX_CLASSES = ("small", "tall", "long")
 
 
 def matrix_class(n_out: int, n_in: int) -> str:
-    if n_in >= 8192:
+    if n_in >= 2 * n_out:
         return "long"
     return "tall" if n_out >= 16384 else "small"
 

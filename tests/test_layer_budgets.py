@@ -188,6 +188,28 @@ def test_a_host_resident_chat_streams_each_message_through_the_device_and_answer
     assert host.device_bytes() < 0.5 * cfg.n_layers * host.length * per_slot
 
 
+def test_a_host_resident_message_runs_in_chunks_as_in_one_piece(engine):
+    """A long message streams through each layer in chunks (as a prefill on the device bounds its activations):
+    the same logits, choice and K/V as in one piece."""
+    from kvchat.engine.kv.host_resident import HostResidentKV
+
+    m, cfg = engine.model, engine.config
+    prompt = engine.encode_prompt(QUESTION)
+    got = []
+    for chunk in (4096, 7):
+        policy = make_policy("xkv", engine, budget=0.3, working_set=True)
+        host = HostResidentKV(m, policy, 16)  # grown on the way
+        logits = host.prefill_prompt(m, prompt, chunk=chunk)
+        got.append((logits, policy.last_choice.kept, host.host.read(range(cfg.n_layers), 0, len(prompt))))
+    (logits, kept, kv), (chunked_logits, chunked_kept, chunked_kv) = got
+    assert chunked_kept == kept
+    assert (chunked_logits - logits).abs().max() <= 1e-3 * logits.abs().max()
+    assert (chunked_kv - kv).abs().max() <= 1e-3 * kv.abs().max()
+    host.truncate(len(prompt) - 3)  # a retracted tail: the choice is gone with it, the next reply needs a message
+    with pytest.raises(RuntimeError, match="follows its message's prefill"):
+        host.decode_step(m, 4, 200)
+
+
 def test_sliding_window_layers_keep_their_window_in_the_working_set_and_in_a_host_resident_chat(models):
     """Gemma 3's sliding-window layers (window 8 on 6 of 7 layers) keep their last 8 input slots in the working
     set, outside the budget: the working set, the host-resident chat and the slot lists give the same tokens."""
@@ -229,6 +251,7 @@ def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_eve
     ({"tokens": 4}, "smaller than the always-kept window of 8"),
     ({"pool": 4}, "odd"),
     ({"pooling": "median"}, "avg or max"),
+    ({"working_set": True, "progressive": True}, "not with progressive=true"),
 ])
 def test_a_budget_out_of_range_is_one_line(engine, options, message):
     for name in BUDGET_POLICIES:

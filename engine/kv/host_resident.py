@@ -53,12 +53,22 @@ class HostResidentKV:
         return self.host.length
 
     def reserve(self, n_slots: int) -> None:
-        if n_slots > self.host.capacity:
-            self.host.reserve(n_slots)
-            self._pin()
+        """Room for slots [0, n_slots) in the host copy (doubling), allocated pinned where the model is on CUDA."""
+        host = self.host
+        if n_slots <= host.capacity:
+            return
+        if self.device.type != "cuda":
+            host.reserve(n_slots)
+            return
+        old = host.kv
+        grown = torch.zeros(*old.shape[:3], max(n_slots, 2 * old.shape[3]), old.shape[4], dtype=old.dtype,
+                            pin_memory=True)
+        grown[:, :, :, : old.shape[3]] = old
+        host.kv = grown
 
     def truncate(self, length: int) -> None:
         self.host.truncate(length)
+        self.working, self._kept = None, []  # chosen for a chat that no longer is: the next message chooses again
 
     def device_bytes(self) -> int:
         """Bytes of K/V on the device between messages: the latest reply's working set."""
@@ -79,22 +89,30 @@ class HostResidentKV:
         self.reserve(end)
         self.working = None  # the last reply's working set is freed before any layer is staged
         positions = torch.arange(first, end)
-        rot = model.rotations(positions)
         h = model.embed(torch.tensor(tokens, dtype=torch.long))
         n_win = min(self.policy.window, n, end)
         scored = self.policy.scores_needed(cfg, end, n_win)
         masses: list[Tensor] = []
         for layer in range(cfg.n_layers):
             stage = KVCache(cfg, self.device, model.dtype, end, layers=range(layer, layer + 1))
-            if first:
-                stage.write(range(layer, layer + 1), 0, self._host_layer(layer, 0, first))
+            lo = self._first_read(layer, first)  # a sliding-window layer reads its window's slots alone
+            if lo < first:
+                stage.layer(layer)[:, :, lo:first] = self._host_layer(layer, lo, first)[0]
             self.peak_stage_bytes = max(self.peak_stage_bytes, stage.device_bytes())
-            queries: list[Tensor] = []
-            h = model.run_layers(h, positions, stage, first, layers=range(layer, layer + 1), queries=queries, rot=rot)
+            outs, window_q = [], None
+            for c in range(0, n, chunk):  # the message in chunks, as a prefill on the device runs it
+                queries: list[Tensor] = []
+                outs.append(model.run_layers(h[c : c + chunk], positions[c : c + chunk], stage, first + c,
+                                             layers=range(layer, layer + 1), queries=queries))
+                q = queries[0].reshape(-1, cfg.n_heads, cfg.head_dim)
+                window_q = q[-n_win:] if window_q is None else torch.cat([window_q, q])[-n_win:]
+                del queries, q
+            h = torch.cat(outs) if len(outs) > 1 else outs[0]
+            del outs
             self.host.write(range(layer, layer + 1), first, stage.read(range(layer, layer + 1), first, end))
             if scored and layer in cfg.global_layers:
-                q = queries[0][-n_win:].reshape(1, n_win, cfg.n_heads, cfg.head_dim)
-                masses.append(slot_mass(q, stage.keys_of([layer], end), end - n_win, None, cfg.softmax_scale))
+                masses.append(slot_mass(window_q[None], stage.keys_of([layer], end), end - n_win, None,
+                                        cfg.softmax_scale))
             del stage
         self.host.length = end
         if scored:
@@ -109,15 +127,28 @@ class HostResidentKV:
                     first: int = 0, cuda_graph: bool | None = None, policy=None) -> Callable[[int], Tensor]:
         """The reply's step over its working set: each layer's kept slots (chosen by the prefill) gathered from the
         host copy onto the device, with room for `max_tokens`."""
-        capacity = min(self.host.length + max_tokens + 1, limit)
+        if attend is not None:
+            raise ValueError("a host-resident chat's reply reads its working set")
+        first = self.host.length
+        if len(self._kept) != model.cfg.n_layers:
+            raise RuntimeError("a host-resident chat's reply follows its message's prefill, which chooses its slots")
+        capacity = min(first + max_tokens + 1, limit)
         self.reserve(capacity)
         windows = [model.cfg.window(i) for i in range(model.cfg.n_layers)]
-        first = self.host.length
-        # Each layer staged again and its kept slots gathered on the device: one copy of the chat over the bus
-        # (~4 GB at 32k on the 8B shape) costs less than gathering them on one CPU core.
-        self.working = LayerWorkingSet.from_layers(lambda i: (self._host_layer(i, 0, first)[0], 0), self._kept, windows,
-                                                   first, capacity - first)
+
+        def layer_kv(i: int) -> tuple[Tensor, int]:
+            # Each layer staged again and its kept slots gathered on the device: one copy of the chat over the bus
+            # (~4 GB at 32k on the 8B shape) costs less than gathering them on one CPU core; a window layer's span.
+            lo = 0 if self._kept[i] is not None else self._first_read(i, first)
+            return self._host_layer(i, lo, first)[0], lo
+
+        self.working = LayerWorkingSet.from_layers(layer_kv, self._kept, windows, first, capacity - first)
         return WorkingSetDecode(model, self.host, self.working, capacity, cuda_graph)
+
+    def _first_read(self, layer: int, first: int) -> int:
+        """The first of slots [0, first) a layer's next tokens may read: a sliding-window layer's window."""
+        window = self.model.cfg.window(layer)
+        return max(0, first - window) if window else 0
 
     def _host_layer(self, layer: int, start: int, end: int) -> Tensor:
         """K/V [1, 2, Hkv, end - start, D] of one layer's slots, copied to the device (one copy per K or V and head:

@@ -5,8 +5,8 @@ then room for the reply — so the device holds the sum of the layers' budgets, 
 Slots are per layer. Layer i's kept input fills [0, base_i) and the reply follows: the reply's token t sits at
 base_i + t in layer i and at first + t in the chat (first: the input's length). A decode step hands each layer its
 own slot and attended length (DecodeStep.layer_slot / layer_length: the step's slot plus base_i − first), so one
-CUDA graph serves every layer and the attention reads a contiguous run of slots — no slot lists, no masks.
-Sliding-window layers (Gemma 3) keep the last `window` input slots, which is all they read.
+CUDA graph serves every layer and the attention reads a contiguous run of slots, with no slot lists.
+Sliding-window layers (Gemma 3) keep the last `window` input slots, which covers all they read.
 
 The chat's full K/V is not touched: the reply's K/V go back into it when the reply ends (`WorkingSetDecode.finish`),
 so the round is saved, and the next message reads, the whole chat as before.

@@ -22,8 +22,10 @@ Decisions the paper leaves open, made here once:
   were), so there is no mini-prefill. The full K/V stays where it is: each message chooses again over everything
   the chat has, so a fact left out for one reply can come back for a later one.
 
-The decode is engine.policies.slot_lists' (one CUDA graph; the reply reads all of itself). A budget that keeps every
-input slot of every layer runs the engine's own decode step: budget 1.0 gives the full cache's tokens exactly.
+The decode is engine.policies.slot_lists' (one CUDA graph; the reply reads all of itself), or with `working_set`
+engine.kv.working_set's over the kept slots alone; engine.kv.host_resident keeps a chat's K/V in host memory and
+streams each message through the device, scoring on the way. A budget that keeps every input slot of every layer
+runs the engine's own decode step: budget 1.0 gives the full cache's tokens exactly.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class LayerBudgetPolicy(KVPolicy):
             raise KvchatError(f"the KV budget is a share of the chat's K/V in (0, 1], not {self.budget}")
         if self.window < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise KvchatError("window is a count of tokens (at least 1) and pool an odd count of slots")
+        if self.working_set and self.progressive:
+            raise KvchatError("working_set=true decodes over the slots chosen once: not with progressive=true")
         if self.pooling not in ("avg", "max"):
             raise KvchatError(f"pooling is avg or max, not {self.pooling!r}")
         if self.tokens < 0 or (self.tokens and self.tokens < self.window):
@@ -196,7 +200,8 @@ class LayerBudgetPolicy(KVPolicy):
         self.last_choice = choice
         if all(s is None for s in slots):
             return None  # every slot kept: the engine's own step, the full cache's tokens exactly
-        if self.working_set and not self.progressive:
+        if self.working_set:
+            cache.reserve(capacity)  # the reply's K/V go back here when it ends: no growth beside the working set
             windows = [model.cfg.window(i) for i in range(model.cfg.n_layers)]
             working = LayerWorkingSet.gather(cache, slots, windows, capacity - cache.length)
             return WorkingSetDecode(model, cache, working, capacity, cuda_graph)
