@@ -91,26 +91,32 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
                 return s
 
             tok_s = rates(step)
-            kept = made[-1].kept
             working_bytes = last_step[0].working.device_bytes() if working_set else None
             last_step.clear()
-            read = weights + kv_bytes_read(engine, kept, decode_tokens // 2)
-            bound = (weights + full_kv) / read
-            speedup = statistics.median(tok_s) / full_rate
             figures["budgets"].append({
-                "policy": name + ("+working-set" if working_set else ""), "budget": budget, "tok_s": tok_s,
-                "kept_share": made[-1].kept_share, "working_set_bytes": working_bytes,
-                "bytes_per_token": read, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
-                "choose_ms": 1e3 * statistics.median(choose_s),
-                "retention": sum(made[-1].retention) / max(len(made[-1].retention), 1)})
+                "policy": name + ("+working-set" if working_set else ""), "budget": budget,
+                "working_set_bytes": working_bytes, "choose_ms": 1e3 * statistics.median(choose_s),
+                **speed_figures(engine, made[-1], tok_s, weights, full_kv, full_rate, decode_tokens)})
         figures["budgets"].append(host_resident_figures(engine, cache, tokens, budget, repeats, decode_tokens,
-                                                        weights + full_kv, full_rate))
+                                                        weights, full_kv, full_rate))
     return figures
+
+
+def speed_figures(engine: Engine, choice, tok_s: list[float], weights: int, full_kv: int, full_rate: float,
+                  decode_tokens: int) -> dict:
+    """A budgeted decode's rates beside the full cache's: the bytes a step reads (weights and the K/V the choice
+    keeps, the reply half written), the bound those bytes set on the speed-up, and the share of it reached."""
+    read = weights + kv_bytes_read(engine, choice.kept, decode_tokens // 2)
+    bound = (weights + full_kv) / read
+    speedup = statistics.median(tok_s) / full_rate
+    return {"tok_s": tok_s, "kept_share": choice.kept_share, "bytes_per_token": read, "speedup": speedup,
+            "bound": bound, "share_of_bound": speedup / bound,
+            "retention": sum(choice.retention) / max(len(choice.retention), 1)}
 
 
 @torch.inference_mode()
 def host_resident_figures(engine: Engine, cache, tokens, budget: float, repeats: int, decode_tokens: int,
-                          full_bytes: int, full_rate: float) -> dict:
+                          weights: int, full_kv: int, full_rate: float) -> dict:
     """xkv with the chat's K/V in host memory (engine.kv.host_resident): the history copied there from the
     device cache layer by layer (as a restore would place it), the message (the last 8 tokens) streamed through
     the device, then the reply over the working set. The K/V the device holds is measured twice: as the cache
@@ -133,16 +139,11 @@ def host_resident_figures(engine: Engine, cache, tokens, budget: float, repeats:
     tok_s = decode_rates(hk.host, context, lambda: hk.decode_step(model, decode_tokens + 1, 1 << 30), device,
                          repeats, decode_tokens)
     allocated = (torch.cuda.max_memory_allocated(device) - before) if device.type == "cuda" else None
-    kept = policy.last_choice.kept
-    read = weight_bytes(engine) + kv_bytes_read(engine, kept, decode_tokens // 2)
-    bound = full_bytes / read
-    speedup = statistics.median(tok_s) / full_rate
-    return {"policy": "xkv+host", "budget": budget, "tok_s": tok_s, "kept_share": policy.last_choice.kept_share,
-            "working_set_bytes": hk.device_bytes(), "stage_bytes": hk.peak_stage_bytes,
-            "allocator_peak_bytes": allocated, "stream_ms": 1e3 * statistics.median(stream_s),
-            "bytes_per_token": read, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
+    return {"policy": "xkv+host", "budget": budget, "working_set_bytes": hk.device_bytes(),
+            "stage_bytes": hk.peak_stage_bytes, "allocator_peak_bytes": allocated,
+            "stream_ms": 1e3 * statistics.median(stream_s),
             "choose_ms": None,  # chosen inside the stream, not after it
-            "retention": sum(policy.last_choice.retention) / max(len(policy.last_choice.retention), 1)}
+            **speed_figures(engine, policy.last_choice, tok_s, weights, full_kv, full_rate, decode_tokens)}
 
 
 def bench_model(engine: Engine, contexts: list[int], budgets: list[float], repeats: int = 3, log=print,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode
+from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode, window_start
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.kernels.slot_mass import slot_mass
@@ -43,7 +43,8 @@ class HostResidentKV:
         self.model, self.policy = model, policy
         self.device = model.device
         self.host = KVCache(model.cfg, torch.device("cpu"), model.dtype, capacity)
-        self._pin()
+        if self.device.type == "cuda":  # pinned: the per-head copies to the device run asynchronously
+            self.host.kv = self.host.kv.pin_memory()
         self.working: LayerWorkingSet | None = None  # the latest reply's
         self._kept: list[Tensor | None] = []  # per layer the slots the latest message's choice keeps
         self.peak_stage_bytes = 0  # the largest layer staged on the device by a prefill (for the benchmarks)
@@ -95,9 +96,9 @@ class HostResidentKV:
         masses: list[Tensor] = []
         for layer in range(cfg.n_layers):
             stage = KVCache(cfg, self.device, model.dtype, end, layers=range(layer, layer + 1))
-            lo = self._first_read(layer, first)  # a sliding-window layer reads its window's slots alone
+            lo = window_start(cfg.window(layer), first)  # a sliding-window layer reads its window's slots alone
             if lo < first:
-                stage.layer(layer)[:, :, lo:first] = self._host_layer(layer, lo, first)[0]
+                stage.layer(layer)[:, :, lo:first] = self._host_layer(layer, lo, first)
             self.peak_stage_bytes = max(self.peak_stage_bytes, stage.device_bytes())
             outs, window_q = [], None
             for c in range(0, n, chunk):  # the message in chunks, as a prefill on the device runs it
@@ -139,27 +140,18 @@ class HostResidentKV:
         def layer_kv(i: int) -> tuple[Tensor, int]:
             # Each layer staged again and its kept slots gathered on the device: one copy of the chat over the bus
             # (~4 GB at 32k on the 8B shape) costs less than gathering them on one CPU core; a window layer's span.
-            lo = 0 if self._kept[i] is not None else self._first_read(i, first)
-            return self._host_layer(i, lo, first)[0], lo
+            lo = 0 if self._kept[i] is not None else window_start(windows[i], first)
+            return self._host_layer(i, lo, first), lo
 
         self.working = LayerWorkingSet.from_layers(layer_kv, self._kept, windows, first, capacity - first)
         return WorkingSetDecode(model, self.host, self.working, capacity, cuda_graph)
 
-    def _first_read(self, layer: int, first: int) -> int:
-        """The first of slots [0, first) a layer's next tokens may read: a sliding-window layer's window."""
-        window = self.model.cfg.window(layer)
-        return max(0, first - window) if window else 0
-
     def _host_layer(self, layer: int, start: int, end: int) -> Tensor:
-        """K/V [1, 2, Hkv, end - start, D] of one layer's slots, copied to the device (one copy per K or V and head:
+        """K/V [2, Hkv, end - start, D] of one layer's slots, copied to the device (one copy per K or V and head:
         each is a contiguous run of the pinned host tensor)."""
         src = self.host.layer(layer)[:, :, start:end]
-        out = torch.empty((1, *src.shape), dtype=src.dtype, device=self.device)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
         for kv in range(2):
             for head in range(src.shape[1]):
-                out[0, kv, head].copy_(src[kv, head], non_blocking=True)
+                out[kv, head].copy_(src[kv, head], non_blocking=True)
         return out
-
-    def _pin(self) -> None:
-        if self.device.type == "cuda" and not self.host.kv.is_pinned():
-            self.host.kv = self.host.kv.pin_memory()

@@ -27,6 +27,11 @@ from kvchat.engine.model.cuda_graph import Replay, StepInputs
 from kvchat.engine.model.decoder import Transformer
 
 
+def window_start(window: int, first: int) -> int:
+    """The first of an input's slots [0, first) a layer with this sliding window (0: none) reads again."""
+    return max(0, first - window) if window else 0
+
+
 class LayerWorkingSet:
     """Per layer the kept input's K/V and the reply's room (see the module docstring). Read by the decoder as a
     cache: `layer`, `in_ring`, `ring_size`, `slot_positions`."""
@@ -53,7 +58,7 @@ class LayerWorkingSet:
         def layer_kv(i: int) -> tuple[Tensor, int]:  # a listed layer is never in a ring; a window layer's span is read
             if kept[i] is not None:
                 return cache.layer(i), 0
-            start = max(0, first - windows[i]) if windows[i] else 0
+            start = window_start(windows[i], first)
             return cache.read(range(i, i + 1), start, first)[0], start
 
         return cls.from_layers(layer_kv, kept, windows, first, room)
@@ -71,7 +76,7 @@ class LayerWorkingSet:
                 index = kept[i].to(src.device, torch.long)  # [Hkv, n]
                 chosen = torch.gather(src, 2, index[None, :, :, None].expand(2, -1, -1, src.shape[3]))
             else:
-                chosen = src[:, :, (max(0, first - windows[i]) if windows[i] else 0) - at : first - at]
+                chosen = src[:, :, window_start(windows[i], first) - at : first - at]
             n = chosen.shape[2]
             # zeros, not empty: a masked attention (SDPA off the kernels) multiplies the unread slots' V by zero
             # weights, and 0 * NaN from uninitialized memory would be NaN
@@ -90,9 +95,6 @@ class LayerWorkingSet:
 
     def device_bytes(self) -> int:
         return sum(kv.numel() * kv.element_size() for kv in self.kvs)
-
-    def storage(self) -> tuple[Tensor, ...]:
-        return tuple(self.kvs)
 
     def reply_kv(self, layer: int, n: int) -> Tensor:
         """The reply's first n tokens' K/V in one layer: [2, Hkv, n, D] (a view)."""
