@@ -2,7 +2,7 @@
 # Issue 41's GPU figures (weights kept in their GGUF blocks): run from the repository root on a CUDA machine whose
 # image has torch, triton and numpy, with the other wheels in .whl/ (../shared/gpu/prepare-wheels.sh).
 #
-#   bash docs/gpu/quant-weights.sh tests     # the GPU tests of the quantized GEMVs and of quantized models
+#   bash docs/gpu/quant-weights.sh tests     # the GPU tests of the quantized GEMVs, quantized models, layer budgets
 #   bash docs/gpu/quant-weights.sh probe     # each float kernel's tiles against the bf16 GEMV, 8B-shape matrices
 #   bash docs/gpu/quant-weights.sh dot-probe # each integer kernel's tiles (kernels/quant_dot.py); the best of each
 #                                            # type go to /tmp/dot-tiles.json, which later parts use
@@ -38,7 +38,7 @@ for part in "${@:-tests}"; do
   case "$part" in
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_dot.py tests/test_quant_gemv.py \
-        tests/test_decode_kernels.py tests/test_quant_bench.py \
+        tests/test_decode_kernels.py tests/test_quant_bench.py tests/test_layer_budgets.py \
         2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt" ;;
     probe)
       python3 docs/probes/quant_gemv.py > "$OUT/quant-gemv.jsonl" 2> "$OUT/quant-gemv.log"; tail -3 "$OUT/quant-gemv.log" ;;
