@@ -43,6 +43,11 @@ Plans, by the peak of the restore and of the message, whichever is higher:
   through the staging block into the upper cache, then beside the message and reply; and every round's key bounds
   (one key in 32 twice over: the minimum and maximum of each block of the upper keys). The rest of the upper layers
   lives in host memory.
+- `host` (`plan_host_resident`, for a per-layer budget policy, XKV, when the full cache does not fit): the chat's
+  K/V stays in host memory (engine.kv.host_resident). A message streams it through the device one layer at a time,
+  and the reply reads a working set of each layer's kept slots: the budget's share of the chat (at least the
+  always-kept window) and the reply's room, in every layer. At its peak the device holds one layer of the whole chat
+  staged beside that working set, as it is gathered. A restore places the chat in host memory: nothing on the device.
 - `refused`: even the tiered cache does not fit (or the weights and workspace alone do not): a one-line message
   says how much is needed and how far the budget falls short.
 
@@ -94,7 +99,7 @@ class MemoryNeeds:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    kind: str  # "full" | "tiered" | "refused"
+    kind: str  # "full" | "tiered" | "host" | "refused"
     needed: int  # bytes at the peak under this plan (refused: the least any plan would need)
     budget: int
     kv: int  # K/V bytes on the device at the message's peak (tiered: lower, upper, staging and key bounds)
@@ -153,6 +158,33 @@ def plan_memory(n: MemoryNeeds) -> MemoryPlan:
                       f"({gib(n.weights)} weights, {gib(n.workspace)} workspace, {gib(t_need - base)} K/V at its "
                       f"peak), "
                       f"{gib(t_need - n.budget)} more than {budget_words(n)}")
+
+
+def host_resident_kv(n: MemoryNeeds, share: float, window: int, new_tokens: int) -> int:
+    """A host-resident chat's K/V on the device at its peak: one layer of every token staged while the working set
+    (each layer's kept input slots, `share` of the input and at least `window`, plus `new_tokens` of reply room) is
+    gathered beside it."""
+    inputs = max(n.tokens - new_tokens, 0)
+    kept = min(inputs, max(math.ceil(share * inputs), window))
+    return n.kv_per_token_layer * (n.tokens + n.layers * (kept + new_tokens))
+
+
+def plan_host_resident(n: MemoryNeeds, share: float, window: int, new_tokens: int) -> MemoryPlan:
+    """`host` if a chat whose K/V lives in host memory (a per-layer budget policy reading `share` of it, with an
+    always-kept `window`; `new_tokens` of message and reply) fits the budget, else `refused` with what it needs."""
+    base = n.weights + n.workspace
+    kv = host_resident_kv(n, share, window, new_tokens)
+    need = base + kv
+    words = (f"the K/V of a {n.tokens:,}-token chat with its message and reply ({gib(full_kv(n))}) does not fit in "
+             f"{budget_words(n)} beside the weights")
+    if need <= n.budget:
+        return MemoryPlan("host", need, n.budget, kv,
+                          f"{words}; it stays in host memory, each message streamed through the GPU one layer at "
+                          f"a time and the reply reading {share:.0%} of it ({gib(kv)} of K/V on the GPU at most)")
+    return MemoryPlan("refused", need, n.budget, kv,
+                      f"{words}: kept in host memory it still needs {gib(need)} ({gib(n.weights)} weights, "
+                      f"{gib(n.workspace)} workspace, {gib(kv)} K/V at its peak), {gib(need - n.budget)} more "
+                      f"than {budget_words(n)}")
 
 
 def full_kv(n: MemoryNeeds) -> int:

@@ -156,7 +156,8 @@ def test_plot_writes_pngs(small_run):
 def test_a_gpu_memory_budget_plans_each_method_as_the_app_plans_a_chat(small_run, monkeypatch, tmp_path):
     """`kvchat bench --gpu-memory`: each method child plans the chat within the budget (the CPU standing in for a
     GPU with one, in this process): between the tiered cache's need and the full cache's, kv-load runs on the tiered
-    cache and says so, prefill (the full cache or nothing) is skipped; below the tiered cache's need, all are."""
+    cache and says so, prefill (the full cache or nothing) is skipped, and xkv keeps the chat in host memory; below
+    the tiered cache's need, all are."""
     import torch
 
     from kvchat.app.bench import resume_engine
@@ -199,6 +200,11 @@ def test_a_gpu_memory_budget_plans_each_method_as_the_app_plans_a_chat(small_run
     prefill = run("prefill", full.needed - 1)
     assert prefill["status"].startswith("skipped: prefill needs the full cache, and the K/V of a 2,")
     assert run("kv-load", full.needed)["memory_plan"]["kind"] == "full"
+    # xkv keeps the chat's K/V in host memory where the full cache does not fit, as the app does (xkv:host)
+    host = run("policy:xkv", full.needed - 1)
+    assert host["status"] == "ok" and host["memory_plan"]["kind"] == "host", host
+    assert host["memory_plan"]["host_resident"] and "stays in host memory" in host["memory_plan"]["message"]
+    assert 0 < host["host_working_set_bytes"] < host["host_stage_bytes"] * engine.config.n_layers
     refused = run("kv-load", needs.weights + needs.workspace + 1)
     assert refused["status"].startswith("skipped: the K/V of a 2,") and "even on the tiered cache" in refused["status"]
 

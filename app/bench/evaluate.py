@@ -195,7 +195,8 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
     rolled back to the expected reply."""
     chat = engine.chat
     tiered = policy.tiered
-    cache = TieredKV(engine.model, policy, 4096) if tiered else engine.new_cache(4096)
+    cache = TieredKV(engine.model, policy, 4096) if tiered else \
+        policy.chat_cache(engine.model, 4096) or engine.new_cache(4096)  # host-resident: the policy's own
     questions = {q.round_index: q for q in dlg.questions}
     out_of_scope = {o.round_index: o.kind for o in dlg.out_of_scope}
     rounds: list[Round] = []  # the chat so far, as the model sees it

@@ -136,7 +136,7 @@ def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Ten
             cache.close_round()
         rows = [cache.prefill(chat.prompt)]
     else:
-        cache = model.new_cache(capacity)
+        cache = policy.chat_cache(model, capacity) or model.new_cache(capacity)
         for span in chat.history:
             round_starts.append(cache.length)
             prefill(model, cache, span)

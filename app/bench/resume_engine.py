@@ -125,6 +125,7 @@ def _run_engine(spec: dict) -> dict:
     import torch
     from kvchat.app.session.chat import ChatSession
     from kvchat.engine.generate import generate, prefill
+    from kvchat.engine.kv.host_resident import HostResidentKV
     from kvchat.engine.kv.tiered import TieredKV
     from kvchat.engine.text.chat_format import Conversation, Round
     from kvchat.errors import GPUMemoryError
@@ -169,7 +170,9 @@ def _run_engine(spec: dict) -> dict:
             cache = engine.new_cache(len(tokens) + 256)
             prefill(model, cache, tokens)
             return cache, text, None
-        session = ChatSession(store, engine, sid, policy=policy if tiered else None, planner=planner)
+        # a tiered policy's cache, or a host-resident one's (the budget put an xkv chat in host memory)
+        own_cache = tiered or getattr(policy, "host_resident", False)
+        session = ChatSession(store, engine, sid, policy=policy if own_cache else None, planner=planner)
         stats = session.restore()
         if stats.tokens_recomputed:
             raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
@@ -220,6 +223,7 @@ def _run_engine(spec: dict) -> dict:
                      "message_ttft_s": out.first_token_seconds, "decode_setup_s": out.decode_setup_seconds,
                      "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
                      **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
+                     **(_host_figures(cache) if isinstance(cache, HostResidentKV) else {}),
                      **(_stream_figures(restores[-1]) if method == "kv-split" else {})})
         close_sessions()
         del cache
@@ -234,6 +238,8 @@ def _run_engine(spec: dict) -> dict:
             if key.startswith("split_") and isinstance(warm[0][key], (int, float)):
                 result[key] = statistics.median(r[key] for r in warm)
         result["split_plan"] = warm[-1]["split_plan"]
+    if "host_stage_bytes" in runs[-1]:  # the last run's: the same chat and message each time
+        result.update({k: v for k, v in runs[-1].items() if k.startswith("host_")})
     if tiered:
         warm = runs[1:] or runs
         for key in warm[0]:
@@ -282,13 +288,21 @@ def _budget(spec: dict):
     return budget
 
 
+def _host_figures(cache) -> dict:
+    """A host-resident chat's device K/V after its reply: the working set it decoded over, and the largest layer a
+    message staged (engine.kv.host_resident)."""
+    return {"host_working_set_bytes": cache.device_bytes(), "host_stage_bytes": cache.peak_stage_bytes}
+
+
 def _memory_plan(engine, budget, store, wl: dict, policy, watershed: int | None = None) -> tuple[dict, object]:
     """How the workload's chat fits in the budget, as the app plans it (app.session.service.fitting_policy): the
     plan's figures, and the policy the method runs under (the tiered cache's where only it fits: the round policy
     at `watershed`, or at the model's calibration)."""
-    from kvchat.app.session.memory import plan_chat
+    from dataclasses import replace
+
+    from kvchat.app.session.memory import plan_chat, plan_host_chat
     from kvchat.app.session.policies import build_policy
-    from kvchat.engine.policies import make_policy
+    from kvchat.engine.policies import BUDGET_POLICIES, make_policy
 
     rounds = store.rounds(wl["sid"])
     lengths = [r.token_end - r.token_start for r in rounds]
@@ -296,13 +310,18 @@ def _memory_plan(engine, budget, store, wl: dict, policy, watershed: int | None 
     tiered = policy is not None and policy.tiered
     plan = plan_chat(engine, budget, wl["tokens"], new_tokens, lengths, policy.split if tiered else None)
     full_message = plan.message
+    if plan.kind != "full" and policy is not None and policy.name in BUDGET_POLICIES:  # xkv: its K/V in host memory
+        host = plan_host_chat(engine, budget, wl["tokens"], new_tokens, lengths, policy)
+        if host.kind == "host":
+            plan, policy = host, replace(policy, host_resident=True)
     if plan.kind == "tiered" and not tiered:
         policy = (build_policy("round", engine) if watershed is None  # calibrated on first use, as a chat's
                   else make_policy("round", engine, watershed=watershed))
         plan = plan_chat(engine, budget, wl["tokens"], new_tokens, lengths, policy.split)
     return {"kind": plan.kind, "budget_gib": plan.budget / 2**30, "needed_gib": plan.needed / 2**30,
             "kv_gib": plan.kv / 2**30, "message": plan.message, "full_message": full_message,
-            "split": policy.split if policy is not None and policy.tiered else None}, policy
+            "split": policy.split if policy is not None and policy.tiered else None,
+            "host_resident": bool(getattr(policy, "host_resident", False))}, policy
 
 
 def _compacted_copy(store, engine, sid: str) -> tuple[str, object, dict]:

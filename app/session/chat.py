@@ -36,6 +36,7 @@ from kvchat.app.session.writer import KVWriter
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import GenerationResult, TokenCallback, generate, prefill
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.engine.kv.tiered import TieredKV
 from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard
@@ -82,7 +83,7 @@ class ChatSession:
         # A policy over the full cache (LoopServe): it shapes each message's prefill and its reply's decode.
         self.message_policy = policy if policy is not None and not policy.tiered else None
         self.trim_windows = trim_windows
-        self.cache: KVCache | TieredKV = self._new_cache(256)
+        self.cache: KVCache | TieredKV | HostResidentKV = self._new_cache(256)
         self.restored: RestoreStats | None = None
         self.merges = merges
         self.ignore_merges = ignore_merges
@@ -99,12 +100,28 @@ class ChatSession:
         self.restore_notes: list[str] = []
         self._start_helpers()
 
-    def _new_cache(self, capacity: int) -> KVCache | TieredKV:
-        if self.policy is None:
-            # Sliding-window layers (Gemma 3) keep only their window, in a ring: unless every layer of every
-            # token is to be stored (trim_windows off).
-            return self.engine.new_cache(capacity, ring=self.trim_windows)
-        return TieredKV(self.engine.model, self.policy, capacity)
+    def _new_cache(self, capacity: int) -> KVCache | TieredKV | HostResidentKV:
+        if self.policy is not None:
+            return TieredKV(self.engine.model, self.policy, capacity)
+        own = self.message_policy.chat_cache(self.engine.model, capacity) if self.message_policy is not None \
+            else None
+        if own is not None:  # a per-layer budget's chat in host memory (engine.kv.host_resident)
+            return own
+        # Sliding-window layers (Gemma 3) keep only their window, in a ring: unless every layer of every token is to
+        # be stored (trim_windows off).
+        return self.engine.new_cache(capacity, ring=self.trim_windows)
+
+    @property
+    def host_resident(self) -> bool:
+        """The chat's K/V lives in host memory, streamed through the device by each message."""
+        return isinstance(self.cache, HostResidentKV)
+
+    def use_message_policy(self, policy: KVPolicy | None) -> None:
+        """Answer the next messages under `policy`, a policy over the full cache of the same kind (a new budget):
+        the cache stays as it is (a host-resident one reads its new budget)."""
+        self.message_policy = policy
+        if isinstance(self.cache, HostResidentKV):
+            self.cache.policy = policy
 
     @property
     def split(self) -> int:
@@ -137,9 +154,12 @@ class ChatSession:
 
         `progress` is called after each round; setting `cancel` stops between rounds with RestoreCancelled.
         """
+        # A host-resident chat loads what is stored into host memory; recomputing a front of it on the device while
+        # the rest loads (the planner's split) would need its K/V there.
+        planner = None if self.host_resident else self.planner
         run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
                          split=self.split, tiered=self.policy is not None, new_cache=self._new_cache,
-                         planner=self.planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
+                         planner=planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
                          upper_source=self._fetch_upper, token_source=self._round_tokens,
                          ignore_merges=self.ignore_merges, room=self.room)
         try:
@@ -346,7 +366,8 @@ class ChatSession:
         self._save_budgets(mp, idx)
         if not self._settle_cache(start, prompt + result.tokens[:-1], closed):
             return result  # its K/V are computed again (and stored) when the chat is next restored
-        if self.merges is not None and self.policy is None:  # the chat's statistics: late rows of message, reply
+        if self.merges is not None and self.policy is None and not self.host_resident:
+            # the chat's statistics: late rows of message and reply (read on the device)
             with torch.inference_mode():
                 self.merges.observe(self.cache, [(start + len(prompt), closed[:len(prompt)]), (row.token_end, closed)])
         self.saver.save_round(self.cache, self.rounds, idx)
@@ -411,7 +432,9 @@ class ChatSession:
             return False
         self.cache.truncate(start + common)
         if common < len(closed):
-            if self.policy is None:
+            if isinstance(self.cache, HostResidentKV):  # through the layers again, choosing nothing
+                self.cache.compute(self.engine.model, closed[common:])
+            elif self.policy is None:
                 prefill(self.engine.model, self.cache, closed[common:])
             else:
                 self.cache.prefill(closed[common:])

@@ -19,6 +19,7 @@ from kvchat.engine.memory_plan import (
     MemoryNeeds,
     MemoryPlan,
     device_budget,
+    plan_host_resident,
     plan_memory,
     upper_share_tokens,
     weight_bytes,
@@ -114,3 +115,12 @@ def plan_chat(engine, budget: Budget, chat_tokens: int, new_tokens: int, round_t
               split: int | None = None) -> MemoryPlan:
     """engine.memory_plan.plan_memory for the chat (see chat_needs)."""
     return plan_memory(chat_needs(engine, budget, chat_tokens, new_tokens, round_tokens, split))
+
+
+def plan_host_chat(engine, budget: Budget, chat_tokens: int, new_tokens: int, round_tokens: list[int], policy
+                   ) -> MemoryPlan:
+    """engine.memory_plan.plan_host_resident for the chat under a per-layer budget `policy` (engine.policies.budgets:
+    its share and always-kept window), with room for `new_tokens` more."""
+    needs = chat_needs(engine, budget, chat_tokens, new_tokens, round_tokens)
+    kept = policy.tokens / max(chat_tokens, 1) if policy.tokens else policy.budget
+    return plan_host_resident(needs, min(kept, 1.0), policy.window, needs.tokens - min(chat_tokens, needs.tokens))

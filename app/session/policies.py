@@ -82,13 +82,15 @@ def build_policy(name: str, engine=None, progress: Progress | None = None, **opt
 
 
 def chat_policy(name: str, engine=None, progress: Progress | None = None,
-                kv_budget: float | None = None) -> KVPolicy | None:
+                kv_budget: float | None = None, host_resident: bool = False) -> KVPolicy | None:
     """The policy a chat runs under: None for the full cache, else a tiered policy (`round` or a strategy),
-    `loopserve`, or `xkv` reading `kv_budget` of the chat's K/V (default: the policy's own, 0.2)."""
+    `loopserve`, or `xkv` reading `kv_budget` of the chat's K/V (default: the policy's own, 0.2), its K/V in host
+    memory with `host_resident` (what the GPU memory budget decides: app.session.service)."""
     if chat_policy_class(name) is None:
         return None
     if name in BUDGET_POLICIES:
-        return build_policy(name, engine, progress, **({} if kv_budget is None else {"budget": kv_budget}))
+        options = {} if kv_budget is None else {"budget": kv_budget}
+        return build_policy(name, engine, progress, host_resident=host_resident, **options)
     if name == "loopserve":
         # A chat's prefill goes sparse only from where the kernel measured faster (a whole prefill never has yet:
         # docs/benchmarks.md, "LoopServe"); its reply always reads a progressively chosen budget.

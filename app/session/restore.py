@@ -30,6 +30,7 @@ from kvchat.app.session.tiered import UpperReads, assemble_upper
 from kvchat.app.session.windows import WindowTrim
 from kvchat.engine.engine import Engine
 from kvchat.engine.kv.cross_layer import LayerPair, unmerge_pair
+from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.engine.model.decoder import KVCache
 from kvchat.engine.restore.plan import RestorePlan
 from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep, RecomputeCancelled
@@ -154,7 +155,7 @@ class RestoreRun:
         # Reads, checks and decompression run ahead in worker threads, while this thread moves each round's K/V to
         # the device in order as soon as it is ready.
         # The workers also finish each segment: merged on the CPU, or copied to the GPU through pinned buffers.
-        if HostToDevice.serves(self.engine.device):
+        if HostToDevice.serves(self.engine.device) and not isinstance(self.cache, HostResidentKV):
             staging = HostToDevice.shared(self.engine.device)
             finish = lambda header, raw: staging.copy(raw)  # noqa: E731
         else:
@@ -561,6 +562,10 @@ class RestoreRun:
         first = pending[0][0]
         tokens = [t for _, span in pending for t in span]
         end = first + len(tokens)
+        if isinstance(self.cache, HostResidentKV):  # streamed through the device a layer at a time, into host memory
+            self.cache.compute(m, tokens, start=first)
+            stats.tokens_recomputed += len(tokens)
+            return
         device_tier = self._recompute_tier(loads_running)
         device_tier.reserve(end)
         # In prefill's chunks: a whole 30k-token chat in one pass would build [T, T]-sized attention masks.

@@ -31,7 +31,7 @@ from kvchat.app.terminal_text import terminal_line
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.compaction import compact_session
 from kvchat.app.session.editing import EditRequest, fork_title
-from kvchat.app.session.memory import OPEN_ROOM, Budget, check_weights, plan_chat
+from kvchat.app.session.memory import OPEN_ROOM, Budget, check_weights, plan_chat, plan_host_chat
 from kvchat.app.session.merges import chat_merges
 from kvchat.app.session.policies import chat_policy
 from kvchat.app.session.profile import ensure_profile, profile_planner
@@ -51,6 +51,10 @@ from kvchat.storage.chat_lock import ChatLock
 from kvchat.storage.db import RoundRow, Store, StoreError, chat_parameters
 from kvchat.storage.fingerprint import model_fingerprint
 from kvchat.storage.statefile import ImportResult, export_session, import_state
+
+# A per-layer budget policy's name with this suffix ("xkv:host") runs the chat host-resident: what the GPU memory
+# budget makes of "xkv" when the chat's full K/V does not fit (fitting_policy), and the name a reply reports.
+HOST_RESIDENT = ":host"
 
 # How many restored chats keep their KV cache in memory; reopening one of them costs nothing.
 CHATS_IN_MEMORY = 4
@@ -181,7 +185,8 @@ class ChatService:
     def fitting_policy(self, sid: str, engine: Engine, kv_policy: str, new_tokens: int,
                        calibrating: Progress | None = None) -> str:
         """The policy the chat can run under within the GPU memory budget, with room for `new_tokens` more (a
-        message and its reply): `kv_policy` if its K/V fits; the tiered cache ("round") if only that fits, said
+        message and its reply): `kv_policy` if its K/V fits; a per-layer budget policy (xkv) with its K/V in host
+        memory (`xkv:host`) if that fits; else the tiered cache ("round") if only that fits, either said
         once through `notice` and in the chat's restore notes; GPUMemoryError, in one line with the bytes it
         needs, if nothing fits. The split of the tiered cache is the model's watershed (calibrated on first use)."""
         budget = self.budget()
@@ -194,6 +199,15 @@ class ChatService:
         asked_tiered = cls is not None and cls.tiered
         split = self.policy(engine, kv_policy, calibrating).split if asked_tiered else None
         plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths, split)
+        if plan.kind != "full" and kv_policy in BUDGET_POLICIES:
+            # A per-layer budget reads a share of the chat: its K/V can stay in host memory, streamed through the
+            # GPU by each message (engine.kv.host_resident), before the tiered cache is tried.
+            host = plan_host_chat(engine, budget, chat_tokens, new_tokens, lengths,
+                                  self.policy(engine, kv_policy, calibrating))
+            if host.kind == "host":
+                plan, kv_policy = host, kv_policy + HOST_RESIDENT
+                if self._memory_notes.get(sid) is None and self.notice is not None:
+                    self.notice(plan.message)
         if plan.kind == "tiered" and split is None:  # the full cache does not fit: the tiered cache, at its split
             kv_policy = "round"
             plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths,
@@ -203,7 +217,7 @@ class ChatService:
         if plan.kind == "refused":
             raise GPUMemoryError(plan.message)
         with self._state_lock:
-            if plan.kind == "tiered" and not asked_tiered:
+            if plan.kind == "host" or (plan.kind == "tiered" and not asked_tiered):
                 self._memory_notes[sid] = plan.message
             else:
                 self._memory_notes.pop(sid, None)
@@ -216,12 +230,13 @@ class ChatService:
     def policy(self, engine: Engine, name: str, calibrating: Progress | None = None) -> KVPolicy | None:
         """The chat policy `name` (None: the full cache) for the engine's model, built once. The round policy
         calibrates a model on its first use (seconds to minutes, reported to `calibrating(done, total)`)."""
-        key = (str(engine.path), name, self.kv_budget if name in BUDGET_POLICIES else None)
+        base, host_resident = name.removesuffix(HOST_RESIDENT), name.endswith(HOST_RESIDENT)
+        key = (str(engine.path), name, self.kv_budget if base in BUDGET_POLICIES else None)
         with self.model_lock:  # calibrating runs the model; held, it also keeps two workers from calibrating twice
             with self._state_lock:
                 if key in self._policies:
                     return self._policies[key]
-            policy = chat_policy(name, engine, calibrating, self.kv_budget)
+            policy = chat_policy(base, engine, calibrating, self.kv_budget, host_resident=host_resident)
             with self._state_lock:
                 self._policies[key] = policy
             return policy
@@ -312,8 +327,8 @@ class ChatService:
             if opened is not None and opened.kv_policy == kv_policy:
                 self._open.move_to_end(sid)
         if opened is not None and opened.kv_policy == kv_policy:
-            if kv_policy in BUDGET_POLICIES:  # a new budget needs no reopening: the full cache stays as it is
-                opened.session.message_policy = self.policy(opened.session.engine, kv_policy, calibrating)
+            if kv_policy.removesuffix(HOST_RESIDENT) in BUDGET_POLICIES:  # a new budget needs no reopening
+                opened.session.use_message_policy(self.policy(opened.session.engine, kv_policy, calibrating))
             if restore and opened.session.restored is None:  # opened by a send that did not get to restore it
                 opened.stats = opened.session.restore(progress=progress, cancel=cancel)
             return opened.session

@@ -7,6 +7,8 @@
 #   bash docs/gpu/memory-budget.sh 12gib       # builds the model (~4 min the first time), then the bench at 12 GiB
 #   bash docs/gpu/memory-budget.sh 8gib        # the chat tiered at the watershed the 8B benchmarks use (@4)
 #   bash docs/gpu/memory-budget.sh unlimited
+#   bash docs/gpu/memory-budget.sh xkv         # issue 43: kv-split and policy:xkv without a budget, then policy:xkv
+#                                              # at 8 GiB, where the chat's K/V stays in host memory (xkv:host)
 #
 # Results (JSON, markdown, the log) go to $OUT.
 set -uo pipefail
@@ -29,5 +31,7 @@ case "${1:-12gib}" in
   12gib)     part 12gib 560 --gpu-memory 12GiB ;;
   8gib)      part 8gib 560 --gpu-memory 8GiB ;;
   unlimited) part unlimited 560 ;;
-  *) echo "usage: $0 12gib|8gib|unlimited" >&2; exit 2 ;;
+  xkv)       METHODS=kv-split,policy:xkv part xkv-unlimited 300
+             METHODS=policy:xkv part xkv-8gib 260 --gpu-memory 8GiB ;;
+  *) echo "usage: $0 12gib|8gib|unlimited|xkv" >&2; exit 2 ;;
 esac

@@ -15,8 +15,10 @@ Each message chooses again over the whole chat, as on the device (nothing is evi
 later one may read). The reply decodes over the working set (WorkingSetDecode), whose `finish` writes its K/V back
 to the host copy, from which the round is saved.
 
-It is a KVStore (engine.kv.base) as generation drives it, and exposes the host copy (`host`, a KVCache on the
-CPU, pinned where the model runs on CUDA) to whoever restores or saves the chat.
+It is a KVStore (engine.kv.base) as generation drives it. Restoring and saving a chat (app.session) use the host
+copy through `write` / `read` / `length` as they use a device cache's: a restore places loaded K/V in host memory
+(nothing of the chat goes to the device until a message streams it), and a round that had to be recomputed, or the
+end-of-turn tail a reply settles, is run through the layers the same way (`compute`, which chooses nothing).
 """
 
 from __future__ import annotations
@@ -53,23 +55,43 @@ class HostResidentKV:
     def length(self) -> int:
         return self.host.length
 
-    def reserve(self, n_slots: int) -> None:
-        """Room for slots [0, n_slots) in the host copy (doubling), allocated pinned where the model is on CUDA."""
+    @length.setter
+    def length(self, value: int) -> None:  # a restore that placed the chat's K/V says where it ends
+        self.host.length = value
+
+    @property
+    def capacity(self) -> int:
+        return self.host.capacity
+
+    ring_size = 0  # the host copy keeps every slot of every layer (no rings: sliding-window layers stream a span)
+
+    def reserve(self, n_slots: int, exact: bool = False) -> None:
+        """Room for slots [0, n_slots) in the host copy (doubling, unless `exact`), allocated pinned where the model
+        is on CUDA."""
         host = self.host
         if n_slots <= host.capacity:
             return
         if self.device.type != "cuda":
-            host.reserve(n_slots)
+            host.reserve(n_slots, exact=exact)
             return
         old = host.kv
-        grown = torch.zeros(*old.shape[:3], max(n_slots, 2 * old.shape[3]), old.shape[4], dtype=old.dtype,
-                            pin_memory=True)
+        grown = torch.zeros(*old.shape[:3], n_slots if exact else max(n_slots, 2 * old.shape[3]), old.shape[4],
+                            dtype=old.dtype, pin_memory=True)
         grown[:, :, :, : old.shape[3]] = old
         host.kv = grown
 
     def truncate(self, length: int) -> None:
         self.host.truncate(length)
         self.working, self._kept = None, []  # chosen for a chat that no longer is: the next message chooses again
+
+    def read(self, layers: range, start: int, end: int) -> Tensor:
+        """A copy of the host K/V of slots [start, end) of `layers` (KVCache.read's shape; in host memory)."""
+        return self.host.read(layers, start, end)
+
+    def write(self, layers: range, start: int, kv: Tensor) -> None:
+        """Write K/V as `read` returns them (on any device) into the host copy from slot `start` on."""
+        self.reserve(start + kv.shape[3])
+        self.host.write(layers, start, kv.to("cpu"))
 
     def device_bytes(self) -> int:
         """Bytes of K/V on the device between messages: the latest reply's working set."""
@@ -85,14 +107,37 @@ class HostResidentKV:
             raise ValueError("prefill needs at least one token")
         if attend is not None:
             raise ValueError("a host-resident chat's message reads the whole chat")
-        cfg, first, n = model.cfg, self.host.length, len(tokens)
+        cfg, end = model.cfg, self.host.length + len(tokens)
+        n_win = min(self.policy.window, len(tokens), end)
+        scored = self.policy.scores_needed(cfg, end, n_win)
+        h, masses = self._stream(model, tokens, self.host.length, n_win if scored else 0, chunk)
+        if scored:
+            choice, kept = self.policy.choice_from_scores(cfg, self.policy.pooled(torch.cat(masses)), end, n_win)
+        else:
+            choice, kept = self.policy.keep_everything(cfg, end)
+        self.policy.last_choice = choice
+        self._kept = kept
+        return model.head(h[-1:])[-1]
+
+    @torch.inference_mode()
+    def compute(self, model: Transformer, tokens: list[int], start: int | None = None, chunk: int = 4096) -> None:
+        """Compute `tokens`' K/V into slots [start, ...) (default: appended), through every layer over the slots
+        before them as a message's are, choosing nothing: a restore's recomputed rounds (placed among loaded ones),
+        a settled round's tail. The latest choice stays the reply's."""
+        if tokens:
+            self._stream(model, tokens, self.host.length if start is None else start, 0, chunk)
+
+    def _stream(self, model: Transformer, tokens: list[int], first: int, n_win: int,
+                chunk: int) -> tuple[Tensor, list[Tensor]]:
+        """Run `tokens` at slots [first, ...) through every layer, one layer's K/V staged on the device at a time,
+        their K/V written to the host copy; (the last hidden states [T, d], per global layer the window's slot mass
+        when `n_win`)."""
+        cfg, n = model.cfg, len(tokens)
         end = first + n
         self.reserve(end)
         self.working = None  # the last reply's working set is freed before any layer is staged
         positions = torch.arange(first, end)
         h = model.embed(torch.tensor(tokens, dtype=torch.long))
-        n_win = min(self.policy.window, n, end)
-        scored = self.policy.scores_needed(cfg, end, n_win)
         masses: list[Tensor] = []
         for layer in range(cfg.n_layers):
             stage = KVCache(cfg, self.device, model.dtype, end, layers=range(layer, layer + 1))
@@ -102,27 +147,22 @@ class HostResidentKV:
             self.peak_stage_bytes = max(self.peak_stage_bytes, stage.device_bytes())
             outs, window_q = [], None
             for c in range(0, n, chunk):  # the message in chunks, as a prefill on the device runs it
-                queries: list[Tensor] = []
+                queries: list[Tensor] | None = [] if n_win else None  # the window's, to score it
                 outs.append(model.run_layers(h[c : c + chunk], positions[c : c + chunk], stage, first + c,
                                              layers=range(layer, layer + 1), queries=queries))
-                q = queries[0].reshape(-1, cfg.n_heads, cfg.head_dim)
-                window_q = q[-n_win:] if window_q is None else torch.cat([window_q, q])[-n_win:]
-                del queries, q
+                if queries:
+                    q = queries[0].reshape(-1, cfg.n_heads, cfg.head_dim)
+                    window_q = q[-n_win:] if window_q is None else torch.cat([window_q, q])[-n_win:]
+                del queries
             h = torch.cat(outs) if len(outs) > 1 else outs[0]
             del outs
             self.host.write(range(layer, layer + 1), first, stage.read(range(layer, layer + 1), first, end))
-            if scored and layer in cfg.global_layers:
+            if n_win and layer in cfg.global_layers:
                 masses.append(slot_mass(window_q[None], stage.keys_of([layer], end), end - n_win, None,
                                         cfg.softmax_scale))
             del stage
-        self.host.length = end
-        if scored:
-            choice, kept = self.policy.choice_from_scores(cfg, self.policy.pooled(torch.cat(masses)), end, n_win)
-        else:
-            choice, kept = self.policy.keep_everything(cfg, end)
-        self.policy.last_choice = choice
-        self._kept = kept
-        return model.head(h[-1:])[-1]
+        self.host.length = max(self.host.length, end)  # a restore's recompute may come before rounds loaded after it
+        return h, masses
 
     def decode_step(self, model: Transformer, max_tokens: int, limit: int, *, attend: Attend = None,
                     first: int = 0, cuda_graph: bool | None = None, policy=None) -> Callable[[int], Tensor]:

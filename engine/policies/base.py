@@ -71,6 +71,11 @@ class KVPolicy(ABC):
             if undo is not None:
                 undo()
 
+    def chat_cache(self, model: Transformer, capacity: int):
+        """A cache of this policy's own for a chat (an engine.kv.base.KVStore), or None: the engine's full cache
+        (a tiered policy's is engine.kv.tiered.TieredKV, made by whoever runs it)."""
+        return None
+
     def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
                     cuda_graph: bool | None) -> Callable[[int], object] | None:
         """The decode step (token -> logits [V]) this policy runs after the prompt (slots [prompt_start,

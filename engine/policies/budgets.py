@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
@@ -88,6 +89,10 @@ class LayerBudgetPolicy(KVPolicy):
     # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
     # off: over the full cache through per-layer slot lists. Not with `progressive` (its choice changes).
     working_set: bool = False
+    # Beyond the paper: the chat's K/V lives in host memory, each message streamed through the device one layer at a
+    # time and the reply decoded over a working set (engine.kv.host_resident): the device holds the budget's K/V,
+    # not the chat's. The app turns it on when the full cache does not fit the GPU memory budget.
+    host_resident: bool = False
     # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
     last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
@@ -97,8 +102,9 @@ class LayerBudgetPolicy(KVPolicy):
             raise KvchatError(f"the KV budget is a share of the chat's K/V in (0, 1], not {self.budget}")
         if self.window < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise KvchatError("window is a count of tokens (at least 1) and pool an odd count of slots")
-        if self.working_set and self.progressive:
-            raise KvchatError("working_set=true decodes over the slots chosen once: not with progressive=true")
+        if (self.working_set or self.host_resident) and self.progressive:
+            which = "working_set" if self.working_set else "host_resident"
+            raise KvchatError(f"{which}=true decodes over the slots chosen once: not with progressive=true")
         if self.pooling not in ("avg", "max"):
             raise KvchatError(f"pooling is avg or max, not {self.pooling!r}")
         if self.tokens < 0 or (self.tokens and self.tokens < self.window):
@@ -114,6 +120,11 @@ class LayerBudgetPolicy(KVPolicy):
         """Input slots a global layer keeps on average (window included) for an input of `input_slots`."""
         wanted = self.tokens or math.ceil(self.budget * input_slots)
         return min(input_slots, max(wanted, self.window))
+
+    def chat_cache(self, model: Transformer, capacity: int):
+        if not self.host_resident:
+            return None
+        return HostResidentKV(model, self, capacity)
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
