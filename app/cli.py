@@ -196,9 +196,11 @@ def info(model_path, as_json) -> None:
               help="Where the curve's plot goes (default: next to the stored calibration).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `watershed`).")
 def calibrate(model_path, device, chats, png_path, as_json) -> None:
-    """Find the model's watershed layer for Round Attention and store it (used automatically from then on)."""
+    """Find the model's watershed layer for Round Attention and LouisKV's retrieval thresholds, and store them (used
+    automatically from then on)."""
     from kvchat.app.cli_progress import terminal_progress
-    from kvchat.app.session.artifacts import save_calibration
+    from kvchat.app.session.artifacts import save_calibration, save_trigger_calibration
+    from kvchat.engine.calibrate.retrieval_trigger import calibrate_trigger
     from kvchat.app.session.progress import Reporter
     from kvchat.engine.calibrate.watershed import calibrate as measure
     from kvchat.engine.calibrate.watershed import curve_lines, plot_curve
@@ -208,13 +210,17 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
     from kvchat.storage.fingerprint import model_fingerprint
 
     engine = Engine(model_path, device=_device(device))
+    fingerprint = model_fingerprint(Path(model_path), Store())
     with terminal_progress() as shown:  # a bar with the time left on a terminal; nothing on a pipe
         try:
-            cal = measure(engine, model_fingerprint(Path(model_path), Store()), chats=chats,
+            cal = measure(engine, fingerprint, chats=chats,
                           progress=Reporter("calibrating the watershed layer (chats)", shown))
+            trigger = calibrate_trigger(engine, fingerprint,
+                                        progress=Reporter("calibrating the retrieval trigger (chats)", shown))
         except KeyboardInterrupt:
             raise InterruptedByUser("interrupted: the calibration stopped; nothing was stored") from None
     stored = save_calibration(cal)
+    trigger_stored = save_trigger_calibration(trigger)
     png = Path(png_path) if png_path else stored.with_suffix(".png")
     try:
         plot_curve(cal, png)
@@ -228,13 +234,18 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
     if as_json:
         from dataclasses import asdict
 
-        click.echo(json.dumps({**asdict(cal), "path": str(stored), "png": str(png) if png else None}))
+        click.echo(json.dumps({**asdict(cal), "path": str(stored), "png": str(png) if png else None,
+                               "trigger": {**trigger.to_dict(), "path": str(trigger_stored)}}))
         return
     click.echo(f"model {model_path}  {cal.n_layers} layers  {cal.chats} {cal.source} chats  device {engine.device}")
     for line in curve_lines(cal):
         click.echo(line)
     click.echo(f"watershed layer: {cal.watershed}")
     click.echo(f"stored {stored}" + (f"; plot {png}" if png else ""))
+    click.echo("retrieval trigger (louiskv), per global layer: " + "  ".join(
+        f"{layer}:{tau:.2f}" for layer, tau in zip(trigger.layers, trigger.tau))
+        + f"  (retrieving at {trigger.share:.0%} of {trigger.steps} reply steps)")
+    click.echo(f"stored {trigger_stored}")
 
 
 @main.command()

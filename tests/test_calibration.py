@@ -263,5 +263,11 @@ def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home)
     watershed = int(re.search(r"^watershed layer: (\d+)$", out, re.M).group(1))
     assert 1 <= watershed <= 6
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (stored,) = (kvchat_home / "calibrations").glob("*.json")
+    stored, trigger = sorted((kvchat_home / "calibrations").glob("*.json"), key=lambda p: len(p.name))
     assert json.loads(stored.read_text())["watershed"] == watershed
+    # LouisKV's retrieval thresholds, one per global layer (all 8 of the embedded model's), stored beside it
+    thresholds = re.search(r"^retrieval trigger \(louiskv\), per global layer: (.*)  \(", out, re.M).group(1)
+    assert [int(t.split(":")[0]) for t in thresholds.split()] == list(range(8))
+    tau = json.loads(trigger.read_text())["tau"]
+    assert trigger.name.endswith(".trigger.json") and len(tau) == 8
+    assert all(abs(a - float(t.split(":")[1])) <= 0.005 + 1e-9 for a, t in zip(tau, thresholds.split()))

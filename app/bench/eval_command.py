@@ -15,8 +15,8 @@ from kvchat.app.chats import gpu_memory_option
 
 # engine.policies.POLICIES, written out (tests/test_project.py checks it): importing it loads torch, which every
 # command then paid for at start, `kvchat --help` and `kvchat sessions` too.
-EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "pyramid", "round", "round-adaptive",
-                 "round-threshold", "round-topk", "uniform", "xkv"]
+EVAL_POLICIES = ["full", "krul", "loopserve", "loopserve+round", "louiskv", "pyramid", "quest", "round",
+                 "round-adaptive", "round-threshold", "round-topk", "uniform", "xkv"]
 BUDGET_POLICIES = ("xkv", "uniform", "pyramid")  # engine.policies.BUDGET_POLICIES, written out: --kv-budget
 
 

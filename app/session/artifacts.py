@@ -5,6 +5,8 @@ it is written (atomically: a reader never sees half a file).
   model's is shipped beside it, assets/kvchat-memory-demo.calibration.json, as is its merge check);
 - the model's check of its merge pairs (engine.calibrate.merge_check.MergeCalibration):
   calibrations/<fingerprint>.merges.json;
+- LouisKV's retrieval trigger (engine.calibrate.retrieval_trigger.TriggerCalibration):
+  calibrations/<fingerprint>.trigger.json;
 - this machine's hardware profile of a model on a device (engine.restore.plan.HardwareProfile):
   profiles/<fingerprint[:16]>-<device kind>-<hash of the device's name>.json.
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.calibrate.merge_check import MERGE_CALIBRATION_VERSION, MergeCalibration
+from kvchat.engine.calibrate.retrieval_trigger import TRIGGER_VERSION, TriggerCalibration
 from kvchat.engine.calibrate.watershed import CALIBRATION_VERSION, Calibration
 from kvchat.engine.restore.plan import HardwareProfile
 from kvchat.errors import KvchatError
@@ -114,24 +117,45 @@ def load_merge_calibration(fingerprint: str, n_layers: int) -> MergeCalibration 
     path = merge_calibration_path(fingerprint)
     if not path.exists() and shipped_merge_calibration_path(fingerprint) is not None:
         path = shipped_merge_calibration_path(fingerprint)
+    return _load_model_file(path, "merge calibration", MERGE_CALIBRATION_VERSION, MergeCalibration.from_dict,
+                            fingerprint, n_layers)
+
+
+def _load_model_file(path: Path, what: str, version: int, from_dict, fingerprint: str, n_layers: int):
+    """A per-model JSON file read back (`from_dict`); None when there is none or it is of another `version`. A
+    corrupt file, or one of another model, is a one-line error naming it."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise KvchatError(f"the merge calibration {path} is corrupt ({exc}); delete it or run "
-                          f"`kvchat calibrate`") from None
+        raise KvchatError(f"the {what} {path} is corrupt ({exc}); delete it or run `kvchat calibrate`") from None
     try:
-        if raw.get("version") != MERGE_CALIBRATION_VERSION:
+        if raw.get("version") != version:
             return None
-        cal = MergeCalibration.from_dict(raw)
+        cal = from_dict(raw)
     except (ValueError, TypeError, AttributeError) as exc:
-        raise KvchatError(f"the merge calibration {path} is corrupt ({exc}); delete it or run "
-                          f"`kvchat calibrate`") from None
+        raise KvchatError(f"the {what} {path} is corrupt ({exc}); delete it or run `kvchat calibrate`") from None
     if cal.fingerprint != fingerprint or cal.n_layers != n_layers:
-        raise KvchatError(f"the merge calibration {path} belongs to another model; delete it or run "
-                          f"`kvchat calibrate`")
+        raise KvchatError(f"the {what} {path} belongs to another model; delete it or run `kvchat calibrate`")
     return cal
+
+
+# ---------------------------------------------------------------- LouisKV's retrieval trigger
+
+
+def trigger_calibration_path(fingerprint: str) -> Path:
+    return data_dir() / "calibrations" / f"{fingerprint}.trigger.json"
+
+
+def save_trigger_calibration(cal: TriggerCalibration) -> Path:
+    return write_json_atomically(trigger_calibration_path(cal.fingerprint), cal.to_dict(), "trigger calibration")
+
+
+def load_trigger_calibration(fingerprint: str, n_layers: int) -> TriggerCalibration | None:
+    """The stored thresholds of this model's retrieval trigger; None when there are none (or of an older version)."""
+    return _load_model_file(trigger_calibration_path(fingerprint), "trigger calibration", TRIGGER_VERSION,
+                            TriggerCalibration.from_dict, fingerprint, n_layers)
 
 
 # ---------------------------------------------------------------- the hardware profile

@@ -15,10 +15,13 @@ from typing import Callable
 from kvchat.app.session.artifacts import (
     load_calibration,
     load_merge_calibration,
+    load_trigger_calibration,
     save_calibration,
     save_merge_calibration,
+    save_trigger_calibration,
 )
 from kvchat.engine.calibrate.merge_check import MergeCalibration, calibrate_merges, default_check_chats
+from kvchat.engine.calibrate.retrieval_trigger import TriggerCalibration, calibrate_trigger
 from kvchat.engine.calibrate.watershed import DEFAULT_CHATS, Calibration, calibrate
 from kvchat.engine.policies import BUDGET_POLICIES, KVPolicy, chat_policy_class, policy_class
 from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
@@ -30,6 +33,7 @@ Progress = Callable[[int, int], None]  # (done, total)
 NEEDS_A_MODEL = {
     "watershed": "the {name} KV policy needs a model to calibrate its watershed layer",
     "pairs": "the checked {name} KV policy needs a model to check its layer pairs on",
+    "tau": "the {name} KV policy needs a model to calibrate its retrieval trigger on (or --option tau=...)",
 }
 
 
@@ -53,12 +57,23 @@ def ensure_merge_calibration(engine, fingerprint: str, progress: Progress | None
     return cal
 
 
+def ensure_trigger_calibration(engine, fingerprint: str, progress: Progress | None = None) -> TriggerCalibration:
+    """The model's stored retrieval-trigger thresholds (LouisKV); on its first use, measured now and stored."""
+    cal = load_trigger_calibration(fingerprint, engine.config.n_layers)
+    if cal is None:
+        cal = calibrate_trigger(engine, fingerprint, progress=progress)
+        save_trigger_calibration(cal)
+    return cal
+
+
 def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None):
     """The value of the calibrated parameter `option` for the engine's model."""
     if option == "watershed":
         return ensure_calibration(engine, fingerprint, progress).watershed
     if option == "pairs":
         return ensure_merge_calibration(engine, fingerprint, progress).pairs
+    if option == "tau":
+        return tuple(ensure_trigger_calibration(engine, fingerprint, progress).tau)
     raise ValueError(f"no calibration gives a policy's {option!r}")
 
 

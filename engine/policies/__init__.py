@@ -10,7 +10,9 @@ from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.full import FullKV
 from kvchat.engine.policies.krul import KrulMerge
 from kvchat.engine.policies.loopserve import LoopServe, LoopServeRound
+from kvchat.engine.policies.louiskv import LouisKV
 from kvchat.engine.policies.pyramid import PyramidBudget
+from kvchat.engine.policies.quest import QuestPages
 from kvchat.engine.policies.round_attention import (
     RoundAttention,
     RoundAttentionAdaptive,
@@ -24,7 +26,7 @@ from kvchat.errors import KvchatError
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
     for cls in (FullKV, KrulMerge, LoopServe, LoopServeRound, RoundAttention, RoundAttentionThreshold,
-                RoundAttentionTopK, RoundAttentionAdaptive, XKV, UniformBudget, PyramidBudget)
+                RoundAttentionTopK, RoundAttentionAdaptive, XKV, UniformBudget, PyramidBudget, LouisKV, QuestPages)
 }
 
 

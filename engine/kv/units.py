@@ -1,0 +1,106 @@
+"""Retrieval units of a chat's K/V (LouisKV, ../shared/papers/louiskv-design-notes.md; its baseline Quest): groups of
+input slots that a decode step reads or leaves out together, each summarized by a few keys, so that choosing what
+to read costs one product per unit rather than per slot.
+
+Per global layer and KV head, every slot of a span belongs to one unit (`member`), and each unit has a summary:
+- `cluster_units` (LouisKV's input units): the span's keys in k-means clusters of about `tokens_per_cluster` keys
+  (kernels/kmeans.py), each summarized by its centroid, the mean of its keys — so q . centroid is exactly the mean
+  of q . k over the cluster. Clusters are per layer and KV head: slots that one head finds alike another may not.
+- `page_units` (Quest's pages): runs of `page` consecutive slots, each summarized by the per-dimension minimum and
+  maximum of its keys, whose bound sum_d max(q_d lo_d, q_d hi_d) no key of the page exceeds.
+
+`unit_scores` turns a query into a score per unit and KV head: per query head, a softmax over the units of
+q . summary x scale (the centroid's product, or the page's bound), averaged over the query heads sharing the KV
+head (one choice per KV group, since K/V are read per KV head). `slots_of_best_units` ranks every slot by its unit's
+score (ties: the lower slot) and keeps the best `n` per KV head: whole units in order of score, the last one cut to
+fill the budget exactly, so every head of a layer reads the same number of slots (what a decode step's slot lists
+need).
+
+Shapes: G global layers, Hkv KV heads, H query heads, n slots of a span, U units, D head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvchat.kernels.kmeans import DEFAULT_ITERATIONS, kmeans
+
+TOKENS_PER_CLUSTER = 16
+
+
+@dataclass
+class Units:
+    """The units of slots [start, end): per layer and KV head each slot's unit, and each unit's summary keys."""
+
+    start: int
+    end: int
+    member: Tensor  # [G, Hkv, n] int64: the unit (in [0, U)) of each slot
+    summary: Tensor  # [G, Hkv, U, S, D] float32: S summary keys per unit (1: a centroid; 2: a page's min and max)
+
+    @property
+    def n_units(self) -> int:
+        return self.summary.shape[2]
+
+
+def cluster_units(keys: Tensor, start: int, tokens_per_cluster: int = TOKENS_PER_CLUSTER,
+                  iterations: int = DEFAULT_ITERATIONS) -> Units:
+    """Keys [G, Hkv, n, D] of slots [start, start + n) in ceil(n / tokens_per_cluster) clusters per layer and KV
+    head. A cluster that ends up empty keeps a centroid no slot points to: it is never read."""
+    g, h, n, d = keys.shape
+    k = max(1, math.ceil(n / tokens_per_cluster))
+    centroids, assign, _ = kmeans(keys.reshape(g * h, n, d), k, iterations)
+    return Units(start, start + n, assign.view(g, h, n), centroids.view(g, h, k, 1, d))
+
+
+def page_units(keys: Tensor, start: int, page: int = TOKENS_PER_CLUSTER) -> Units:
+    """Keys [G, Hkv, n, D] of slots [start, start + n) in pages of `page` consecutive slots (the last one shorter)."""
+    g, h, n, d = keys.shape
+    pages = math.ceil(n / page)
+    padded = keys[:, :, torch.arange(pages * page, device=keys.device).clamp_max(n - 1)].float()  # last key repeated
+    blocks = padded.view(g, h, pages, page, d)
+    summary = torch.stack([blocks.amin(3), blocks.amax(3)], dim=3)  # [G, Hkv, P, 2, D]
+    member = (torch.arange(n, device=keys.device) // page).expand(g, h, n)
+    return Units(start, start + n, member, summary)
+
+
+def joined(units: list[Units]) -> tuple[Tensor, Tensor, Tensor]:
+    """Several spans' units as one set: (summaries [G, Hkv, U, S, D], each listed slot's unit [G, Hkv, N], the slots
+    [N] long), units numbered across the spans."""
+    summaries, members, slots, offset = [], [], [], 0
+    for u in units:
+        summaries.append(u.summary)
+        members.append(u.member + offset)
+        slots.append(torch.arange(u.start, u.end, device=u.member.device))
+        offset += u.n_units
+    return torch.cat(summaries, 2), torch.cat(members, 2), torch.cat(slots)
+
+
+def unit_scores(q: Tensor, summary: Tensor, scale: float) -> Tensor:
+    """q [G, H, D] (one token's queries at each global layer), summaries [G, Hkv, U, S, D] -> [G, Hkv, U] float32:
+    per query head a softmax over the units of q . centroid (S = 1) or of the bound sum_d max(q_d lo_d, q_d hi_d)
+    (S = 2) times `scale`, averaged over the KV head's query heads."""
+    g, n_heads, d = q.shape
+    n_kv = summary.shape[1]
+    grouped = q.float().view(g, n_kv, n_heads // n_kv, d)  # [G, Hkv, rep, D]
+    if summary.shape[3] == 1:
+        logits = grouped @ summary[:, :, :, 0].transpose(2, 3)  # [G, Hkv, rep, U]
+    else:
+        lo, hi = summary[:, :, :, 0], summary[:, :, :, 1]
+        qd = grouped[:, :, :, None, :]  # [G, Hkv, rep, 1, D]
+        logits = torch.maximum(qd * lo[:, :, None], qd * hi[:, :, None]).sum(-1)
+    return torch.softmax(logits * scale, dim=-1).mean(2)
+
+
+def slots_of_best_units(scores: Tensor, member: Tensor, slots: Tensor, n: int) -> Tensor:
+    """The `n` listed slots (of `slots` [N]) of the best-scoring units per layer and KV head ([G, Hkv, U] scores,
+    each slot's unit [G, Hkv, N]) -> [G, Hkv, n] int32, ascending: slots ranked by their unit's score, ties to the
+    lower slot (whole units first, the last one cut at the budget)."""
+    n = min(n, slots.numel())
+    per_slot = scores.gather(2, member)  # [G, Hkv, N]
+    # A stable order: the score, then the position (a unit's slots come in order, lowest first).
+    order = torch.sort(per_slot, dim=2, descending=True, stable=True).indices[:, :, :n]
+    return slots[order].sort(dim=2).values.to(torch.int32)

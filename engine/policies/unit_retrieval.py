@@ -1,0 +1,141 @@
+"""Retrieval of input units at decode time (the base of engine.policies.louiskv and .quest): the reply reads, in
+each global layer, the chat's first slots (`sinks`), the input's last slots (`buffer`: the new message and what
+came just before it), every token of the reply so far, and the `tokens` slots of the best-scoring units of the rest
+— chosen again whenever the policy's `boundary` says the query has changed direction.
+
+The retrievable region is [sinks, first - buffer) of the input, cut at the chat's round starts, so no unit spans two
+rounds: a round's units are computed once (engine.kv.units) and reused by every later message (LouisKV: nothing is
+clustered again). Sliding-window layers (Gemma 3) keep their window, outside the budget.
+
+Decisions (LouisKV's open points, ../shared/papers/louiskv-design-notes.md), made here once and measured in
+docs/benchmarks.md, "LouisKV":
+* The new message's prefill reads the whole chat (the full cache's), as XKV's does; units are read only by the
+  reply. (A lazy resume, whose message reads units too, is the step after: issue 44.)
+* The first retrieval happens right after the prefill, with the last input token's queries (its K/V rewritten as
+  they were: engine.policies.budgets.window_queries); later ones after a decoded token whose queries trigger it, and
+  serve the tokens after it (temporal locality: the next query is unknown when the slots are chosen).
+* Sinks and the buffer are always read and do not count against `tokens`; a region no larger than `tokens` is read
+  whole (the engine's own step: the full cache's tokens exactly).
+* One choice per KV head (the softmax over units averaged over the heads sharing it), `tokens` slots per KV head.
+
+The decode step is engine.policies.slot_lists' (per-layer, per-KV-head slot lists over the full cache); a choice
+rewrites the lists between steps (eagerly, as LoopServe's does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.units import TOKENS_PER_CLUSTER, Units, joined, slots_of_best_units, unit_scores
+from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.decoder import Transformer
+from kvchat.engine.policies.base import KVPolicy
+from kvchat.engine.policies.budgets import window_queries
+from kvchat.engine.policies.slot_lists import SlotListDecode
+from kvchat.errors import KvchatError
+
+
+@dataclass(eq=False)
+class UnitRetrievalPolicy(KVPolicy):
+    """Units of the input retrieved by the reply's queries (see the module docstring); subclasses make the units of
+    a span (`units`) and say when a layer chooses again (`boundary`)."""
+
+    tokens: int = 1024  # input slots of retrieved units each global layer and KV head reads (the budget)
+    sinks: int = 4  # the chat's first slots, always read
+    buffer: int = 256  # the input's last slots, always read
+    unit_tokens: int = TOKENS_PER_CLUSTER  # slots per unit (a cluster's mean size; a page's size)
+    # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
+    selections: int = field(default=0, init=False, repr=False)
+    decoded: int = field(default=0, init=False, repr=False)
+    _round_starts: list[int] = field(default_factory=list, init=False, repr=False)
+    _last_token: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1:
+            raise KvchatError(f"the {self.name} KV policy reads tokens >= 1 retrieved slots beside sinks >= 0 and a "
+                              f"buffer >= 1 of the latest ones, in units of unit_tokens >= 1")
+
+    @abstractmethod
+    def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
+        """The units of slots [start, end) of `layers` (a span within one round)."""
+
+    @abstractmethod
+    def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
+        """Which global layers choose again after a token: queries [G, H, D] of the token before and of this one ->
+        [G] bool."""
+
+    def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
+                      model: Transformer | None = None) -> Attend:
+        self._round_starts = [*round_starts, cache.length]  # the new message starts where the chat ends
+        self._last_token = new_tokens[-1] if new_tokens else None
+        return None  # the message reads the whole chat; the reply reads units of it
+
+    def spans(self, first: int) -> list[tuple[int, int]]:
+        """The retrievable region of an input of `first` slots, cut at round starts: [(start, end)]."""
+        lo = min(self.sinks, first)
+        hi = max(first - self.buffer, lo)
+        cuts = sorted({lo, hi, *(s for s in self._round_starts if lo < s < hi)})
+        return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+    def always_read(self, first: int, device: torch.device) -> Tensor:
+        """The sinks and the buffer of an input of `first` slots: [n] long."""
+        lo = min(self.sinks, first)
+        return torch.cat([torch.arange(lo, device=device), torch.arange(max(first - self.buffer, lo), first,
+                                                                          device=device)])
+
+    def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
+                    cuda_graph: bool | None):
+        if attend is not None or cache.slot_positions is not None:
+            raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
+        spans = self.spans(cache.length)
+        if sum(b - a for a, b in spans) <= self.tokens or self._last_token is None:
+            return None  # every input slot is read anyway: the engine's own step, the full cache's tokens exactly
+        return UnitRetrievalDecode(model, cache, prompt_start, capacity, self, spans, cuda_graph)
+
+
+def span_keys(cache: KVCache, layers: list[int], start: int, end: int) -> Tensor:
+    """K of slots [start, end) of `layers`: [G, Hkv, end - start, D] (a copy)."""
+    return torch.stack([cache.layer(layer)[0, :, start:end] for layer in layers])
+
+
+class UnitRetrievalDecode(SlotListDecode):
+    """The reply's step: each global layer's lists hold the sinks, the buffer and its retrieved units' slots (then
+    the reply, as every slot list does), chosen after the prefill and again at each boundary."""
+
+    def __init__(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int,
+                 policy: UnitRetrievalPolicy, spans: list[tuple[int, int]], capture: bool | None):
+        super().__init__(model, cache, prompt_start, capacity, None, capture, keep_queries=2)
+        self.policy = policy
+        device = model.device
+        self.global_index = torch.tensor(self.layers, device=device)
+        units = [policy.units(cache, self.layers, a, b) for a, b in spans]
+        self.summary, self.member, self.slots = joined(units)
+        always = policy.always_read(self.first, device)
+        self.always = always.expand(len(self.layers), model.cfg.n_kv_heads, -1)
+        # the last input token's queries, which choose first (and are the "previous" of the reply's first token)
+        self.previous = window_queries(model, cache, [policy._last_token])[:, 0][self.global_index]
+        self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
+
+    @torch.inference_mode()
+    def select(self, q: Tensor, layers: Tensor) -> None:
+        """Write the lists of the global layers flagged in `layers` [G] bool from queries q [G, H, D]."""
+        scores = unit_scores(q, self.summary, self.model.cfg.softmax_scale)
+        best = slots_of_best_units(scores, self.member, self.slots, self.policy.tokens)
+        lists = torch.cat([self.always.to(torch.int32), best], 2).sort(dim=2).values
+        for j in layers.nonzero().flatten().tolist():
+            self.write(self.layers[j], lists[j])
+        self.policy.selections += 1
+
+    def after_token(self) -> None:
+        current = self.queries[(self.n_out - 1) % self.keep_queries][self.global_index]
+        redo = self.policy.boundary(self.previous, current).cpu()
+        self.policy.decoded += 1
+        if redo.any():
+            self.select(current, redo)
+        self.previous = current

@@ -1,0 +1,174 @@
+"""LouisKV's retrieval over units (engine.kv.units, engine.policies.unit_retrieval, .louiskv) and its Quest-style
+baseline (engine.policies.quest), on the embedded model: what a unit is, which slots a reply reads, when it chooses
+again, and the retrieval trigger's calibration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.calibrate.retrieval_trigger import TriggerCalibration, calibrate_trigger
+from kvchat.engine.engine import Engine
+from kvchat.engine.generate import generate
+from kvchat.engine.kv.units import cluster_units, joined, page_units, slots_of_best_units, unit_scores
+from kvchat.engine.policies import make_policy
+from kvchat.engine.policies.budgets import window_queries
+from kvchat.errors import KvchatError
+
+FACTS = ("My dog is called Rex. Our canoe is called Blue Heron. My sister lives in Lisbon. I was born in Porto. "
+         "The cat is called Miso. ")
+QUESTION = "What is my dog called?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(DEFAULT_MODEL, device="cpu")
+
+
+def keys(seed: int, g=2, h=2, n=50, d=16) -> torch.Tensor:
+    return torch.randn(g, h, n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_cluster_is_summarized_by_the_mean_of_its_keys():
+    k = keys(0)
+    units = cluster_units(k, start=10, tokens_per_cluster=8)
+    assert (units.start, units.end, units.n_units) == (10, 60, 7) and units.member.shape == (2, 2, 50)
+    for g in range(2):
+        for h in range(2):
+            for u in units.member[g, h].unique().tolist():
+                torch.testing.assert_close(units.summary[g, h, u, 0], k[g, h, units.member[g, h] == u].mean(0))
+
+
+def test_no_key_of_a_page_scores_above_the_pages_bound():
+    k = keys(1)
+    units = page_units(k, start=0, page=16)
+    assert units.n_units == 4 and units.member[0, 0].tolist() == [i // 16 for i in range(50)]
+    q = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(2))
+    lo, hi = units.summary[:, :, :, 0], units.summary[:, :, :, 1]
+    bound = torch.maximum(q[:, :, None] * lo, q[:, :, None] * hi).sum(-1)  # [G, Hkv, P]
+    products = (q[:, :, None] * k).sum(-1)  # [G, Hkv, n]
+    assert (products <= bound.gather(2, units.member) + 1e-5).all()
+
+
+def test_scores_are_a_softmax_over_units_averaged_over_the_kv_heads_query_heads():
+    summary = cluster_units(keys(3), 0, 8).summary  # [G=2, Hkv=2, U, 1, D]
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))  # H = 4: two query heads a KV head
+    scores = unit_scores(q, summary, 0.25)
+    torch.testing.assert_close(scores.sum(-1), torch.ones(2, 2))
+    want = torch.softmax(0.25 * q.view(2, 2, 2, 16) @ summary[:, :, :, 0].transpose(2, 3), -1).mean(2)
+    torch.testing.assert_close(scores, want)
+
+
+def test_the_best_units_are_read_whole_and_the_last_is_cut_at_the_budget():
+    member = torch.tensor([[[0, 0, 1, 1, 1, 2, 2, 0]]])  # slots 100..107
+    slots = torch.arange(100, 108)
+    scores = torch.tensor([[[0.2, 0.5, 0.3]]])
+    assert slots_of_best_units(scores, member, slots, 4).tolist() == [[[102, 103, 104, 105]]]  # unit 1, then 2's first
+    assert slots_of_best_units(scores, member, slots, 100).tolist() == [[list(range(100, 108))]]
+    _, joined_member, joined_slots = joined([cluster_units(keys(5, n=20), 0, 8), cluster_units(keys(6, n=9), 30, 8)])
+    assert joined_slots.tolist() == list(range(20)) + list(range(30, 39)) and joined_member.max() == 3 + 2 - 1
+
+
+def long_prompt(engine) -> list[int]:
+    return engine.encode_prompt(FACTS * 8 + QUESTION)
+
+
+@pytest.mark.parametrize("name", ["louiskv", "quest"])
+def test_a_region_no_larger_than_the_budget_gives_the_full_caches_tokens(engine, name):
+    m, prompt = engine.model, long_prompt(engine)
+    replies = []
+    for policy in (None, make_policy(name, engine, tau=0.5) if name == "louiskv" else make_policy(name, engine)):
+        cache = m.new_cache(len(prompt) + 20)
+        if policy is not None:
+            policy.visible_slots(cache, [], prompt, model=m)
+        replies.append(generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=10,
+                                policy=policy).tokens)
+    assert replies[0] == replies[1]  # 1,024 slots cover the whole prompt: no choice is made
+
+
+@pytest.mark.parametrize("name", ["louiskv", "quest"])
+def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name):
+    m, cfg, prompt = engine.model, engine.config, long_prompt(engine)
+    extra = {"tau": 0.5} if name == "louiskv" else {}
+    policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, **extra)
+    cache = m.new_cache(len(prompt) + 20)
+    m(torch.tensor(prompt), cache)
+    policy.visible_slots(cache, [0], prompt, model=m)
+    step = policy.decode_step(m, cache, 0, None, len(prompt) + 20, False)
+    first = len(prompt)
+    # what the step's lists hold after the prefill's choice, recomputed from the definitions
+    q = window_queries(m, cache, prompt[-1:])[:, 0]
+    layers = list(range(cfg.n_layers))
+    units = policy.units(cache, layers, 4, first - 16)
+    summary, member, slots = joined([units])
+    best = slots_of_best_units(unit_scores(q, summary, cfg.softmax_scale), member, slots, 48)
+    always = list(range(4)) + list(range(first - 16, first))
+    for layer in layers:
+        n = int(step.base[layer])
+        assert n == 4 + 16 + 48
+        for head in range(cfg.n_kv_heads):
+            assert step.chosen[layer, head, :n].tolist() == sorted(always + best[layer, head].tolist())
+    if name == "quest":  # whole pages of 8 slots (the region's last page may be shorter), but for one cut
+        from collections import Counter
+
+        pages = Counter((s - 4) // 8 for s in best[0, 0].tolist())
+        last_page = (first - 16 - 4 - 1) // 8
+        short = (first - 16 - 4) - 8 * last_page
+        partial = [p for p, n in pages.items() if n != (short if p == last_page else 8)]
+        assert len(partial) <= 1
+
+
+def test_louiskv_retrieves_again_only_where_the_query_turns(engine):
+    m, prompt = engine.model, long_prompt(engine)
+    counts = {}
+    for tau in (-1.0, 1.0):  # r never below -1: only the prefill's choice; always below 1: after every token
+        policy = make_policy("louiskv", engine, tokens=48, buffer=16, tau=tau)
+        cache = m.new_cache(len(prompt) + 20)
+        policy.visible_slots(cache, [], prompt, model=m)
+        out = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=8, policy=policy)
+        counts[tau] = (policy.selections, policy.decoded, len(out.tokens))
+    assert counts[-1.0][0] == 1
+    assert counts[1.0][0] == 1 + counts[1.0][1] and counts[1.0][1] == counts[1.0][2] - 1  # the last token is not fed
+
+
+def test_a_rounds_clusters_are_computed_once_for_every_later_message(engine, monkeypatch):
+    import kvchat.engine.policies.louiskv as louiskv
+
+    made = []
+    real = louiskv.cluster_units
+    monkeypatch.setattr(louiskv, "cluster_units", lambda k, start, *a: made.append((start, k.shape[2])) or real(
+        k, start, *a))
+    m = engine.model
+    policy = make_policy("louiskv", engine, tokens=16, buffer=8, tau=0.5)
+    cache = m.new_cache(1024)
+    starts = []
+    for message in (FACTS * 3, FACTS * 2 + "Remember that.", QUESTION):
+        prompt = engine.encode_prompt(message)
+        starts.append(cache.length)
+        policy.visible_slots(cache, starts[:-1], prompt, model=m)
+        generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=4, policy=policy)
+    spans = [s for s, _ in made]
+    assert len(spans) == len(set((s, n) for s, n in made))  # nothing clustered twice
+    assert spans.count(4) == 2  # round 0's span, cut at the buffer once and whole once its round closed
+
+
+def test_bad_options_are_one_line(engine):
+    for options in ({"tokens": 0}, {"buffer": 0}, {"tau": 1.5}, {"unit_tokens": 0}):
+        with pytest.raises(KvchatError):
+            make_policy("louiskv", engine, **options)
+    with pytest.raises(KvchatError, match="calibrate its retrieval trigger|tau"):
+        make_policy("louiskv", engine)  # no threshold and nothing calibrated here: make_policy is pure
+    with pytest.raises(KvchatError, match="3 thresholds"):
+        make_policy("louiskv", engine, tau=(0.5, 0.5, 0.5))
+
+
+def test_the_trigger_is_calibrated_per_global_layer(engine):
+    cal = calibrate_trigger(engine, "f" * 64, chats=4)
+    r_share = cal.share
+    assert cal.layers == list(range(8)) and len(cal.tau) == 8 and cal.steps > 8 and 0 < r_share < 1
+    assert TriggerCalibration.from_dict(cal.to_dict()) == cal
+    with pytest.raises(ValueError):
+        TriggerCalibration.from_dict({**cal.to_dict(), "tau": [2.0] * 8})
+    policy = make_policy("louiskv", engine, tau=tuple(cal.tau))
+    assert policy.tau == tuple(cal.tau)
