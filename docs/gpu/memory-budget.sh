@@ -25,6 +25,9 @@ part() {
     --disk-probe-mib 256 --json "$OUT/memory-$name.json" --markdown "$OUT/memory-$name.md" "$@" \
     2> "$OUT/memory-$name.log"
   echo "part $name: exit status $? (124: stopped at the time limit; the JSON holds what finished)"
+  # a failed method's child says why in full in its stderr.txt (the table keeps its last line, cut at 300 characters)
+  find "/tmp/bench-memory-$name" -name stderr.txt -size +0 2>/dev/null | while read -r f; do
+    cp "$f" "$OUT/memory-$name-$(basename "$(dirname "$f")")-stderr.txt"; done
   rm -rf "/tmp/bench-memory-$name"
 }
 case "${1:-12gib}" in
