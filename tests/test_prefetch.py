@@ -48,6 +48,28 @@ def test_items_come_back_in_order_with_their_headers(tmp_path):
         fetcher.close()
 
 
+def test_an_item_taken_in_order_is_the_callers_alone(tmp_path):
+    """Once `get` hands an item over, the prefetcher keeps no reference to it: a restore frees each round's staged
+    bytes as soon as the round is placed, not when the whole restore ends."""
+    import gc
+    import weakref
+
+    refs, _ = saved_rounds(tmp_path, n=3)
+    fetcher = SegmentPrefetcher(tmp_path, FP, [[r.file] for r in refs], [r.raw_size for r in refs],
+                                finish=lambda header, raw: tensor_on(header, raw, "cpu"))
+    try:
+        item = fetcher.get(0)
+        held = weakref.ref(item[0][1])
+        del item
+        gc.collect()
+        assert held() is None
+        with pytest.raises(RuntimeError, match="taken already"):
+            fetcher.get(0)
+        assert fetcher.get(1)[0][0].token_start == 7
+    finally:
+        fetcher.close()
+
+
 def test_missing_damaged_and_foreign_files_give_reasons(tmp_path):
     refs, _ = saved_rounds(tmp_path, n=3)
     (tmp_path / refs[0].file).unlink()
