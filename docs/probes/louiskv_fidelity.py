@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the chats' seed (0: the report chats; 100: development)")
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--budgets", default="1024,2048")
-    parser.add_argument("--policies", default="louiskv,quest")
+    parser.add_argument("--policies", default="louiskv,quest",
+                        help="comma-separated; options after colons: louiskv:tau=1.0:unit_tokens=8")
     parser.add_argument("--share", type=float, default=None,
                         help="louiskv's thresholds at this quantile of the model's r (default: its calibration's)")
     parser.add_argument("--device", default="cpu")
@@ -49,15 +50,19 @@ def main() -> None:
         tau = tuple(calibrate_trigger(engine, "probe", share=args.share).tau)
     made: dict[str, list] = {}
 
-    def maker(name: str, budget: int):
+    def maker(spec: str, budget: int):
+        """`spec`: a policy name, with options after colons (louiskv:tau=1.0:unit_tokens=8)."""
+        name, *given = spec.split(":")
+        extra = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in given)}
+
         def make():
             options = {"tokens": budget} if name in ("louiskv", "quest") else {}
             if name == "louiskv" and tau is not None:
                 options["tau"] = tau
-            policy = build_policy(name, engine, **options)
+            policy = build_policy(name, engine, **{**options, **extra})
             made.setdefault(label, []).append(policy)
             return policy
-        label = f"{name}@{budget}"
+        label = f"{spec}@{budget}"
         return label, make
 
     makers = dict(maker(name, int(b)) for b in args.budgets.split(",") for name in args.policies.split(","))
@@ -80,7 +85,7 @@ def main() -> None:
                 rate = (f"  choices {sum(x.selections for x in policies) / decoded:.2f} a token"
                         if decoded else "")
                 p["choices_per_token"] = (sum(x.selections for x in policies) / decoded) if decoded else None
-                print(f"  {p['policy']:<14} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
+                print(f"  {p['policy']:<30} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  ppl {p['ppl']:.3f} "
                       f"(full {p['ppl_full']:.3f}){rate}", flush=True)
         every = {**d, "lengths": {**every.get("lengths", {}), **d["lengths"]}}
         if args.json:
