@@ -66,6 +66,8 @@ def test_the_best_units_are_read_whole_and_the_last_is_cut_at_the_budget():
     scores = torch.tensor([[[0.2, 0.5, 0.3]]])
     assert slots_of_best_units(scores, member, slots, 4).tolist() == [[[102, 103, 104, 105]]]  # unit 1, then 2's first
     assert slots_of_best_units(scores, member, slots, 100).tolist() == [[list(range(100, 108))]]
+    # pooled over 3 slots: each slot ranked by the best unit beside it, so unit 1's neighbours 101 and 105 come first
+    assert slots_of_best_units(scores, member, slots, 5, pool=3).tolist() == [[[101, 102, 103, 104, 105]]]
     _, joined_member, joined_slots = joined([cluster_units(keys(5, n=20), 0, 8), cluster_units(keys(6, n=9), 30, 8)])
     assert joined_slots.tolist() == list(range(20)) + list(range(30, 39)) and joined_member.max() == 3 + 2 - 1
 
@@ -102,7 +104,7 @@ def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name):
     layers = list(range(cfg.n_layers))
     units = policy.units(cache, layers, 4, first - 16)
     summary, member, slots = joined([units])
-    best = slots_of_best_units(unit_scores(q, summary, cfg.softmax_scale), member, slots, 48)
+    best = slots_of_best_units(unit_scores(q, summary, cfg.softmax_scale), member, slots, 48, policy.pool)
     always = list(range(4)) + list(range(first - 16, first))
     for layer in layers:
         n = int(step.base[layer])
@@ -154,7 +156,7 @@ def test_a_rounds_clusters_are_computed_once_for_every_later_message(engine, mon
 
 
 def test_bad_options_are_one_line(engine):
-    for options in ({"tokens": 0}, {"buffer": 0}, {"tau": 1.5}, {"unit_tokens": 0}):
+    for options in ({"tokens": 0}, {"buffer": 0}, {"tau": 1.5}, {"unit_tokens": 0}, {"pool": 4}):
         with pytest.raises(KvchatError):
             make_policy("louiskv", engine, **options)
     with pytest.raises(KvchatError, match="calibrate its retrieval trigger|tau"):

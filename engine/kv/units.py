@@ -95,12 +95,17 @@ def unit_scores(q: Tensor, summary: Tensor, scale: float) -> Tensor:
     return torch.softmax(logits * scale, dim=-1).mean(2)
 
 
-def slots_of_best_units(scores: Tensor, member: Tensor, slots: Tensor, n: int) -> Tensor:
+def slots_of_best_units(scores: Tensor, member: Tensor, slots: Tensor, n: int, pool: int = 1) -> Tensor:
     """The `n` listed slots (of `slots` [N]) of the best-scoring units per layer and KV head ([G, Hkv, U] scores,
     each slot's unit [G, Hkv, N]) -> [G, Hkv, n] int32, ascending: slots ranked by their unit's score, ties to the
-    lower slot (whole units first, the last one cut at the budget)."""
+    lower slot (whole units first, the last one cut at the budget). With `pool` > 1 (odd) a slot is ranked by the
+    best unit within pool // 2 listed slots of it (the neighbours of a chosen slot come with it)."""
     n = min(n, slots.numel())
     per_slot = scores.gather(2, member)  # [G, Hkv, N]
+    if pool > 1:
+        g, h, total = per_slot.shape
+        per_slot = torch.nn.functional.max_pool1d(per_slot.reshape(g * h, 1, total), pool, stride=1,
+                                                  padding=pool // 2).view(g, h, total)
     # A stable order: the score, then the position (a unit's slots come in order, lowest first).
     order = torch.sort(per_slot, dim=2, descending=True, stable=True).indices[:, :, :n]
     return slots[order].sort(dim=2).values.to(torch.int32)

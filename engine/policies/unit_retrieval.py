@@ -50,6 +50,9 @@ class UnitRetrievalPolicy(KVPolicy):
     sinks: int = 4  # the chat's first slots, always read
     buffer: int = 256  # the input's last slots, always read
     unit_tokens: int = TOKENS_PER_CLUSTER  # slots per unit (a cluster's mean size; a page's size)
+    # Beyond the papers: a slot ranked by the best unit within pool // 2 slots of it (odd; 1: its own unit alone), so
+    # a chosen slot's neighbours come with it, as LoopServe pools (engine.policies.progressive_decode)
+    pool: int = 1
     # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
     selections: int = field(default=0, init=False, repr=False)
     decoded: int = field(default=0, init=False, repr=False)
@@ -57,9 +60,9 @@ class UnitRetrievalPolicy(KVPolicy):
     _last_token: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1:
+        if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1 or self.pool % 2 == 0:
             raise KvchatError(f"the {self.name} KV policy reads tokens >= 1 retrieved slots beside sinks >= 0 and a "
-                              f"buffer >= 1 of the latest ones, in units of unit_tokens >= 1")
+                              f"buffer >= 1 of the latest ones, in units of unit_tokens >= 1, pooled over an odd pool")
 
     @abstractmethod
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
@@ -126,7 +129,7 @@ class UnitRetrievalDecode(SlotListDecode):
     def select(self, q: Tensor, layers: Tensor) -> None:
         """Write the lists of the global layers flagged in `layers` [G] bool from queries q [G, H, D]."""
         scores = unit_scores(q, self.summary, self.model.cfg.softmax_scale)
-        best = slots_of_best_units(scores, self.member, self.slots, self.policy.tokens)
+        best = slots_of_best_units(scores, self.member, self.slots, self.policy.tokens, self.policy.pool)
         lists = torch.cat([self.always.to(torch.int32), best], 2).sort(dim=2).values
         for j in layers.nonzero().flatten().tolist():
             self.write(self.layers[j], lists[j])
