@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cli_run import kvchat
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.calibrate.retrieval_trigger import TriggerCalibration, calibrate_trigger
 from kvchat.engine.engine import Engine
@@ -163,6 +164,11 @@ def test_bad_options_are_one_line(engine):
         make_policy("louiskv", engine)  # no threshold and nothing calibrated here: make_policy is pure
     with pytest.raises(KvchatError, match="3 thresholds"):
         make_policy("louiskv", engine, tau=(0.5, 0.5, 0.5))
+    with pytest.raises(KvchatError, match="one per global layer separated by commas, not 'abc'"):
+        make_policy("louiskv", engine, tau="abc")
+    assert make_policy("louiskv", engine, tau=",".join(["0.5"] * 8)).tau == (0.5,) * 8  # as --option gives it
+    proc = kvchat("eval", "--chats", "1", "--kv-policy", "louiskv", "--option", "tau=abc", check=False)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "not 'abc'" in proc.stderr
 
 
 def test_the_trigger_is_calibrated_per_global_layer(engine):

@@ -44,6 +44,13 @@ class LouisKV(UnitRetrievalPolicy):
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.tau, str):  # --option tau=0.7 or tau=0.61,0.74,... (one per global layer)
+            try:
+                parts = [float(t) for t in self.tau.split(",")]
+            except ValueError:
+                raise KvchatError(f"tau is a number, or one per global layer separated by commas, not "
+                                  f"{self.tau!r}") from None
+            self.tau = parts[0] if len(parts) == 1 else tuple(parts)
         if isinstance(self.tau, (int, float)):
             self.tau = float(self.tau)
         elif self.tau is not None:
