@@ -146,8 +146,7 @@ def plan_memory(n: MemoryNeeds) -> MemoryPlan:
     # Without the split: the least any split would need (the caller learns the real one only if that fits).
     split = n.split or min(range(1, max(n.layers, 2)), key=lambda s: tiered_need(s)[0])
     t_need, t_kv = tiered_need(split)
-    words = (f"the K/V of a {n.tokens:,}-token chat with its message and reply ({gib(full)}) does not fit in "
-             f"{budget_words(n)} beside the weights")
+    words = too_big_words(n)
     if t_need <= n.budget:
         return MemoryPlan("tiered", t_need, n.budget, t_kv,
                           f"{words}; it runs on the tiered cache (Round Attention: layers below {split} on the GPU, "
@@ -158,6 +157,12 @@ def plan_memory(n: MemoryNeeds) -> MemoryPlan:
                       f"({gib(n.weights)} weights, {gib(n.workspace)} workspace, {gib(t_need - base)} K/V at its "
                       f"peak), "
                       f"{gib(t_need - n.budget)} more than {budget_words(n)}")
+
+
+def too_big_words(n: MemoryNeeds) -> str:
+    """Why a chat is not planned on the full cache, as a message begins it."""
+    return (f"the K/V of a {n.tokens:,}-token chat with its message and reply ({gib(full_kv(n))}) does not fit in "
+            f"{budget_words(n)} beside the weights")
 
 
 def host_resident_kv(n: MemoryNeeds, share: float, window: int, new_tokens: int) -> int:
@@ -175,8 +180,7 @@ def plan_host_resident(n: MemoryNeeds, share: float, window: int, new_tokens: in
     base = n.weights + n.workspace
     kv = host_resident_kv(n, share, window, new_tokens)
     need = base + kv
-    words = (f"the K/V of a {n.tokens:,}-token chat with its message and reply ({gib(full_kv(n))}) does not fit in "
-             f"{budget_words(n)} beside the weights")
+    words = too_big_words(n)
     if need <= n.budget:
         return MemoryPlan("host", need, n.budget, kv,
                           f"{words}; it stays in host memory, each message streamed through the GPU one layer at "

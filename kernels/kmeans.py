@@ -62,10 +62,15 @@ def centroid_means(x: Tensor, assign: Tensor, previous: Tensor) -> tuple[Tensor,
 def kmeans_ref(x: Tensor, k: int, iterations: int = DEFAULT_ITERATIONS) -> tuple[Tensor, Tensor, Tensor]:
     """x [B, n, D] -> (centroids [B, k, D] float32, assignment [B, n] int64, counts [B, k] int64): `iterations`
     rounds of assignment and update from `initial_centroids`."""
+    return _lloyd(x, k, iterations, nearest_centroid_ref)
+
+
+def _lloyd(x: Tensor, k: int, iterations: int, nearest) -> tuple[Tensor, Tensor, Tensor]:
+    """`iterations` rounds of assignment (`nearest`) and update from `initial_centroids`."""
     _check(x, k, iterations)
     centroids = initial_centroids(x, k)
     for _ in range(iterations):
-        assign = nearest_centroid_ref(x, centroids)
+        assign = nearest(x, centroids)
         centroids, counts = centroid_means(x, assign, centroids)
     return centroids, assign, counts
 
@@ -126,12 +131,7 @@ def nearest_centroid(x: Tensor, centroids: Tensor) -> Tensor:
 def kmeans(x: Tensor, k: int, iterations: int = DEFAULT_ITERATIONS) -> tuple[Tensor, Tensor, Tensor]:
     """`kmeans_ref`'s meaning (x [B, n, D] in float32, float16 or bfloat16, any strides), each assignment through the
     Triton kernel where `triton_kernel_runs_on(x.device)`."""
-    _check(x, k, iterations)
-    centroids = initial_centroids(x, k)
-    for _ in range(iterations):
-        assign = nearest_centroid(x, centroids)
-        centroids, counts = centroid_means(x, assign, centroids)
-    return centroids, assign, counts
+    return _lloyd(x, k, iterations, nearest_centroid)
 
 
 def _check(x: Tensor, k: int, iterations: int) -> None:
