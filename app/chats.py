@@ -219,7 +219,9 @@ def register(main: click.Group, model_option, device_option) -> None:
                        "round, the upper layers of the rounds the message picks (calibrates the model on first use); "
                        "loopserve: the full cache, a long message's prefill sparse, the reply reading a budget of "
                        "input tokens chosen again as it goes; xkv: the full cache, the reply reading in each layer "
-                       "its own budget of the chat's K/V (--kv-budget), chosen for each message.")
+                       "its own budget of the chat's K/V (--kv-budget), chosen for each message; louiskv: the full "
+                       "cache, the reply reading 1,024 tokens of the clusters of the chat's keys its queries score "
+                       "best, chosen again where they turn (calibrates the model on first use).")
     @click.option("--compact/--no-compact", default=True, show_default=True,
                   help="After saving the round, drop the stored K/V that restoring the chat on this machine would "
                        "recompute anyway (kvchat compact).")

@@ -24,11 +24,12 @@ from kvchat.app.errors import FriendlyGroup
 @click.option("--device", default=None, help="The app only: cpu or cuda (default: cuda when available).")
 # The choices are engine.policies.CHAT_POLICIES, written out: importing it would load torch for every command.
 @click.option("--kv-policy", "kv_policy", default=None,
-              type=click.Choice(["full", "round", "loopserve", "xkv"]),
+              type=click.Choice(["full", "round", "loopserve", "xkv", "louiskv"]),
               help="The app only: the KV policy chats run under, full, round (Round Attention on a tiered KV "
                    "cache; calibrates the model on first use), loopserve (sparse prefill of long messages, "
-                   "progressive selection of what the reply reads) or xkv (each layer reads its own budget of the "
-                   "chat's K/V). Default: the settings' choice, else full.")
+                   "progressive selection of what the reply reads), xkv (each layer reads its own budget of the "
+                   "chat's K/V) or louiskv (the reply reads the clusters of the chat's keys it needs, 1,024 tokens; "
+                   "calibrates the model on first use). Default: the settings' choice, else full.")
 @gpu_memory_option
 @kv_budget_option
 @click.pass_context

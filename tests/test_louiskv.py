@@ -180,3 +180,20 @@ def test_the_trigger_is_calibrated_per_global_layer(engine):
         TriggerCalibration.from_dict({**cal.to_dict(), "tau": [2.0] * 8})
     policy = make_policy("louiskv", engine, tau=tuple(cal.tau))
     assert policy.tau == tuple(cal.tau)
+
+
+def test_a_chat_runs_under_louiskv_and_the_model_is_calibrated_on_first_use(kvchat_home):
+    """`send --kv-policy louiskv`: the model's retrieval trigger is calibrated on its first use and stored; a chat
+    whose input the budget covers whole answers as the full cache does."""
+    import json
+
+    messages = ["My name is Ada.", "My sister's name is Mira.", "What is my sister's name?"]
+    replies = {}
+    for policy in ("full", "louiskv"):
+        sid = kvchat("new").stdout.strip()
+        replies[policy] = [kvchat("send", sid, m, "--device", "cpu", "--kv-policy", policy, "--json").stdout
+                           for m in messages]
+    assert [json.loads(r)["reply"] for r in replies["louiskv"]] == [json.loads(r)["reply"] for r in replies["full"]]
+    assert [json.loads(r)["kv_policy"] for r in replies["louiskv"]] == ["louiskv"] * 3
+    (trigger,) = (kvchat_home / "calibrations").glob("*.trigger.json")
+    assert len(json.loads(trigger.read_text())["tau"]) == 8

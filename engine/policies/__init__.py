@@ -31,8 +31,9 @@ POLICIES: dict[str, type[KVPolicy]] = {
 
 
 # What chats accept: the full cache, Round Attention on its tiered KV, LoopServe on the full cache (sparse prefill
-# of long messages, progressive selection of what the reply reads), or XKV (per-layer budgets of what the reply reads).
-CHAT_POLICIES = ("full", "round", "loopserve", "xkv")
+# of long messages, progressive selection of what the reply reads), XKV (per-layer budgets of what the reply reads) or
+# LouisKV (the reply reads the clusters of the chat's keys its queries score best, chosen again at boundaries).
+CHAT_POLICIES = ("full", "round", "loopserve", "xkv", "louiskv")
 # Policies whose reply reads a per-layer budget (engine.policies.budgets): they take `budget=` (a share in (0, 1]).
 BUDGET_POLICIES = ("xkv", "uniform", "pyramid")
 
@@ -49,7 +50,7 @@ def chat_policy_class(name: str) -> type[KVPolicy] | None:
     strategy), `loopserve` or `xkv`; a one-line error for any other name."""
     if name == "full":
         return None
-    if name in ("loopserve", "xkv") or (name in POLICIES and POLICIES[name].tiered):
+    if name in ("loopserve", "xkv", "louiskv") or (name in POLICIES and POLICIES[name].tiered):
         return POLICIES[name]
     raise KvchatError(f"unknown KV policy {name!r} for chats (accepted: "
                       f"{', '.join(n for n in POLICIES if n in CHAT_POLICIES or POLICIES[n].tiered)})")

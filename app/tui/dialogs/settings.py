@@ -23,6 +23,7 @@ POLICY_CHOICES = {
     "round": "round: Round Attention on a tiered KV cache (calibrates the model once)",
     "loopserve": "loopserve: sparse prefill of long messages, progressive decode",
     "xkv": "xkv: each layer reads its own budget of the chat's K/V (XKV)",
+    "louiskv": "louiskv: the reply reads the clusters of keys it needs (LouisKV)",
 }
 # Round Attention is offered, not recommended: on the embedded model its recall is still below the full cache's.
 ROUND_HINT = ("round: lower layers of every round on the GPU, upper layers only of the rounds each message picks "
