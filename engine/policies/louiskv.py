@@ -41,6 +41,7 @@ class LouisKV(UnitRetrievalPolicy):
     iterations: int = 8  # k-means iterations per round
     # Each round's clusters, kept for the later messages of the same chat: (cache, span, a checksum of its keys).
     _clusters: dict = field(default_factory=dict, init=False, repr=False)
+    _tau_tensor: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -79,5 +80,9 @@ class LouisKV(UnitRetrievalPolicy):
         return self._clusters[key]
 
     def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
-        tau = torch.tensor(self.tau, device=current.device) if isinstance(self.tau, tuple) else self.tau
+        tau = self.tau
+        if isinstance(tau, tuple):  # on the queries' device once, not copied there at every token
+            if self._tau_tensor is None or self._tau_tensor.device != current.device:
+                self._tau_tensor = torch.tensor(tau, device=current.device)
+            tau = self._tau_tensor
         return query_similarity(previous, current) < tau
