@@ -432,7 +432,7 @@ class ChatSession:
             return False
         self.cache.truncate(start + common)
         if common < len(closed):
-            if isinstance(self.cache, HostResidentKV):  # through the layers again, choosing nothing
+            if self.host_resident:  # through the layers again, choosing nothing
                 self.cache.compute(self.engine.model, closed[common:])
             elif self.policy is None:
                 prefill(self.engine.model, self.cache, closed[common:])
