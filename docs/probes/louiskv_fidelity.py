@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.app.session.policies import build_policy
-from kvchat.engine.engine import Engine
+from xkv_fidelity import probe_engine  # this folder's: the probes run as scripts from it
 
 
 def main() -> None:
@@ -37,12 +37,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from kvchat.assets import DEFAULT_MODEL
-    from kvchat.storage.known_models import is_known_model, resolve_model
-
-    path = str(resolve_model(args.model)) if args.model and is_known_model(args.model) else args.model or str(
-        DEFAULT_MODEL)
-    engine = Engine(path, device=args.device)
+    path, engine = probe_engine(args.model, args.device)
     tau = None
     if args.share is not None:
         from kvchat.engine.calibrate.retrieval_trigger import calibrate_trigger

@@ -18,6 +18,16 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
 
 
+def probe_engine(model: str | None, device: str) -> tuple[str, Engine]:
+    """(the model file, its engine): a GGUF file, a known model's short name (gemma-3-270m) or, without one, the
+    embedded model."""
+    from kvchat.assets import DEFAULT_MODEL
+    from kvchat.storage.known_models import is_known_model, resolve_model
+
+    path = str(resolve_model(model)) if model and is_known_model(model) else model or str(DEFAULT_MODEL)
+    return path, Engine(path, device=device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a GGUF file or gemma-3-270m (default: the embedded model)")
@@ -31,12 +41,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from kvchat.assets import DEFAULT_MODEL
-    from kvchat.storage.known_models import is_known_model, resolve_model
-
-    path = str(resolve_model(args.model)) if args.model and is_known_model(args.model) else args.model or str(
-        DEFAULT_MODEL)
-    engine = Engine(path, device=args.device)
+    path, engine = probe_engine(args.model, args.device)
     budgets = [float(b) for b in args.budgets.split(",")]
     more = {"progressive": True} if args.progressive else {}
     makers = {f"{name}{'+p' if more else ''}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b,

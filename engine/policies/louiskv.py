@@ -70,13 +70,14 @@ class LouisKV(UnitRetrievalPolicy):
                               f"global layers")
 
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
-        keys = span_keys(cache, layers, start, end)
-        # The keys' sum tells a span whose K/V changed (a retracted and regenerated round) from the one clustered.
-        key = (id(cache), start, end, keys.float().sum().item())
+        # The first layer's keys' sum tells a span whose K/V changed (a retracted and regenerated round) from the one
+        # clustered; every layer's keys are copied out only for a span not clustered yet.
+        key = (id(cache), start, end, cache.layer(layers[0])[0, :, start:end].float().sum().item())
         if key not in self._clusters:
             if len(self._clusters) > 4096:  # another chat's, or rounds long gone
                 self._clusters.clear()
-            self._clusters[key] = cluster_units(keys, start, self.unit_tokens, self.iterations)
+            self._clusters[key] = cluster_units(span_keys(cache, layers, start, end), start, self.unit_tokens,
+                                                self.iterations)
         return self._clusters[key]
 
     def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
