@@ -39,10 +39,12 @@ Plans, by the peak of the restore and of the message, whichever is higher:
 
 - `full`: all of the K/V resident (the full cache).
 - `tiered`: Round Attention's tiered cache (engine.kv.tiered): layers [0, split) of every token stay resident; above
-  the split only the rounds a message picks (`upper_tokens`, `upper_share_tokens`), twice while they are copied
-  through the staging block into the upper cache, then beside the message and reply; and every round's key bounds
-  (one key in 32 twice over: the minimum and maximum of each block of the upper keys). The rest of the upper layers
-  lives in host memory.
+  the split only the rounds a message picks (`picked_tokens`, `upper_share_tokens`) beside the message and reply
+  (`upper_tokens` counts both), with `TIERED_REPLY_ROOM` free slots past them, and one more block in flight: a
+  round crossing from host memory (the tier is filled a round at a time, `largest_round`) or the open round's
+  slots set aside while the tier grows (the tier lets its buffer go before it grows: it never holds two copies of
+  itself); and every round's key bounds (one key in 32 twice over: the minimum and maximum of each block of the
+  upper keys). The rest of the upper layers lives in host memory.
 - `host` (`plan_host_resident`, for a per-layer budget policy, XKV, when the full cache does not fit): the chat's
   K/V stays in host memory (engine.kv.host_resident). A message streams it through the device one layer at a time,
   and the reply reads a working set of each layer's kept slots: the budget's share of the chat (at least the
@@ -73,6 +75,7 @@ SHORT_BAND_BYTES = 4 * BAND_BYTES
 GRAPH_POOL = 32 * MIB  # a captured decode step's private pool, in whole allocator segments
 ALLOCATOR_SLACK = 128 * MIB  # split blocks and cuBLAS's workspace; plus 1 MiB per weight tensor (rounding)
 PREFETCH_WINDOW = 1 << 30  # storage.prefetch.SegmentPrefetcher.WINDOW_BYTES (engine/ may not import storage/)
+TIERED_REPLY_ROOM = 512  # engine.kv.tiered.REPLY_ROOM: free upper slots past a message when the tier is laid out
 KEY_BOUNDS_BLOCK = 32  # engine.kv.key_bounds.BLOCK: a block's minimum and maximum key per 32 tokens
 ROPE_START = 1024  # the rotary tables' first size (engine.model.decoder.RotaryTable)
 
@@ -91,7 +94,8 @@ class MemoryNeeds:
     ring_tokens: int = 0
     split: int | None = None  # tiered: layers [0, split) resident for every token (None: not known yet)
     upper_tokens: int = 0  # tiered: tokens of the upper layers on the device (the picked rounds, the new tokens)
-    picked_tokens: int = 0  # tiered: of those, the picked rounds' (copied once more through the staging block)
+    picked_tokens: int = 0  # tiered: of those, the picked rounds'
+    largest_round: int = 0  # tiered: the chat's largest round (the block in flight as the tier is filled)
     restore_window: int = PREFETCH_WINDOW  # the restore's segments in flight on the device, at most
     can_tier: bool = True  # False: no rounds to tier (a raw completion), the full cache or nothing
     budget_name: str = "--gpu-memory"  # how the message names the budget ("" : the card's free memory)
@@ -199,11 +203,11 @@ def full_kv(n: MemoryNeeds) -> int:
 
 def tiered_kv(n: MemoryNeeds, split: int) -> tuple[int, int]:
     """The tiered cache's K/V on the device: (the lower tier, resident for every token; the upper tier at the
-    message's peak: its tokens, the picked rounds once more in the staging block, every round's key bounds)."""
+    message's peak: its tokens and free room, one block in flight, every round's key bounds)."""
     upper_layers = n.layers - split
     lower = n.kv_per_token_layer * split * n.tokens
-    staged = max(n.picked_tokens, n.upper_tokens - n.picked_tokens)  # the copy, or the new tokens after it
-    upper = n.kv_per_token_layer * upper_layers * (n.picked_tokens + staged)
+    in_flight = max(n.largest_round, n.upper_tokens - n.picked_tokens)  # a round crossing, or the open round set aside
+    upper = n.kv_per_token_layer * upper_layers * (n.upper_tokens + TIERED_REPLY_ROOM + in_flight)
     bounds = n.kv_per_token_layer * upper_layers * math.ceil(n.tokens / KEY_BOUNDS_BLOCK)
     return lower, upper + bounds
 

@@ -18,6 +18,7 @@ from cli_run import kvchat
 from kvchat.app.session import memory
 from kvchat.engine.engine import Engine
 from kvchat.engine.gguf.config import ModelConfig
+from kvchat.engine import memory_plan
 from kvchat.engine.memory_plan import (
     GIB,
     MIB,
@@ -37,7 +38,8 @@ KV = 4096  # bytes per token and layer: 8 KV heads x 128 dims x K and V in bf16 
 def needs(budget_gib: float, **changes) -> MemoryNeeds:
     """A made-up chat: 4 GiB of weights, 1 GiB of workspace, 32 layers, 32,768 tokens (4 GiB of K/V)."""
     base = {"budget": int(budget_gib * GIB), "weights": 4 * GIB, "workspace": GIB, "kv_per_token_layer": KV,
-            "layers": 32, "tokens": 32768, "upper_tokens": 8192, "picked_tokens": 6144, "restore_window": GIB}
+            "layers": 32, "tokens": 32768, "upper_tokens": 8192, "picked_tokens": 6144, "largest_round": 1000,
+            "restore_window": GIB}
     return MemoryNeeds(**{**base, **changes})
 
 
@@ -52,7 +54,10 @@ def test_the_tiered_cache_when_only_it_fits():
     n = needs(9.99, split=8)
     plan = plan_memory(n)
     lower = 8 * 32768 * KV  # every token's lower layers (1 GiB)
-    upper = 24 * (6144 + 6144) * KV  # the picked rounds twice (the staging block) at the message's peak
+    room = memory_plan.TIERED_REPLY_ROOM
+    # the picked rounds, the message and reply (2,048 new tokens), the free room, and the open round's slots set
+    # aside while the tier grows (larger than the largest round, 1,000 tokens, crossing from host memory)
+    upper = 24 * (8192 + room + 2048) * KV
     bounds = 24 * 1024 * KV  # one block's minimum and maximum key per 32 tokens
     assert plan.kind == "tiered"
     assert plan.kv == lower + upper + bounds
@@ -60,8 +65,8 @@ def test_the_tiered_cache_when_only_it_fits():
     assert plan.message.startswith("the K/V of a 32,768-token chat with its message and reply (4 GiB) does not fit "
                                    "in --gpu-memory 10 GiB beside the weights; it runs on the tiered cache (Round "
                                    "Attention: layers below 8 on the GPU")
-    # New tokens beyond the picked rounds (a long message) take the staging block's place once it is freed.
-    assert plan_memory(replace(n, upper_tokens=6144 + 9000)).kv == lower + 24 * (6144 + 9000) * KV + bounds
+    # A round larger than the new tokens is the block in flight.
+    assert plan_memory(replace(n, largest_round=3000)).kv == lower + 24 * (8192 + room + 3000) * KV + bounds
 
 
 def test_refused_when_even_the_tiered_cache_does_not_fit():
@@ -108,7 +113,6 @@ def test_the_plan_s_bands_are_the_products_bands():
     """engine/ plans what engine.model.quantized allocates (the numbers are written twice: the plan is pure
     arithmetic, importing no model code); a short prompt's larger bands stay within what its activations save on
     the 8B shape, and are planned on a small model, where they do not."""
-    from kvchat.engine import memory_plan
     from kvchat.engine.model import quantized
 
     assert memory_plan.BAND_BYTES == 2 * quantized.BAND_ELEMENTS
@@ -142,7 +146,7 @@ def test_the_8b_shape_at_32k():
     def plan(budget, split=None):
         return plan_memory(MemoryNeeds(budget=budget, weights=int(4.58 * GIB), kv_per_token_layer=KV, layers=32,
                                        tokens=tokens, split=split, upper_tokens=picked + tokens - chat,
-                                       picked_tokens=picked, workspace=workspace_bytes(
+                                       picked_tokens=picked, largest_round=642, workspace=workspace_bytes(
                                            cfg, 2, tokens, True, graphs=1 if split is None else 2,
                                            weight_tensors=196)))
 
@@ -270,8 +274,10 @@ def test_a_chat_whose_kv_does_not_fit_whole_runs_on_the_tiered_cache(models, cpu
 
     from kvchat.engine import memory_plan
 
-    # A test model's K/V is a few hundred KiB: the tiered cache's second decode graph would outweigh what it saves.
+    # A test model's K/V is a few hundred KiB: the tiered cache's second decode graph and its free room would outweigh
+    # what it saves.
     monkeypatch.setattr(memory_plan, "GRAPH_POOL", 0)
+    monkeypatch.setattr(memory_plan, "TIERED_REPLY_ROOM", 0)
     path = models.get(n_layers=4)
     save_calibration(Calibration(model_fingerprint(path, Store()), "t", 4, 1, [0.0] * 4, 1, "mt_bench", 0, "today"))
     sid = chat_with_rounds(path, 4)

@@ -29,8 +29,9 @@ def engine():
 
 def tiered_chat(engine, **options) -> tuple[TieredKV, list[int]]:
     # Rechecks (tested on their own below) off unless asked for: the other tests check the choice alone.
+    decode = options.pop("decode", None)
     policy = make_policy(options.pop("name", "round-topk"), engine, **{"watershed": 2, "recheck_below": 0, **options})
-    tiered = TieredKV(engine.model, policy, 512)
+    tiered = TieredKV(engine.model, policy, 512, decode=decode)
     for span in engine.chat.round_spans(Conversation(ROUNDS, SYSTEM)):
         tiered.prefill(span)
         tiered.close_round()
@@ -315,3 +316,32 @@ def test_rounds_still_on_the_device_are_not_copied_again(engine):
     assert all(torch.equal(tiered.round_upper(r).to(tiered.upper.kv.dtype),
                            tiered.upper.kv[:, :, :, at : at + tiered._round_length(r)])
                for r, at in tiered._resident_slots().items())
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_the_upper_tier_grows_without_two_copies_side_by_side(engine, monkeypatch, decode):
+    """With no free room past a message, every growth of the upper tier (the reply, a round brought in while
+    decoding) lets the old buffer go and puts the rounds back from host memory; the reply is the one that roomy
+    tiers give, and a copying grow (KVCache.reserve, old and new side by side) is never used."""
+    import kvchat.engine.kv.tiered as tiered_module
+
+    def reply(room: int) -> tuple[list[torch.Tensor], list[int]]:
+        monkeypatch.setattr(tiered_module, "REPLY_ROOM", room)
+        tiered, prompt = tiered_chat(engine, k=1, progressive=False, decode=decode)
+        if room == 0:
+            def copying_grow(n_slots, exact=False):
+                assert n_slots <= tiered.upper.capacity, "the upper tier grew by a copy"
+            monkeypatch.setattr(tiered.upper, "reserve", copying_grow)
+        logits = [tiered.prefill(prompt)]
+        step = tiered.decode_step(engine.model, 8, 4096)
+        missing = next(r for r in range(len(ROUNDS)) if r not in tiered.resident)
+        for i, word in enumerate([" Your", " sister", " is", " called"]):
+            if i == 2:
+                tiered._insert_before_open([missing])  # grows the tier again, the open round's slots kept
+            logits.append(step(int(engine.tokenizer.encode(word)[0])))
+        return logits, list(tiered.resident)
+
+    tight, resident = reply(0)
+    roomy, roomy_resident = reply(4096)
+    assert resident == roomy_resident
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(tight, roomy))

@@ -61,7 +61,8 @@ def memory_budget(device, requested: int | None, name: str = "--gpu-memory") -> 
 def model_needs(cfg, budget: Budget, weights: tuple[int, int], act_bytes: int, quantized: bool, tokens: int,
                 tiered: bool = False, **more) -> MemoryNeeds:
     """MemoryNeeds of a model of config `cfg` holding `tokens` on the device; `weights`: (bytes, tensors) as
-    engine.memory_plan.weight_bytes gives them; `more`: the tiered terms (split, upper_tokens, picked_tokens)."""
+    engine.memory_plan.weight_bytes gives them; `more`: the tiered terms (split, upper_tokens, picked_tokens,
+    largest_round)."""
     ring_layers = sum(1 for i in range(cfg.n_layers) if cfg.window(i)) if not tiered else 0
     return MemoryNeeds(budget=budget.bytes, weights=weights[0],
                        workspace=workspace_bytes(cfg, act_bytes, tokens, quantized, graphs=2 if tiered else 1,
@@ -108,7 +109,8 @@ def chat_needs(engine, budget: Budget, chat_tokens: int, new_tokens: int, round_
     cuda = engine.device.type == "cuda"  # where the loader keeps matrices in their blocks (its default)
     return model_needs(engine.config, budget, file_weights(engine.path, engine.device.type), act_bytes, cuda,
                        tokens, tiered=tiered or split is not None, split=split,
-                       upper_tokens=picked + tokens - chat_tokens, picked_tokens=picked)
+                       upper_tokens=picked + tokens - chat_tokens, picked_tokens=picked,
+                       largest_round=max(round_tokens, default=0))
 
 
 def plan_chat(engine, budget: Budget, chat_tokens: int, new_tokens: int, round_tokens: list[int],

@@ -116,6 +116,23 @@ class KVCache(nn.Module):
             ring[:, :, :, : self.ring_size] = self.ring
             self.ring = ring
 
+    def reallocate(self, n_slots: int) -> None:
+        """Let every slot's contents go and hold exactly `n_slots` empty ones, the old storage released before the new
+        is allocated, so the two are never on the device side by side as when `reserve` grows the cache. For an owner
+        that can put back what it needs from elsewhere (the tiered cache's upper tier, whose rounds also live in host
+        memory). Not for a ring cache, whose slots are its positions."""
+        if self.ring.shape[0]:
+            raise ValueError("a ring cache cannot be reallocated (its slots are its positions)")
+        if self.forked:
+            raise RuntimeError("a forked cache cannot be reallocated")
+        shape, positions = (*self.kv.shape[:3], n_slots, self.kv.shape[4]), self.slot_positions is not None
+        device, dtype = self.kv.device, self.kv.dtype
+        self.kv = self.slot_positions = None  # the last references: freed (to the allocator) here
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        if positions:
+            self.slot_positions = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.length = 0
+
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """k, v: [Hkv, T, D] written to slots [start, start + T) of one layer."""
         in_ring, n = self._where[layer]

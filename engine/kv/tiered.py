@@ -7,8 +7,9 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
     1. its tokens run through layers [0, w) (w = split - 1, the watershed layer), attending to every round;
     2. their queries at layer w score every earlier round (kernels.round_scores.round_mass) and the policy picks
        rounds from that mass (the first round, the attention sink holding the system prompt, is always kept);
-    3. the picked rounds' upper K/V are copied, in one batch of contiguous host-to-device copies into one device
-       staging block, to the front of `upper`, a KVCache of the upper layers; the message's own upper K/V follow;
+    3. the picked rounds' upper K/V are copied to the front of `upper`, a KVCache of the upper layers, one round at
+       a time (a contiguous host-to-device copy into a staging block of that round's size); rounds still there
+       from the previous message move to the front instead; the message's own upper K/V follow;
     4. the message finishes layer w and the upper layers attend to `upper` as a plain prefix: fewer keys, no mask;
     5. during decoding (progressive selection, LoopServe's idea) each token's query at layer w may name a round
        that is not yet in `upper`; it is brought in before the token's upper layers run;
@@ -17,7 +18,9 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
        on the device at 1/32 of the upper keys), and a round that could hold at least `recheck_mass` of its
        attention at any of them is brought in and the token's upper layers run again with it.
 
-A closed round's upper K/V is copied back to host memory. A round not picked for `max_idle` messages is dropped
+A closed round's upper K/V is copied back to host memory. So `upper` never needs to hold two copies of itself:
+when it must grow, its buffer is let go first and the resident rounds are put back from host memory (`_grow_upper`),
+and its peak is one copy of the tier plus one round, as the GPU memory plan counts (engine.memory_plan.tiered_kv). A round not picked for `max_idle` messages is dropped
 from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
 
 TieredKV is a KVStore (engine.kv.base): generation drives it as it drives the full cache. Its decode step replayed
@@ -35,12 +38,16 @@ from torch import Tensor
 
 from kvchat.engine.kv.key_bounds import BoundsTable, key_bounds
 from kvchat.engine.kv.tiered_decode import TieredDecode
+from kvchat.engine.memory_plan import TIERED_REPLY_ROOM
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import Transformer
 from kvchat.kernels.round_scores import round_mass
 
 # Round index -> its upper K/V token-major in host memory [n, L - split, 2, Hkv, D] (see `host_layout`), or None.
 UpperSource = Callable[[int], Tensor | None]
+# Free upper slots past a message when the tier is laid out for it: the reply's room (a longer reply grows the tier
+# once, at its start) and a small round brought in while decoding. The GPU memory plan counts them.
+REPLY_ROOM = TIERED_REPLY_ROOM
 UpperHint = Callable[[list[int]], None]  # rounds about to be asked of the UpperSource, all at once
 TokenSource = Callable[[int], list[int]]
 
@@ -181,7 +188,7 @@ class TieredKV:
         """Room for `n_tokens` more tokens in both tiers, so that decode graphs captured now serve the whole reply
         (a round brought in while decoding may still grow `upper`: the graph is then captured again)."""
         self.lower.reserve(self.lower.length + n_tokens + 1)
-        self.upper.reserve(self.upper.length + n_tokens + 1)
+        self._grow_upper(self.upper.length + n_tokens + 1)
         if self.decode_mode != "eager" and self.open_start is not None:
             self._decoder().prepare()
 
@@ -288,7 +295,7 @@ class TieredKV:
         if self.windows:  # the rounds the sliding windows reach, whatever the choice
             chosen = sorted(set(chosen) | set(self._window_rounds(start)))
         self.stats.chosen = chosen
-        self._bring_in(chosen)
+        self._bring_in(chosen, len(tokens))
         self.stats.prompt_transfer_ms = self.stats.transfer_ms
         logits = None
         for h, pos, piece in zip(hs, positions, pieces):
@@ -338,7 +345,7 @@ class TieredKV:
         m, w, first = self.model, self.split - 1, int(pos[0])
         h = m.run_layers(h, pos, self.lower, first, layers=range(w, self.split))
         slot = self.upper_base + first - self.open_start
-        self.upper.reserve(slot + len(tokens))
+        self._grow_upper(slot + len(tokens))
         self._place_positions(slot, first, len(tokens))
         recheckable = len(tokens) == 1 and bool(self.policy.recheck_below)  # a recheck would need these
         self._upper_input, self._upper_queries = (h if recheckable else None), []
@@ -392,22 +399,16 @@ class TieredKV:
     def _insert_before_open(self, rounds: list[int]) -> None:
         """Put `rounds`' upper K/V right after the resident rounds, moving the open round's slots up once."""
         self._announce(rounds)
-        blocks = [self._upper_of(r) for r in rounds]
-        n, open_n = sum(kv.shape[0] for kv in blocks), self.upper.length - self.upper_base
-        self.upper.reserve(self.upper.length + n)
+        n, open_n = sum(self._round_length(r) for r in rounds), self.upper.length - self.upper_base
+        self._grow_upper(self.upper.length + n)
         buf = self.upper.kv
         if open_n:
             moved = buf[:, :, :, self.upper_base : self.upper.length].clone()
             buf[:, :, :, self.upper_base + n : self.upper_base + n + open_n] = moved
         if open_n and self.windows:
             self._place_positions(self.upper_base + n, self.open_start, open_n)
-        t0, at = time.perf_counter(), self.upper_base
-        for r, kv in zip(rounds, blocks):  # one round at a time: no staging block as large as all of them
-            staged = kv.to(buf.device, non_blocking=True)
-            buf[:, :, :, at : at + kv.shape[0]] = staged.permute(1, 2, 3, 0, 4)
-            self._place_positions(at, self.round_starts[r], kv.shape[0])
-            at += kv.shape[0]
-        self._account_transfer(t0, sum(kv.numel() * kv.element_size() for kv in blocks))
+        t0 = time.perf_counter()
+        self._account_transfer(t0, self._put_rounds(rounds, self.upper_base))
         self.resident.extend(rounds)
         self.upper_base += n
         self.upper.length += n
@@ -458,35 +459,64 @@ class TieredKV:
             self.stats.bounds_computed.append(r)
 
     @torch.inference_mode()
-    def _bring_in(self, rounds: list[int]) -> None:
-        """Fill `upper` with exactly `rounds`' upper K/V, in one batch of copies into one staging block. Rounds
-        still on the device from the previous message move there; only the others cross from host memory."""
+    def _bring_in(self, rounds: list[int], message: int = 0) -> None:
+        """Fill `upper` with exactly `rounds`' upper K/V, with room after them for a `message` of that many tokens
+        and its reply. Rounds still on the device from the previous message stay there, moved to the front in
+        their order; the others cross from host memory after them, one round at a time. If the tier must grow,
+        its buffer is let go first and every round crosses (`_grow_upper`)."""
         on_device = self._resident_slots()
-        self._announce([r for r in rounds if r not in on_device])
-        blocks = {r: self._upper_of(r) for r in rounds if r not in on_device}
+        kept = [r for r in self.resident if r in rounds]
+        order = kept + [r for r in rounds if r not in on_device]
+        self._announce([r for r in order if r not in on_device])
         n = sum(self._round_length(r) for r in rounds)
         t0 = time.perf_counter()
-        buf = self.upper.kv
-        staged = torch.empty((n, *buf.shape[:3], buf.shape[4]), dtype=buf.dtype, device=buf.device)
-        at, copied = 0, 0
-        for r in rounds:
-            size = self._round_length(r)
-            if r in on_device:
-                first = on_device[r]
-                staged[at : at + size].copy_(buf[:, :, :, first : first + size].permute(3, 0, 1, 2, 4))
-            else:
-                staged[at : at + size].copy_(blocks[r], non_blocking=True)
-                copied += size
+        need = n + message + REPLY_ROOM
+        if need > self.upper.capacity:
+            self.upper.reallocate(need)
+            kept = []
+        at, buf = 0, self.upper.kv
+        for r in kept:  # moving left, a round at a time: never onto a round not yet moved
+            first, size = on_device[r], self._round_length(r)
+            if first != at:
+                buf[:, :, :, at : at + size] = buf[:, :, :, first : first + size].clone()
+                self._place_positions(at, self.round_starts[r], size)
             at += size
-        self.upper.truncate(0)
-        self.upper.reserve(n + 512)
-        self.upper.kv[:, :, :, :n] = staged.permute(1, 2, 3, 0, 4)
-        if copied:
-            # the bytes that crossed (the device-to-device copies are not counted)
-            self._account_transfer(t0, copied * staged[0].numel() * staged.element_size())
-        self.resident, self.upper_base, self.upper.length = list(rounds), n, n
-        for r, first in self._resident_slots().items():
-            self._place_positions(first, self.round_starts[r], self._round_length(r))
+        moved = self._put_rounds(order[len(kept):], at)
+        if moved:  # the bytes that crossed (the device-to-device moves are not counted)
+            self._account_transfer(t0, moved)
+        self.resident, self.upper_base, self.upper.length = order, n, n
+
+    def _put_rounds(self, rounds: list[int], at: int) -> int:
+        """Copy `rounds`' upper K/V from host memory into upper slots from `at` on, one round at a time through a
+        staging block of its size (never one as large as all of them); the bytes copied."""
+        buf, moved = self.upper.kv, 0
+        for r in rounds:
+            kv = self._upper_of(r)
+            staged = kv.to(buf.device, non_blocking=True)
+            buf[:, :, :, at : at + kv.shape[0]] = staged.permute(1, 2, 3, 0, 4)
+            self._place_positions(at, self.round_starts[r], kv.shape[0])
+            at += kv.shape[0]
+            moved += kv.numel() * kv.element_size()
+        return moved
+
+    def _grow_upper(self, n_slots: int) -> None:
+        """Make upper slots [0, n_slots) exist. A KVCache grows by copying into a larger buffer, the two side by
+        side; the upper tier lets its buffer go first (KVCache.reallocate) and puts back what it held: the resident
+        rounds from host memory, where each also lives, and the open round's slots, set aside (the message's own,
+        on the device alone, and small)."""
+        if n_slots <= self.upper.capacity:
+            return
+        length, open_n = self.upper.length, self.upper.length - self.upper_base
+        open_kv = self.upper.kv[:, :, :, self.upper_base : length].clone() if open_n else None
+        t0 = time.perf_counter()
+        self.upper.reallocate(n_slots + REPLY_ROOM)
+        moved = self._put_rounds(self.resident, 0)
+        if open_kv is not None:
+            self.upper.kv[:, :, :, self.upper_base : length] = open_kv
+            self._place_positions(self.upper_base, self.open_start, open_n)
+        self.upper.length = length
+        if moved:
+            self._account_transfer(t0, moved)
 
     def _round_length(self, r: int) -> int:
         return self._round_end(r) - self.round_starts[r]
