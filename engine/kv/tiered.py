@@ -20,8 +20,9 @@ positions. Layers [split, L) of each closed round live in host memory (pinned on
 
 A closed round's upper K/V is copied back to host memory. So `upper` never needs to hold two copies of itself:
 when it must grow, its buffer is let go first and the resident rounds are put back from host memory (`_grow_upper`),
-and its peak is one copy of the tier plus one round, as the GPU memory plan counts (engine.memory_plan.tiered_kv). A round not picked for `max_idle` messages is dropped
-from host memory; `upper_source` (the chat store) or, failing that, a recompute brings it back when needed.
+and its peak is one copy of the tier plus one round, as the GPU memory plan counts (engine.memory_plan.tiered_kv).
+A round not picked for `max_idle` messages is dropped from host memory; `upper_source` (the chat store) or, failing
+that, a recompute brings it back when needed.
 
 TieredKV is a KVStore (engine.kv.base): generation drives it as it drives the full cache. Its decode step replayed
 from CUDA graphs is engine.kv.tiered_decode.
