@@ -152,9 +152,11 @@ def plan_memory(n: MemoryNeeds) -> MemoryPlan:
     t_need, t_kv = tiered_need(split)
     words = too_big_words(n)
     if t_need <= n.budget:
+        where = f"layers below {split}" if n.split is not None else "its lower layers"
+        amount = gib(t_kv) if n.split is not None else f"at least {gib(t_kv)}"  # the split is not known yet
         return MemoryPlan("tiered", t_need, n.budget, t_kv,
-                          f"{words}; it runs on the tiered cache (Round Attention: layers below {split} on the GPU, "
-                          f"the rounds each message picks above), {gib(t_kv)} of K/V on the GPU")
+                          f"{words}; it runs on the tiered cache (Round Attention: {where} on the GPU, "
+                          f"the rounds each message picks above), {amount} of K/V on the GPU")
     how = "(layers below {split} on the GPU) it needs" if n.split is not None else "it needs at least"
     return MemoryPlan("refused", t_need, n.budget, t_kv,
                       f"{words}: even on the tiered cache {how.format(split=split)} {gib(t_need)} "

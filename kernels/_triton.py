@@ -53,6 +53,27 @@ def triton_kernel_runs_on(device: torch.device | str) -> bool:
     return INTERPRET or torch.device(device).type == "cuda"
 
 
+def tuning_time(kernel_call, quantiles=None, runs: int = 7):
+    """The autotuner's timing of one configuration (triton.autotune's `do_bench`): milliseconds by CUDA events, the
+    median (or the `quantiles`) of `runs` calls after one warm-up. Unlike triton.testing.do_bench it allocates
+    nothing: that one clears the L2 cache between runs by writing a 256 MiB buffer, which a first tuning run inside
+    a tight GPU memory budget (--gpu-memory, issue 41) could not allocate. The timings are of a warm L2 (50 MB on
+    an H100): the tiles' order, which is all the autotuner reads, is what matters."""
+    kernel_call()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel_call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    if quantiles is None:
+        return times[len(times) // 2]
+    return [times[min(len(times) - 1, int(q * len(times)))] for q in quantiles]
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

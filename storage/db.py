@@ -44,7 +44,13 @@ SEGMENT_KEY_BOUNDS = "key-bounds"
 # layer range runs from the lower layer to the higher one, and only those two are in it. The round's K/V segment
 # holds those layers as zeros and names the pair in its `merged` column.
 SEGMENT_MERGED = "merged"
-SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED)
+# A round's retrieval units (LouisKV, app/session/units.py): per global layer and KV head, the centroid of each unit
+# of the round's keys and each token's unit, packed in one float32 tensor [G, 2, Hkv, rows, D] (rows <= tokens); the
+# row's layer range is the model's every layer, the G global ones inside it. An index, not K/V: a restore never
+# reads it as K/V, and a round without one gets it rebuilt from its K/V.
+SEGMENT_UNITS = "units"
+SEGMENT_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED, SEGMENT_UNITS)
+CACHE_KINDS = (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED)  # the kinds a restore places in the cache
 _SEGMENT_PK = ("session_id", "round_idx", "layer_start", "kind")
 
 

@@ -12,6 +12,8 @@ way of reading it wrong is reported as a StorageError subclass, and the caller r
 
 A segment of kind "key-bounds" holds a round's key bounds instead of its K/V, in the same format with blocks of tokens
 in place of tokens ([layers, 2 (min, max), Hkv, blocks, D]); the header does not record the kind, the database row does.
+A segment of kind "units" holds a round's retrieval units (storage.db.SEGMENT_UNITS: float32 [global layers, 2,
+Hkv, rows, D] within the model's layer range, 1 <= rows <= tokens).
 A segment of kind "merged" holds two layers' K/V merged (engine.kv.cross_layer: [2, 2, Hkv, tokens + retained, D]); its
 layer range runs from the lower layer to the higher one.
 """
@@ -36,7 +38,7 @@ import torch
 
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import CODECS, StorageError
-from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, check_segment_kind
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNITS, check_segment_kind
 from kvchat.storage.failpoints import crash_point
 
 if TYPE_CHECKING:
@@ -167,7 +169,7 @@ def _check_fingerprint(fingerprint: str) -> None:
 
 def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None:
     check_segment_kind(kind)
-    name, rows = ("K/V", "tokens") if kind == SEGMENT_KV else ("key bounds", "blocks")
+    name, rows = {SEGMENT_KV: ("K/V", "tokens"), SEGMENT_UNITS: ("units", "rows")}.get(kind, ("key bounds", "blocks"))
     if kv.dtype not in DTYPES:
         raise ValueError(f"{name} of dtype {kv.dtype} cannot be saved; supported: {', '.join(map(str, DTYPES))}")
     if kv.dim() != 5 or kv.shape[1] != 2:
@@ -175,6 +177,8 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None
     for what, r in (("layers", layers), ("tokens", tokens)):
         if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
             raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
+    if kind == SEGMENT_UNITS and kv.dtype != torch.float32:
+        raise ValueError(f"units are float32 (a token's unit is a number in them), not {kv.dtype}")
     if not layer_rows_fit(kind, kv.shape[0], len(layers)):
         raise ValueError(f"{name} for layers {layers} must hold {len(layers)} layers, not {kv.shape[0]}")
     if not token_rows_fit(kind, kv.shape[3], len(tokens)):
@@ -199,7 +203,9 @@ def layer_rows_fit(kind: str | None, rows: int, n_layers: int) -> bool:
     """Whether a segment's dimension 0 fits its layer range: one row per layer, or the two ends of a merged pair."""
     merged = rows == 2 and n_layers >= 2
     if kind is None:
-        return rows == n_layers or merged
+        return rows == n_layers or merged or 1 <= rows <= n_layers
+    if kind == SEGMENT_UNITS:  # the global layers among them
+        return 1 <= rows <= n_layers
     return merged if kind == SEGMENT_MERGED else rows == n_layers
 
 

@@ -18,12 +18,14 @@ from pathlib import Path
 from kvchat.paths import replace_atomically
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import (CHAT_PARAMETERS, REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED,
-                              RoundRow, Store, chat_parameters, now)
+                              SEGMENT_UNITS, RoundRow, Store, chat_parameters, now)
 from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
-VERSION = 2  # 2: segments of kind "merged" and the `merged` column (cross-layer merging); written only when used
-READABLE_VERSIONS = (1, 2)
+# 2: segments of kind "merged" and the `merged` column (cross-layer merging); 3: segments of kind "units" (a round's
+# retrieval units, LouisKV). Each is written only when used, so a chat without them stays readable by an older kvchat.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 32 << 20
 MAX_BLOB_BYTES = 4 << 30
@@ -50,8 +52,7 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
     rounds = store.rounds(sid)
     segments = [] if text_only else store.segments(sid)
     manifest = {
-        "format": FORMAT, "version": VERSION if any(s.get("merged") or s["kind"] == SEGMENT_MERGED
-                                                    for s in segments) else 1, "exported": now(),
+        "format": FORMAT, "version": state_version(segments), "exported": now(),
         "model": {"fingerprint": info["model_fingerprint"], "name": model_name,
                   "file": Path(info["model_path"]).name},
         "session": {"title": info["title"], "system_prompt": info["system_prompt"], "settings": info["settings"],
@@ -80,6 +81,13 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
         return replace_atomically(out, write, binary=True)
     except OSError as exc:  # a missing or read-only folder, a full disk: one line, nothing written
         raise StateFileError(f"cannot write {out}: {exc.strerror or exc}") from None
+
+
+def state_version(segments: list[dict]) -> int:
+    """The oldest version that can hold `segments`: 3 with units, 2 with merged layers, else 1."""
+    if any(s["kind"] == SEGMENT_UNITS for s in segments):
+        return 3
+    return 2 if any(s.get("merged") or s["kind"] == SEGMENT_MERGED for s in segments) else 1
 
 
 def absent_kv(rounds: list[RoundRow], segments: list[dict]) -> list[dict]:

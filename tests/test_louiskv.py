@@ -153,7 +153,10 @@ def test_a_rounds_clusters_are_computed_once_for_every_later_message(engine, mon
         generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=4, policy=policy)
     spans = [s for s, _ in made]
     assert len(spans) == len(set((s, n) for s, n in made))  # nothing clustered twice
-    assert spans.count(4) == 2  # round 0's span, cut at the buffer once and whole once its round closed
+    # the first message's own span (after the sinks, before the buffer) alone; then, once it is a closed round,
+    # round 0 whole, once, kept in the cache for the third message (which clusters round 1 whole)
+    assert spans.count(0) == 1 and spans[0] == 4
+    assert (0, starts[1]) in cache.units and (starts[1], starts[2]) in cache.units
 
 
 def test_bad_options_are_one_line(engine):

@@ -152,6 +152,9 @@ def test_the_8b_shape_at_32k():
 
     assert plan(12 * GIB).kind == "full" and plan(12 * GIB).needed < 11 * GIB
     assert plan(8 * GIB).kind == "tiered" and plan(8 * GIB, split=5).kind == "tiered"
+    # before the split is known, the message names no split and the least K/V any would hold
+    assert "(Round Attention: its lower layers on the GPU" in plan(8 * GIB).message
+    assert ", at least 1." in plan(8 * GIB).message and "layers below 5" in plan(8 * GIB, split=5).message
     assert plan(8 * GIB, split=16).kind == "refused"
     assert plan(5 * GIB).message.startswith("the model needs 4.6 GiB of GPU memory for its weights and")
 

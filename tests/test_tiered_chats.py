@@ -187,3 +187,28 @@ def test_a_chat_stored_in_layer_groups_is_stored_again_in_tiers_with_key_bounds(
     reopened.restore()
     assert reopened.cache.key_bounds.known == [True, True, True]
     reopened.close()
+
+
+def test_a_dropped_tiered_chat_frees_its_cache_at_once(engine, kvchat_home):
+    """A tiered chat's cache asks its session for rounds (upper_source, token_source) and the session holds the
+    cache: held strongly both ways, a dropped chat's K/V stayed on the GPU until the cycle collector ran, and a run
+    under an 8 GiB budget ran out of memory with the last resume's tiers beside the next one's (docs/benchmarks.md,
+    issue 41)."""
+    import gc
+    import weakref
+
+    store = Store()
+    sid = round_chat(engine, store).sid
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        session = ChatSession(store, engine, sid, policy=policy(engine))
+        session.restore()
+        session.send("And my name?", max_tokens=4)  # a message: the cache asks the session for rounds
+        session.close()
+        gone = weakref.ref(session.cache), weakref.ref(session)
+        del session
+        assert [ref() for ref in gone] == [None, None]
+    finally:
+        if collecting:
+            gc.enable()

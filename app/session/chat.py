@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +32,7 @@ from kvchat.app.session.merges import ChatMerges
 from kvchat.app.session.restore import RestoreCancelled, RestoreProgress, RestoreRun, RestoreStats
 from kvchat.app.session.saving import RoundSaver
 from kvchat.app.session.tiered import UpperReads
+from kvchat.app.session.units import ChatUnits, stores_units
 from kvchat.app.session.windows import WindowTrim
 from kvchat.app.session.writer import KVWriter
 from kvchat.engine.engine import Engine
@@ -60,6 +62,20 @@ def settled_prefix(have: list[int], closed: list[int]) -> int:
             break
         common += 1
     return common
+
+
+def held_weakly(method: Callable) -> Callable:
+    """A session's bound method that does not keep the session alive, for a cache to hold: the session holds its
+    cache, and a cycle between the two would keep a dropped chat's K/V on the GPU until the cycle collector ran (at
+    32k under an 8 GiB budget, the last resume's tiers beside the next one's: out of memory)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the chat session of this cache is gone")
+        return bound(*args)
+    return call
 
 
 class ChatSession:
@@ -160,11 +176,14 @@ class ChatSession:
         run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
                          split=self.split, tiered=self.policy is not None, new_cache=self._new_cache,
                          planner=planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
-                         upper_source=self._fetch_upper, token_source=self._round_tokens,
+                         upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
                          ignore_merges=self.ignore_merges, room=self.room)
         try:
             stats = run.run(progress, cancel)
             stats.notes[:0] = self.restore_notes
+            units = self._units(run.cache)
+            if units is not None:  # the rounds' retrieval units (louiskv): read, or built once and stored
+                stats.notes += units.load(run.cache, run.rounds)
         except RestoreCancelled:
             self.rounds = run.rounds
             self.cache, self.restored = self._new_cache(256), None
@@ -182,6 +201,13 @@ class ChatSession:
             self.cache = run.cache
         if run.restored is not None:
             self.restored = run.restored
+
+    def _units(self, cache) -> ChatUnits | None:
+        """The chat's stored retrieval units, where its message policy keeps them (louiskv) on a cache of every
+        layer (KVCache); None elsewhere."""
+        if not stores_units(self.message_policy) or not isinstance(cache, KVCache):
+            return None
+        return ChatUnits(self.store, self.writer, self.sid, self.fingerprint, self.engine.model, self.message_policy)
 
     def _fetch_upper(self, i: int) -> torch.Tensor | None:
         """TieredKV's upper_source: round i's upper layers from the store, or None to recompute them."""
@@ -371,6 +397,9 @@ class ChatSession:
             with torch.inference_mode():
                 self.merges.observe(self.cache, [(start + len(prompt), closed[:len(prompt)]), (row.token_end, closed)])
         self.saver.save_round(self.cache, self.rounds, idx)
+        units = self._units(self.cache)
+        if units is not None:  # its retrieval units (louiskv), from its K/V and the reply's trigger
+            units.save(self.cache, row, start + len(prompt))
         if self.compactor is not None:
             compactor = self.compactor
             self.writer.submit_job(lambda: compactor(self.store, self.sid), f"compacting after round {idx}")

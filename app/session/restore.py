@@ -36,7 +36,7 @@ from kvchat.engine.restore.plan import RestorePlan
 from kvchat.engine.restore.recompute import PrefixRecompute, PyramidStep, RecomputeCancelled
 from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.errors import ContextOverflowError, KvchatError
-from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
+from kvchat.storage.db import CACHE_KINDS, SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
 from kvchat.storage.prefetch import SegmentPrefetcher
 from kvchat.storage.segments import merge_planes, tensor_on
 from kvchat.storage.staging import HostToDevice, Staged
@@ -119,6 +119,8 @@ class RestoreRun:
         total = ends[-1] if ends else 0
         trimmed: set[int] = set()
         for seg in self.store.segments(self.sid):
+            if seg["kind"] not in CACHE_KINDS:
+                continue  # an index of the K/V (a round's retrieval units), read by the session that uses it
             if seg["kind"] == SEGMENT_KEY_BOUNDS:
                 into = bounds if self.tiered and seg["layer_start"] == self.split else {}
             elif seg["kind"] == SEGMENT_MERGED and self.ignore_merges:

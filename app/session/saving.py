@@ -18,7 +18,7 @@ from kvchat.app.session.windows import WindowTrim
 from kvchat.app.session.writer import KVWriter
 from kvchat.engine.kv.cross_layer import LayerPair, merge_pair
 from kvchat.errors import KvchatError
-from kvchat.storage.db import SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
+from kvchat.storage.db import CACHE_KINDS, SEGMENT_KEY_BOUNDS, SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
 
 
 class RoundSaver:
@@ -164,7 +164,8 @@ class RoundSaver:
         split, n_layers, done = self.split, self.config.n_layers, 0
         by_round: dict[int, list[dict]] = {}
         for seg in self.store.segments(self.sid):
-            by_round.setdefault(seg["round_idx"], []).append(seg)
+            if seg["kind"] in CACHE_KINDS:  # not a round's retrieval units, which stay as they are
+                by_round.setdefault(seg["round_idx"], []).append(seg)
         for i, row in enumerate(rounds):
             segs = by_round.get(i, [])
             if not any(s["layer_start"] < split < s["layer_end"] for s in segs):

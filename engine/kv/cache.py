@@ -71,6 +71,10 @@ class KVCache(nn.Module):
         # has sliding-window layers, whose windows are over positions; None: slot s holds position s.
         self.slot_positions: Tensor | None = None
         self.forked = False
+        # Retrieval units of closed rounds' slots, by the round's (start, end) (engine.kv.units; LouisKV): built once,
+        # or stored with the chat and handed in by a restore, and read by every later message. An index of the K/V,
+        # so a truncation drops those of rounds it cuts.
+        self.units: dict[tuple[int, int], object] = {}
 
     def track_positions(self) -> None:
         """Keep `slot_positions` (its owner fills it as it places tokens); it grows with the cache."""
@@ -132,6 +136,7 @@ class KVCache(nn.Module):
         if positions:
             self.slot_positions = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.length = 0
+        self.units = {}
 
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """k, v: [Hkv, T, D] written to slots [start, start + T) of one layer."""
@@ -219,6 +224,7 @@ class KVCache(nn.Module):
         return [(slice(first, self.ring_size), slice(0, k)), (slice(0, n - k), slice(k, n))]
 
     def truncate(self, length: int) -> None:
+        self.units = {span: u for span, u in self.units.items() if span[1] <= length}
         for n in range(len(self._ring_lo)):
             self._ring_lo[n], self._ring_hi[n] = self._ring_reach(n)
             self._ring_hi[n] = min(self._ring_hi[n], length)

@@ -56,6 +56,61 @@ def cluster_units(keys: Tensor, start: int, tokens_per_cluster: int = TOKENS_PER
     return Units(start, start + n, assign.view(g, h, n), centroids.view(g, h, k, 1, d))
 
 
+def segment_units(keys: Tensor, start: int, cuts: Tensor | None, longest: int) -> Units:
+    """Keys [G, Hkv, n, D] of a reply's slots [start, start + n) in contiguous segments (LouisKV's output units): a
+    segment starts where the layer's trigger fired while the reply was written (`cuts` [G, n] bool, True where a
+    token begins a new segment; None: no trigger was watched, segments of `longest` slots) and runs at most
+    `longest` slots. Each segment's summary is the mean of its keys, per KV head; a layer with fewer segments than
+    another leaves the rest of its centroids unused (no slot points to them)."""
+    g, h, n, d = keys.shape
+    index = torch.arange(n, device=keys.device)
+    starts = torch.zeros(g, n, dtype=torch.bool, device=keys.device)
+    starts[:, 0] = True
+    if cuts is not None:
+        starts |= cuts.to(keys.device, torch.bool)
+    # a segment longer than `longest` starts again every `longest` slots from its own first slot
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # [G, n]: each slot's segment's first slot
+    starts |= ((index - first) % longest) == 0
+    member = starts.long().cumsum(1) - 1  # [G, n]
+    n_units = int(member[:, -1].max()) + 1
+    sums = keys.new_zeros(g, h, n_units, d, dtype=torch.float32)
+    sums.scatter_add_(2, member[:, None, :, None].expand(g, h, n, d), keys.float())
+    counts = torch.zeros(g, n_units, device=keys.device).scatter_add_(1, member, torch.ones(g, n, device=keys.device))
+    centroids = sums / counts.clamp_min(1)[:, None, :, None]
+    return Units(start, start + n, member[:, None].expand(g, h, n).contiguous(), centroids[:, :, :, None])
+
+
+def round_units(keys: Tensor, start: int, reply_at: int, cuts: Tensor | None = None,
+                tokens_per_cluster: int = TOKENS_PER_CLUSTER, iterations: int = DEFAULT_ITERATIONS,
+                longest: int | None = None) -> Units:
+    """A round's units (LouisKV): keys [G, Hkv, n, D] of slots [start, start + n), the user's message (and the chat
+    template's tokens around it) up to `reply_at` in k-means clusters, the reply from there in segments at the
+    trigger's `cuts` ([G, reply tokens] bool, or None) of at most `longest` slots (default: twice the clusters'
+    size). The message's units come first."""
+    n = keys.shape[2]
+    at = min(max(reply_at - start, 0), n)
+    longest = longest or 2 * tokens_per_cluster
+    parts = []
+    if at:
+        parts.append(cluster_units(keys[:, :, :at], start, tokens_per_cluster, iterations))
+    if at < n:
+        parts.append(segment_units(keys[:, :, at:], start + at, cuts, longest))
+    if len(parts) == 1:
+        return parts[0]
+    summary, member, _ = joined(parts)
+    return Units(start, start + n, member, summary)
+
+
+def sliced(units: Units, start: int, end: int) -> Units:
+    """The units of slots [start, end) within `units`' span: every summary, the members of those slots alone (a unit
+    with none left is never read)."""
+    if not units.start <= start < end <= units.end:
+        raise ValueError(f"slots [{start}, {end}) are not within [{units.start}, {units.end})")
+    if (start, end) == (units.start, units.end):
+        return units
+    return Units(start, end, units.member[:, :, start - units.start : end - units.start], units.summary)
+
+
 def page_units(keys: Tensor, start: int, page: int = TOKENS_PER_CLUSTER) -> Units:
     """Keys [G, Hkv, n, D] of slots [start, start + n) in pages of `page` consecutive slots (the last one shorter)."""
     g, h, n, d = keys.shape

@@ -11,6 +11,7 @@ to every layer (`--option tau=0.7`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.kv.units import Units, cluster_units
+from kvchat.engine.kv.units import Units, cluster_units, round_units, sliced
 from kvchat.engine.policies.unit_retrieval import UnitRetrievalPolicy, span_keys
 from kvchat.errors import KvchatError
 
@@ -39,8 +40,6 @@ class LouisKV(UnitRetrievalPolicy):
     # 35.2% with 15; the full cache 41.1%, Quest's pages 37.2% (docs/benchmarks.md, "LouisKV").
     pool: int = 7
     iterations: int = 8  # k-means iterations per round
-    # Each round's clusters, kept for the later messages of the same chat: (cache, span, a checksum of its keys).
-    _clusters: dict = field(default_factory=dict, init=False, repr=False)
     _tau_tensor: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -70,15 +69,32 @@ class LouisKV(UnitRetrievalPolicy):
                               f"global layers")
 
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
-        # The first layer's keys' sum tells a span whose K/V changed (a retracted and regenerated round) from the one
-        # clustered; every layer's keys are copied out only for a span not clustered yet.
-        key = (id(cache), start, end, cache.layer(layers[0])[0, :, start:end].float().sum().item())
-        if key not in self._clusters:
-            if len(self._clusters) > 4096:  # another chat's, or rounds long gone
-                self._clusters.clear()
-            self._clusters[key] = cluster_units(span_keys(cache, layers, start, end), start, self.unit_tokens,
-                                                self.iterations)
-        return self._clusters[key]
+        # A closed round's units are its whole round's (those stored with the chat, or those its save built), kept
+        # in the cache (KVCache.units) and sliced to the span; a round without them (a chat from before, or saved
+        # under another policy) is clustered whole, once. A span of the new message itself is clustered alone.
+        rounds = self._round_starts
+        closed = next(((a, b) for a, b in itertools.pairwise(rounds) if a <= start and end <= b), None)
+        if closed is None:
+            return cluster_units(span_keys(cache, layers, start, end), start, self.unit_tokens, self.iterations)
+        got = cache.units.get(closed)
+        if got is None:
+            got = cluster_units(span_keys(cache, layers, *closed), closed[0], self.unit_tokens, self.iterations)
+            cache.units[closed] = got
+        return sliced(got, start, end)
+
+    def round_units(self, cache: KVCache, layers: list[int], start: int, reply_at: int, end: int) -> Units:
+        """The units a round [start, end) is stored with: its message (up to `reply_at`) in clusters, its reply in
+        segments cut where the trigger fired while it was written (`reply_cuts`, the latest reply's: each global
+        layer's own), or in segments of twice the clusters' size where no trigger was watched (a reply that read
+        the whole chat)."""
+        keys = span_keys(cache, layers, start, end)
+        n_reply = max(end - max(reply_at, start), 0)
+        cuts = None
+        if self.reply_cuts and n_reply:
+            recorded = torch.stack(self.reply_cuts[:n_reply], dim=1)  # [G, m]
+            cuts = torch.zeros(len(layers), n_reply, dtype=torch.bool)
+            cuts[:, : recorded.shape[1]] = recorded
+        return round_units(keys, start, reply_at, cuts, self.unit_tokens, self.iterations)
 
     def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
         tau = self.tau

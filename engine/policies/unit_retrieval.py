@@ -56,6 +56,8 @@ class UnitRetrievalPolicy(KVPolicy):
     # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
     selections: int = field(default=0, init=False, repr=False)
     decoded: int = field(default=0, init=False, repr=False)
+    # the latest reply's boundaries: per decoded token, [G] bool, which global layers' trigger fired at it
+    reply_cuts: list[Tensor] = field(default_factory=list, init=False, repr=False)
     _round_starts: list[int] = field(default_factory=list, init=False, repr=False)
     _last_token: int | None = field(default=None, init=False, repr=False)
 
@@ -77,6 +79,7 @@ class UnitRetrievalPolicy(KVPolicy):
                       model: Transformer | None = None) -> Attend:
         self._round_starts = [*round_starts, cache.length]  # the new message starts where the chat ends
         self._last_token = new_tokens[-1] if new_tokens else None
+        self.reply_cuts = []
         return None  # the message reads the whole chat; the reply reads units of it
 
     def spans(self, first: int) -> list[tuple[int, int]]:
@@ -139,6 +142,7 @@ class UnitRetrievalDecode(SlotListDecode):
         current = self.queries[(self.n_out - 1) % self.keep_queries][self.global_index]
         redo = self.policy.boundary(self.previous, current).cpu()
         self.policy.decoded += 1
+        self.policy.reply_cuts.append(redo)
         if redo.any():
             self.select(current, redo)
         self.previous = current

@@ -1,0 +1,126 @@
+"""A chat's retrieval units stored with it (LouisKV, issue 44): each round's units (engine.kv.units.round_units: its
+message's keys in k-means clusters, its reply's in segments cut where the retrieval trigger fired while it was
+written) as a segment of kind "units" beside its K/V (storage.db.SEGMENT_UNITS), so that no later open clusters a
+round again.
+
+- Saving: a round answered under a policy that stores units (`louiskv`) has them built from the cache right after
+  its K/V is handed to the writer, and written the same way (the background writer, content-addressed files).
+- Opening: the chat's units are read once its K/V is in the cache, and handed to the cache (KVCache.units), where
+  the policy finds them. A round without units (saved before, or under another policy) or whose units cannot be
+  read (a damaged or missing file, another model's) gets them built from its K/V — clustered whole: no trigger
+  was watched for its reply — and stored, with one restore note saying how many and why.
+
+A segment holds the units of one round in one float32 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
+[0, U) the centroids; plane 1, flattened, each token's unit (exact in float32 up to 2^24 units).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kvchat.app.session.writer import KVWriter
+from kvchat.engine.kv.units import Units
+from kvchat.storage.codec import StorageError
+from kvchat.storage.db import SEGMENT_UNITS, RoundRow, Store
+from kvchat.storage.segments import read_segment
+
+
+def pack_units(units: Units) -> Tensor:
+    """Units (one centroid per unit) as a units segment's tensor [G, 2, Hkv, rows, D] float32 on the CPU."""
+    g, h, u, s, d = units.summary.shape
+    if s != 1:
+        raise ValueError("only units summarized by one centroid are stored")
+    n = units.member.shape[2]
+    rows = max(u, math.ceil(n / d), 1)
+    packed = torch.zeros(g, 2, h, rows, d)
+    packed[:, 0, :, :u] = units.summary[:, :, :, 0].float().cpu()
+    members = torch.zeros(g, h, rows * d)
+    members[:, :, :n] = units.member.float().cpu()
+    packed[:, 1] = members.view(g, h, rows, d)
+    return packed
+
+
+def unpack_units(packed: Tensor, start: int, end: int, device: torch.device | str = "cpu") -> Units:
+    """`pack_units`' inverse for a round of slots [start, end)."""
+    g, _, h, rows, d = packed.shape
+    n = end - start
+    if n > rows * d:
+        raise ValueError(f"a units segment of {rows} rows cannot hold {n} tokens' units")
+    member = packed[:, 1].reshape(g, h, rows * d)[:, :, :n].long()
+    u = int(member.max()) + 1 if n else 1
+    if u > rows or bool((member < 0).any()):
+        raise ValueError("a units segment names units it does not hold")
+    summary = packed[:, 0, :, :u, None].to(device, torch.float32)
+    return Units(start, end, member.to(device), summary)
+
+
+def stores_units(policy) -> bool:
+    """Whether a chat policy keeps its rounds' units with the chat (`louiskv`)."""
+    return callable(getattr(policy, "round_units", None))
+
+
+def global_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(model.layers) if not layer.window]
+
+
+class ChatUnits:
+    """One chat's units in the store (see the module docstring); `policy`: the chat's message policy."""
+
+    def __init__(self, store: Store, writer: KVWriter, sid: str, fingerprint: str, model, policy):
+        self.store, self.writer, self.sid, self.fingerprint = store, writer, sid, fingerprint
+        self.model, self.policy = model, policy
+        self.layers = global_layers(model)
+
+    def save(self, cache, row: RoundRow, reply_at: int) -> None:
+        """Build the units of a round just answered (its reply's cuts are the policy's latest) and store them."""
+        with torch.inference_mode():
+            units = self.policy.round_units(cache, self.layers, row.token_start, reply_at, row.token_end)
+        cache.units[(row.token_start, row.token_end)] = units
+        self._submit(row, units)
+
+    def load(self, cache, rounds: list[RoundRow]) -> list[str]:
+        """Hand the cache every closed round's units, read from the store or built from its K/V (then stored);
+        the restore notes this adds."""
+        rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
+        built, damaged = [], []
+        device = cache.kv.device
+        for row in rounds:
+            span = (row.token_start, row.token_end)
+            if span in cache.units or row.token_end > cache.length or row.token_end <= row.token_start:
+                continue
+            units = self._read(rows.get(row.idx), row, device, damaged)
+            if units is None:
+                with torch.inference_mode():
+                    units = self.policy.round_units(cache, self.layers, row.token_start, row.token_end,
+                                                    row.token_end)
+                self._submit(row, units)
+                built.append(row.idx)
+            cache.units[span] = units
+        notes = []
+        if built:
+            why = f" ({'; '.join(damaged[:3])})" if damaged else " (stored without them)"
+            notes.append(f"retrieval units built for {len(built)} of {len(rounds)} rounds from their K/V{why}; "
+                         f"stored with the chat")
+        return notes
+
+    def _read(self, seg: dict | None, row: RoundRow, device, damaged: list[str]) -> Units | None:
+        if seg is None:
+            return None
+        if (seg["token_start"], seg["token_end"]) != (row.token_start, row.token_end):
+            damaged.append(f"round {row.idx}: units of other tokens")
+            return None
+        try:
+            header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
+            if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
+                raise ValueError("units of another model's shape")
+            return unpack_units(packed, row.token_start, row.token_end, device)
+        except (StorageError, ValueError) as exc:
+            damaged.append(f"round {row.idx}: {exc}")
+            return None
+
+    def _submit(self, row: RoundRow, units: Units) -> None:
+        self.writer.submit(self.sid, row.idx, pack_units(units), range(self.model.cfg.n_layers),
+                           range(row.token_start, row.token_end), kind=SEGMENT_UNITS)
