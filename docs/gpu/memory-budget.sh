@@ -27,7 +27,8 @@ part() {
   echo "part $name: exit status $? (124: stopped at the time limit; the JSON holds what finished)"
   # a failed method's child says why in full in its stderr.txt (the table keeps its last line, cut at 300 characters)
   find "/tmp/bench-memory-$name" -name stderr.txt -size +0 2>/dev/null | while read -r f; do
-    cp "$f" "$OUT/memory-$name-$(basename "$(dirname "$f")")-stderr.txt"; done
+    # (a method's folder may be named policy:round@4: the copy's name keeps letters, digits, '.', '_' and '-')
+    cp "$f" "$OUT/memory-$name-$(basename "$(dirname "$f")" | tr -c 'A-Za-z0-9._\n-' '_')-stderr.txt"; done
   rm -rf "/tmp/bench-memory-$name"
 }
 case "${1:-12gib}" in
