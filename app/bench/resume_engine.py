@@ -153,7 +153,10 @@ def _run_engine(spec: dict) -> dict:
             return {"status": f"skipped: {why}", "memory_plan": memory_plan}
         tiered = policy is not None and policy.tiered
     sid, planner, split = wl["sid"], None, {}
-    if method == "kv-split":
+    host_resident = getattr(policy, "host_resident", False)
+    if method == "kv-split" or (policy is not None and not tiered and not host_resident):
+        # kv-split's chat and planner; a policy over the full cache is restored as the app restores its chats
+        # (ChatService.wire: the machine's profile plans the restore, and the chat is compacted for it)
         sid, planner, split = _compacted_copy(store, engine, wl["sid"])
     elif method == "kv-merge":
         sid, split = _merged_copy(store, engine, wl["sid"], spec["model"])
@@ -168,9 +171,9 @@ def _run_engine(spec: dict) -> dict:
             cache = engine.new_cache(len(tokens) + 256)
             prefill(model, cache, tokens)
             return cache, text, None
-        # a tiered policy's cache, or a host-resident one's (the budget put an xkv chat in host memory)
-        own_cache = tiered or getattr(policy, "host_resident", False)
-        session = ChatSession(store, engine, sid, policy=policy if own_cache else None, planner=planner)
+        # the session under the method's policy, as the app's: its own cache where it has one (tiered, host memory),
+        # and what it keeps with the chat (louiskv's units, read at the restore)
+        session = ChatSession(store, engine, sid, policy=policy, planner=planner)
         stats = session.restore()
         if stats.tokens_recomputed:
             raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
