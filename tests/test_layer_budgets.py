@@ -77,6 +77,42 @@ def test_window_queries_are_the_prefills_and_leave_the_cache_as_it_was(engine):
     assert torch.equal(cache.read(cache.layers, 0, len(prompt)), before)
 
 
+def test_the_window_is_scored_from_the_messages_own_prefill_in_chunks_or_not(engine, monkeypatch):
+    """The window's queries come from the message's prefill (QueryTap), across its chunks, so they are not run
+    through every layer again; the budgets are those the second pass gave; a tap that did not see this message's
+    end (a reply of one token left it, another prefill came after) is not used."""
+    import kvchat.engine.policies.budgets as budgets
+
+    m, prompt = engine.model, engine.encode_prompt(QUESTION)
+    rerun = budgets.window_queries
+    choices = {}
+    for how in ("second pass", "tap", "tap, chunks of 5"):
+        policy = make_policy("xkv", engine, budget=0.4)
+        cache = m.new_cache(256)
+        policy.visible_slots(cache, [], prompt, model=m)
+        if how == "second pass":
+            m.query_tap = None
+        else:
+            monkeypatch.setattr(budgets, "window_queries", lambda *a: pytest.fail("the window ran again"))
+        cache.prefill_prompt(m, prompt, chunk=5 if "chunks" in how else 4096)
+        choice, slots = policy.choose(m, cache)
+        monkeypatch.setattr(budgets, "window_queries", rerun)
+        assert m.query_tap is None  # read once
+        choices[how] = choice.kept, [None if s is None else s.tolist() for s in slots]
+    assert choices["tap"] == choices["second pass"] == choices["tap, chunks of 5"]
+    # A tap that ends elsewhere than the cache (another chat's prefill fed it since) is left alone: the window runs
+    # again, and the choice is the second pass's.
+    policy = make_policy("xkv", engine, budget=0.4)
+    cache = m.new_cache(256)
+    policy.visible_slots(cache, [], prompt, model=m)
+    cache.prefill_prompt(m, prompt)
+    m.new_cache(16).prefill_prompt(m, prompt[:3])  # another chat's: the tap now holds its rows
+    ran = []
+    monkeypatch.setattr(budgets, "window_queries", lambda *a: ran.append(1) or rerun(*a))
+    choice, slots = policy.choose(m, cache)
+    assert ran == [1] and (choice.kept, [None if s is None else s.tolist() for s in slots]) == choices["second pass"]
+
+
 @pytest.mark.parametrize("name", BUDGET_POLICIES)
 def test_a_budget_of_the_whole_input_gives_the_full_caches_tokens(engine, name):
     m = engine.model

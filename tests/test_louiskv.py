@@ -91,13 +91,22 @@ def test_a_region_no_larger_than_the_budget_gives_the_full_caches_tokens(engine,
 
 
 @pytest.mark.parametrize("name", ["louiskv", "quest"])
-def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name):
+@pytest.mark.parametrize("told", ["before the prefill", "after it"])
+def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, told, monkeypatch):
+    """The first choice, from the last input token's queries: kept by the message's prefill when the policy is told
+    of the message before it (as generation does), else run again over the cache; the same lists either way."""
+    import kvchat.engine.policies.unit_retrieval as unit_retrieval
+
     m, cfg, prompt = engine.model, engine.config, long_prompt(engine)
     extra = {"tau": 0.5} if name == "louiskv" else {}
     policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, **extra)
     cache = m.new_cache(len(prompt) + 20)
+    if told == "before the prefill":
+        policy.visible_slots(cache, [0], prompt, model=m)
+        monkeypatch.setattr(unit_retrieval, "window_queries", lambda *a: pytest.fail("the last token ran again"))
     m(torch.tensor(prompt), cache)
-    policy.visible_slots(cache, [0], prompt, model=m)
+    if told == "after it":
+        policy.visible_slots(cache, [0], prompt, model=m)
     step = policy.decode_step(m, cache, 0, None, len(prompt) + 20, False)
     first = len(prompt)
     # what the step's lists hold after the prefill's choice, recomputed from the definitions

@@ -180,6 +180,29 @@ def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
     return None if weight is None else RMSNorm(weight, eps)
 
 
+class QueryTap:
+    """Keeps, per layer, the queries of the last `rows` tokens a prefill ran (across its chunks), and where they end:
+    what a KV policy scores after a message's prefill (XKV's observation window), read from the prefill itself
+    rather than by running those tokens through every layer again. Decode steps do not feed it."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.kept: dict[int, Tensor] = {}  # layer -> queries [<= rows, H, D]
+        self.end: dict[int, int] = {}  # layer -> the position after its last kept row
+
+    def keep(self, layer: int, start: int, q: Tensor) -> None:
+        """A prefill chunk's queries q [T, H, D] at positions [start, start + T) of `layer`."""
+        before = self.kept.get(layer) if self.end.get(layer) == start else None  # the chunk before this one
+        rows = q[-self.rows :] if before is None else torch.cat([before, q])[-self.rows :]
+        self.kept[layer], self.end[layer] = rows.detach().clone(), start + q.shape[0]
+
+    def queries(self, layers: list[int], end: int, n: int) -> dict[int, Tensor] | None:
+        """Each of `layers`' queries [n, H, D] of the tokens before position `end`, if the tap kept them all."""
+        if any(self.end.get(i) != end or self.kept[i].shape[0] < n for i in layers):
+            return None
+        return {i: self.kept[i][-n:] for i in layers}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: LayerWeights, rope: RotaryTable, rope_slot: int = 0, window: int = 0):
         super().__init__()
@@ -193,6 +216,7 @@ class DecoderLayer(nn.Module):
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
         # engine.policies.sparse_prefill.SparsePrefill: set for all layers by the Transformer
         self.sparse_prefill = None
+        self.query_tap: QueryTap | None = None  # set for all layers by the Transformer
         self.wqkv = weight_attribute(w.wqkv)
         self.bqkv = None if w.bqkv is None else nn.Parameter(w.bqkv, requires_grad=False)
         self.wo = weight_attribute(w.wo)
@@ -220,6 +244,8 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(x, rot)
         if queries is not None:
             queries.append(q)
+        if step is None and self.query_tap is not None:
+            self.query_tap.keep(layer, start, q)
         in_ring = bool(self.window) and cache.in_ring(layer)
         if step is not None:  # a decode step the kernels do not take: slot and length still live on the device
             kv = cache.layer(layer)
@@ -414,6 +440,16 @@ class Transformer(nn.Module):
     def _layer(self, cfg: ModelConfig, i: int, w: LayerWeights) -> DecoderLayer:
         local = bool(cfg.window(i)) and self.rope_local is not None
         return DecoderLayer(cfg, w, self.rope_local if local else self.rope, int(local), cfg.window(i))
+
+    @property
+    def query_tap(self) -> "QueryTap | None":
+        """What keeps a prefill's last queries per layer for a KV policy (QueryTap), or None."""
+        return self.layers[0].query_tap
+
+    @query_tap.setter
+    def query_tap(self, value: "QueryTap | None") -> None:
+        for layer in self.layers:
+            layer.query_tap = value
 
     @property
     def sparse_prefill(self):

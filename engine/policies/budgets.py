@@ -42,7 +42,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode
 from kvchat.engine.model.attention import Attend
-from kvchat.engine.model.decoder import Transformer
+from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.progressive_decode import ProgressiveDecode, layer_groups
 from kvchat.engine.policies.slot_lists import SlotListDecode
@@ -128,9 +128,12 @@ class LayerBudgetPolicy(KVPolicy):
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
-        # The message reads the whole chat; its last tokens are the window scored after its prefill.
+        # The message reads the whole chat; its last tokens are the window scored after its prefill, whose queries
+        # the prefill itself keeps (QueryTap), so they need not run through every layer again.
         self._window_tokens = list(new_tokens[-self.window:])
         self.last_choice = None  # until this message's reply chooses
+        if model is not None and not self.host_resident:  # a host-resident chat scores as it streams the message
+            model.query_tap = QueryTap(self.window)
         return None
 
     @torch.inference_mode()
@@ -183,7 +186,14 @@ class LayerBudgetPolicy(KVPolicy):
         """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window."""
         cfg = model.cfg
         first, n_win = cache.length, len(tokens)
-        queries = window_queries(model, cache, tokens)  # [L, T, H, D]
+        tap, model.query_tap = model.query_tap, None  # read once, and no later prefill feeds it
+        kept = tap.queries(layers, first, n_win) if tap is not None else None
+        if kept is not None:  # the message's prefill kept the window's queries: [L, T, H, D], global layers filled
+            queries = next(iter(kept.values())).new_zeros(cfg.n_layers, n_win, cfg.n_heads, cfg.head_dim)
+            for layer, q in kept.items():
+                queries[layer] = q
+        else:
+            queries = window_queries(model, cache, tokens)  # [L, T, H, D]
         out = []
         per_layer_bytes = cfg.n_heads * n_win * first * 4
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):

@@ -34,7 +34,7 @@ from torch import Tensor
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.units import TOKENS_PER_CLUSTER, Units, joined, slots_of_best_units, unit_scores
 from kvchat.engine.model.attention import Attend
-from kvchat.engine.model.decoder import Transformer
+from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.budgets import window_queries
 from kvchat.engine.policies.slot_lists import SlotListDecode
@@ -80,6 +80,8 @@ class UnitRetrievalPolicy(KVPolicy):
         self._round_starts = [*round_starts, cache.length]  # the new message starts where the chat ends
         self._last_token = new_tokens[-1] if new_tokens else None
         self.reply_cuts = []
+        if model is not None:  # the prefill keeps its last token's queries, which choose first
+            model.query_tap = QueryTap(1)
         return None  # the message reads the whole chat; the reply reads units of it
 
     def spans(self, first: int) -> list[tuple[int, int]]:
@@ -124,8 +126,14 @@ class UnitRetrievalDecode(SlotListDecode):
         self.summary, self.member, self.slots = joined(units)
         always = policy.always_read(self.first, device)
         self.always = always.expand(len(self.layers), model.cfg.n_kv_heads, -1)
-        # the last input token's queries, which choose first (and are the "previous" of the reply's first token)
-        self.previous = window_queries(model, cache, [policy._last_token])[:, 0][self.global_index]
+        # the last input token's queries, which choose first (and are the "previous" of the reply's first token):
+        # kept by the message's prefill, or run again over the cache
+        tap, model.query_tap = model.query_tap, None
+        kept = tap.queries(self.layers, self.first, 1) if tap is not None else None
+        if kept is not None:
+            self.previous = torch.stack([kept[i][-1] for i in self.layers])
+        else:
+            self.previous = window_queries(model, cache, [policy._last_token])[:, 0][self.global_index]
         self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
 
     @torch.inference_mode()
