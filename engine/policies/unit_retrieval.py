@@ -11,8 +11,9 @@ Decisions (LouisKV's open points, ../shared/papers/louiskv-design-notes.md), mad
 docs/benchmarks.md, "LouisKV":
 * The new message's prefill reads the whole chat (the full cache's), as XKV's does; units are read only by the
   reply. (A lazy resume, whose message reads units too, is the step after: issue 44.)
-* The first retrieval happens right after the prefill, with the last input token's queries (its K/V rewritten as
-  they were: engine.policies.budgets.window_queries); later ones after a decoded token whose queries trigger it, and
+* The first retrieval happens right after the prefill, with the last input token's queries (kept by the prefill:
+  engine.model.decoder.QueryTap; else run again, its K/V rewritten as they were:
+  engine.policies.budgets.window_queries); later ones after a decoded token whose queries trigger it, and
   serve the tokens after it (temporal locality: the next query is unknown when the slots are chosen).
 * Sinks and the buffer are always read and do not count against `tokens`; a region no larger than `tokens` is read
   whole (the engine's own step: the full cache's tokens exactly).
