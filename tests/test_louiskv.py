@@ -209,3 +209,27 @@ def test_a_chat_runs_under_louiskv_and_the_model_is_calibrated_on_first_use(kvch
     assert [json.loads(r)["kv_policy"] for r in replies["louiskv"]] == ["louiskv"] * 3
     (trigger,) = (kvchat_home / "calibrations").glob("*.trigger.json")
     assert len(json.loads(trigger.read_text())["tau"]) == 8
+
+
+def test_a_choice_at_a_boundary_rewrites_the_flagged_layers_alone_as_a_choice_of_all_would(engine):
+    m, prompt = engine.model, long_prompt(engine)
+    policy = make_policy("louiskv", engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, tau=0.5)
+    cache = m.new_cache(len(prompt) + 20)
+    policy.visible_slots(cache, [0], prompt, model=m)
+    m(torch.tensor(prompt), cache)
+    step = policy.decode_step(m, cache, 0, None, len(prompt) + 20, False)
+    q = torch.randn(len(step.layers), engine.config.n_heads, engine.config.head_dim,
+                    generator=torch.Generator().manual_seed(3))
+    before = step.chosen.clone(), step.base.clone()
+    flagged = torch.zeros(len(step.layers), dtype=torch.bool)
+    flagged[[1, len(step.layers) - 1]] = True
+    step.select(q, flagged)
+    some = step.chosen.clone(), step.base.clone()
+    step.select(q, torch.ones(len(step.layers), dtype=torch.bool))
+    for j, layer in enumerate(step.layers):
+        n = int(some[1][layer])
+        if flagged[j]:  # as the choice of every layer made it
+            assert n == int(step.base[layer]) and torch.equal(some[0][layer, :, :n], step.chosen[layer, :, :n])
+        else:  # untouched
+            assert n == int(before[1][layer]) and torch.equal(some[0][layer], before[0][layer])
+    assert not torch.equal(before[0], step.chosen)  # the new queries chose otherwise somewhere

@@ -139,12 +139,18 @@ class UnitRetrievalDecode(SlotListDecode):
 
     @torch.inference_mode()
     def select(self, q: Tensor, layers: Tensor) -> None:
-        """Write the lists of the global layers flagged in `layers` [G] bool from queries q [G, H, D]."""
-        scores = unit_scores(q, self.summary, self.model.cfg.softmax_scale)
-        best = slots_of_best_units(scores, self.member, self.slots, self.policy.tokens, self.policy.pool)
-        lists = torch.cat([self.always.to(torch.int32), best], 2).sort(dim=2).values
-        for j in layers.nonzero().flatten().tolist():
-            self.write(self.layers[j], lists[j])
+        """Write the lists of the global layers flagged in `layers` [G] bool (on the host) from queries q [G, H, D]:
+        only those layers are scored and ranked (a boundary is usually a few layers': the rest keep their lists)."""
+        flagged = layers.nonzero().flatten()
+        if len(flagged) < len(layers):
+            at = flagged.to(q.device)
+            q, summary, member, always = q[at], self.summary[at], self.member[at], self.always[at]
+        else:
+            summary, member, always = self.summary, self.member, self.always
+        scores = unit_scores(q, summary, self.model.cfg.softmax_scale)
+        best = slots_of_best_units(scores, member, self.slots, self.policy.tokens, self.policy.pool)
+        lists = torch.cat([always.to(torch.int32), best], 2).sort(dim=2).values
+        self.write_group(self.global_index[flagged.to(self.global_index.device)], lists)
         self.policy.selections += 1
 
     def after_token(self) -> None:
