@@ -221,16 +221,20 @@ def _run_engine(spec: dict) -> dict:
         t0 = time.perf_counter()
         cache, closed, starts = resume()
         t1 = time.perf_counter()
+        counted = _retrieval_counts(policy)
         out = answer(cache, closed, starts, wl["new_message"], REPLY_TOKENS)
         runs.append({"ttft_s": t1 - t0 + out.first_token_seconds, "resume_s": t1 - t0, "tokens": out.tokens,
                      "message_ttft_s": out.first_token_seconds, "decode_setup_s": out.decode_setup_seconds,
                      "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
                      **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
                      **(_host_figures(cache) if isinstance(cache, HostResidentKV) else {}),
-                     **(_stream_figures(restores[-1]) if method == "kv-split" else {})})
+                     **(_stream_figures(restores[-1]) if method == "kv-split" else {}),
+                     **(_retrieval_figures(policy, counted) if counted is not None else {})})
         close_sessions()
         del cache
     result = summarize(runs, wl, engine.device)
+    if "retrieval_choices" in runs[-1]:  # the last run's: the same chat and message each time
+        result.update({k: v for k, v in runs[-1].items() if k.startswith("retrieval_")})
     result["ttft_first_use_s"] = first_use_s
     result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
     if method == "kv-split":
@@ -289,6 +293,21 @@ def _budget(spec: dict):
     budget = memory_budget(spec["device"], spec["gpu_memory"])
     check_weights(spec["path"], budget)
     return budget
+
+
+def _retrieval_counts(policy) -> tuple[int, int] | None:
+    """A retrieval policy's (louiskv, quest) counters of choices made and tokens decoded so far, or None."""
+    if not hasattr(policy, "selections"):
+        return None
+    return policy.selections, policy.decoded
+
+
+def _retrieval_figures(policy, before: tuple[int, int]) -> dict:
+    """What a retrieval policy chose during one answer: its choices (the one after the prefill included), the
+    tokens it decoded, and the choices per decoded token (what a step's time beside its bytes goes to)."""
+    choices, decoded = policy.selections - before[0], policy.decoded - before[1]
+    return {"retrieval_choices": choices, "retrieval_decoded": decoded,
+            "retrieval_choices_per_token": choices / decoded if decoded else None}
 
 
 def _host_figures(cache) -> dict:
