@@ -95,7 +95,7 @@ def test_a_region_no_larger_than_the_budget_gives_the_full_caches_tokens(engine,
 def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, told, monkeypatch):
     """The first choice, from the last input token's queries: kept by the message's prefill when the policy is told
     of the message before it (as generation does), else run again over the cache; the same lists either way."""
-    import kvchat.engine.policies.unit_retrieval as unit_retrieval
+    import kvchat.engine.policies.budgets as budgets
 
     m, cfg, prompt = engine.model, engine.config, long_prompt(engine)
     extra = {"tau": 0.5} if name == "louiskv" else {}
@@ -103,7 +103,7 @@ def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, 
     cache = m.new_cache(len(prompt) + 20)
     if told == "before the prefill":
         policy.visible_slots(cache, [0], prompt, model=m)
-        monkeypatch.setattr(unit_retrieval, "window_queries", lambda *a: pytest.fail("the last token ran again"))
+        monkeypatch.setattr(budgets, "window_queries", lambda *a: pytest.fail("the last token ran again"))
     m(torch.tensor(prompt), cache)
     if told == "after it":
         policy.visible_slots(cache, [0], prompt, model=m)

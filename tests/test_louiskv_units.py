@@ -13,7 +13,7 @@ import torch
 import kvchat.engine.policies.louiskv as louiskv_module
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.service import ChatService
-from kvchat.app.session.units import global_layers, pack_units, unpack_units
+from kvchat.app.session.units import pack_units, unpack_units
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.kv.units import round_units, segment_units, sliced
 from kvchat.engine.policies import make_policy
@@ -184,7 +184,7 @@ def test_a_state_file_carries_the_units(kvchat_home, tmp_path):
                            model_path=info["model_path"]).session_id
     assert {i: s["file"] for i, s in stored_units(store, new_sid).items()} == \
         {i: s["file"] for i, s in stored_units(store, sid).items()}
-    layers = global_layers(shared_engine().model)
+    layers = shared_engine().config.global_layers
     for s in stored_units(store, new_sid).values():
         assert (store.kv_dir / s["file"]).exists() and s["layer_end"] - s["layer_start"] >= len(layers)
     assert Path(out).stat().st_size > 0

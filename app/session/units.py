@@ -62,17 +62,13 @@ def stores_units(policy) -> bool:
     return callable(getattr(policy, "round_units", None))
 
 
-def global_layers(model) -> list[int]:
-    return [i for i, layer in enumerate(model.layers) if not layer.window]
-
-
 class ChatUnits:
     """One chat's units in the store (see the module docstring); `policy`: the chat's message policy."""
 
     def __init__(self, store: Store, writer: KVWriter, sid: str, fingerprint: str, model, policy):
         self.store, self.writer, self.sid, self.fingerprint = store, writer, sid, fingerprint
         self.model, self.policy = model, policy
-        self.layers = global_layers(model)
+        self.layers = model.cfg.global_layers
 
     def save(self, cache, row: RoundRow, reply_at: int) -> None:
         """Build the units of a round just answered (its reply's cuts are the policy's latest) and store them."""

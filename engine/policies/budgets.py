@@ -186,14 +186,7 @@ class LayerBudgetPolicy(KVPolicy):
         """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window."""
         cfg = model.cfg
         first, n_win = cache.length, len(tokens)
-        tap, model.query_tap = model.query_tap, None  # read once, and no later prefill feeds it
-        kept = tap.queries(layers, first, n_win) if tap is not None else None
-        if kept is not None:  # the message's prefill kept the window's queries: [L, T, H, D], global layers filled
-            queries = next(iter(kept.values())).new_zeros(cfg.n_layers, n_win, cfg.n_heads, cfg.head_dim)
-            for layer, q in kept.items():
-                queries[layer] = q
-        else:
-            queries = window_queries(model, cache, tokens)  # [L, T, H, D]
+        queries = prefill_queries(model, cache, layers, tokens)  # [L, T, H, D]
         out = []
         per_layer_bytes = cfg.n_heads * n_win * first * 4
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
@@ -238,6 +231,21 @@ class LayerBudgetPolicy(KVPolicy):
 
 
 @torch.inference_mode()
+def prefill_queries(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int]) -> Tensor:
+    """The queries [L, T, H, D] of the cache's last T input slots, which hold `tokens`, at `layers` (the others
+    zeros): those the message's prefill kept (the model's QueryTap, read once: no later prefill feeds it), or, if it
+    did not keep them all, `window_queries`' (every layer, run again)."""
+    tap, model.query_tap = model.query_tap, None
+    kept = tap.queries(layers, cache.length, len(tokens)) if tap is not None else None
+    if kept is None:
+        return window_queries(model, cache, tokens)
+    cfg = model.cfg
+    queries = next(iter(kept.values())).new_zeros(cfg.n_layers, len(tokens), cfg.n_heads, cfg.head_dim)
+    for layer, q in kept.items():
+        queries[layer] = q
+    return queries
+
+
 def window_queries(model: Transformer, cache: KVCache, tokens: list[int]) -> Tensor:
     """The queries [L, T, H, D] of the cache's last T input slots, which hold `tokens`, at every layer: those tokens
     run again over the cache (their K/V, rewritten on the way, are put back as they were)."""

@@ -37,7 +37,7 @@ from kvchat.engine.kv.units import TOKENS_PER_CLUSTER, Units, joined, slots_of_b
 from kvchat.engine.model.attention import Attend
 from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
-from kvchat.engine.policies.budgets import window_queries
+from kvchat.engine.policies.budgets import prefill_queries
 from kvchat.engine.policies.slot_lists import SlotListDecode
 from kvchat.errors import KvchatError
 
@@ -129,12 +129,7 @@ class UnitRetrievalDecode(SlotListDecode):
         self.always = always.expand(len(self.layers), model.cfg.n_kv_heads, -1)
         # the last input token's queries, which choose first (and are the "previous" of the reply's first token):
         # kept by the message's prefill, or run again over the cache
-        tap, model.query_tap = model.query_tap, None
-        kept = tap.queries(self.layers, self.first, 1) if tap is not None else None
-        if kept is not None:
-            self.previous = torch.stack([kept[i][-1] for i in self.layers])
-        else:
-            self.previous = window_queries(model, cache, [policy._last_token])[:, 0][self.global_index]
+        self.previous = prefill_queries(model, cache, self.layers, [policy._last_token])[:, 0][self.global_index]
         self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
 
     @torch.inference_mode()
