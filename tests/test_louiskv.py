@@ -141,7 +141,42 @@ def test_louiskv_retrieves_again_only_where_the_query_turns(engine):
         out = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=8, policy=policy)
         counts[tau] = (policy.selections, policy.decoded, len(out.tokens))
     assert counts[-1.0][0] == 1
-    assert counts[1.0][0] == 1 + counts[1.0][1] and counts[1.0][1] == counts[1.0][2] - 1  # the last token is not fed
+    # the prefill's choice, then one before each later token's step (the last one's trigger chooses for no token)
+    assert counts[1.0][0] == counts[1.0][1] and counts[1.0][1] == counts[1.0][2] - 1  # the last token is not fed
+
+
+@pytest.mark.parametrize("name", ["louiskv", "quest"])
+def test_the_captured_step_and_its_choice_replay_decode_as_the_eager_ones(engine, name):
+    """On a CUDA graph the trigger runs inside the step and a choice is one more replay over every global layer,
+    the unflagged layers' lists kept (through the CPU stand-in for CUDA graphs): the same tokens, triggers, choices
+    and lists as the eager step, which chooses for the flagged layers alone."""
+    from graph_standin import standin_graphs
+
+    m, prompt = engine.model, long_prompt(engine)
+    extra = {"tau": 0.5} if name == "louiskv" else {}
+    runs = []
+    for graph in (False, True):
+        policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, **extra)
+        cache = m.new_cache(len(prompt) + 20)
+        policy.visible_slots(cache, [0], prompt, model=m)
+        made = []
+        real = policy.decode_step
+        policy.decode_step = lambda *a: made.append(real(*a)) or made[-1]
+        with standin_graphs() as graphs:
+            out = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=10,
+                           policy=policy, cuda_graph=graph)
+        cuts = torch.stack(policy.reply_cuts)
+        runs.append((out.tokens, policy.selections, cuts.tolist(), made[0].chosen.clone(), made[0].base.clone()))
+        if graph:
+            step_graph, choice_graph = graphs.graphs
+            assert step_graph.replays == len(out.tokens) - 1 and choice_graph.replays == policy.selections - 1
+    assert runs[0][:3] == runs[1][:3]
+    assert torch.equal(runs[0][3], runs[1][3]) and torch.equal(runs[0][4], runs[1][4])
+    cuts = torch.tensor(runs[0][2])
+    if name == "louiskv":  # some token flagged some layers and not others: the kept lists were exercised
+        assert bool(((cuts.sum(1) > 0) & (cuts.sum(1) < cuts.shape[1])).any())
+    else:
+        assert bool(cuts.all())
 
 
 def test_a_rounds_clusters_are_computed_once_for_every_later_message(engine, monkeypatch):
@@ -233,3 +268,12 @@ def test_a_choice_at_a_boundary_rewrites_the_flagged_layers_alone_as_a_choice_of
         else:  # untouched
             assert n == int(before[1][layer]) and torch.equal(some[0][layer], before[0][layer])
     assert not torch.equal(before[0], step.chosen)  # the new queries chose otherwise somewhere
+    # the captured choice's fixed-shape pass (every layer chosen, the unflagged ones kept) writes the same lists
+    chosen_all = step.chosen.clone()
+    step.chosen.copy_(before[0])
+    step.base.copy_(before[1])
+    step.previous.copy_(q)
+    step.redo.copy_(flagged)
+    step._choose_flagged()
+    assert torch.equal(step.chosen, some[0]) and torch.equal(step.base, some[1])
+    assert not torch.equal(step.chosen, chosen_all)

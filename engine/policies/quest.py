@@ -26,4 +26,4 @@ class QuestPages(UnitRetrievalPolicy):
         return page_units(span_keys(cache, layers, start, end), start, self.unit_tokens)
 
     def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
-        return torch.ones(current.shape[0], dtype=torch.bool)
+        return torch.ones(current.shape[0], dtype=torch.bool, device=current.device)

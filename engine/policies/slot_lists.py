@@ -106,6 +106,7 @@ class SlotListDecode:
         slot = self.cache.length
         if slot >= self.end:
             raise RuntimeError("the reply outgrew its decode step")
+        self.before_token()
         self.inputs.set(token, slot, slot)
         logits, queries = self._replay()
         if queries is not None:
@@ -114,6 +115,9 @@ class SlotListDecode:
         self.n_out += 1
         self.after_token()
         return logits[-1]
+
+    def before_token(self) -> None:
+        """Called before each token's step (a choice the previous token made due runs here); nothing by default."""
 
     def after_token(self) -> None:
         """Called after each token (a selection that is due runs here); nothing by default."""

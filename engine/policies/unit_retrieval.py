@@ -20,7 +20,9 @@ docs/benchmarks.md, "LouisKV":
 * One choice per KV head (the softmax over units averaged over the heads sharing it), `tokens` slots per KV head.
 
 The decode step is engine.policies.slot_lists' (per-layer, per-KV-head slot lists over the full cache); a choice
-rewrites the lists between steps (eagerly, as LoopServe's does).
+rewrites the lists between steps. On a CUDA graph the trigger runs inside the step and a choice is a second graph,
+replayed before the next token when the trigger fired (UnitRetrievalDecode): no host round trip beyond the one the
+decode loop makes for each token anyway.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import Tensor
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.units import TOKENS_PER_CLUSTER, Units, joined, slots_of_best_units, unit_scores
 from kvchat.engine.model.attention import Attend
+from kvchat.engine.model.cuda_graph import Replay
 from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.budgets import prefill_queries
@@ -115,22 +118,63 @@ def span_keys(cache: KVCache, layers: list[int], start: int, end: int) -> Tensor
 
 class UnitRetrievalDecode(SlotListDecode):
     """The reply's step: each global layer's lists hold the sinks, the buffer and its retrieved units' slots (then
-    the reply, as every slot list does), chosen after the prefill and again at each boundary."""
+    the reply, as every slot list does), chosen after the prefill and again at each boundary.
+
+    The trigger runs inside the step (in its CUDA graph): each token's r per global layer against the token before,
+    the layers it flags ([G] bool) copied to the host without waiting. The choice they call for is made before the
+    next token's step, when the host has already waited for this one (the decode loop reads each token): on a
+    CUDA graph, one more replay that chooses for every global layer and keeps the unflagged layers' lists as they
+    were (fixed shapes, no host round trip; ~1.5 ms of launches when chosen eagerly on the 8B shape at 32k, of a
+    ~3.4 ms step: docs/benchmarks.md, "LouisKV"); without one, eagerly for the flagged layers alone. The lists are
+    the same either way."""
 
     def __init__(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int,
                  policy: UnitRetrievalPolicy, spans: list[tuple[int, int]], capture: bool | None):
-        super().__init__(model, cache, prompt_start, capacity, None, capture, keep_queries=2)
+        cfg, device = model.cfg, model.device
         self.policy = policy
-        device = model.device
+        self.layers = [i for i in range(cfg.n_layers) if not model.layers[i].window]
         self.global_index = torch.tensor(self.layers, device=device)
+        # the last input token's queries, which choose first (and are the "previous" of the reply's first token):
+        # kept by the message's prefill, or run again over the cache; then each token's, written by its step
+        first_queries = prefill_queries(model, cache, self.layers, [policy._last_token])[:, 0][self.global_index]
+        self.previous = first_queries.clone()
+        self.redo = torch.zeros(len(self.layers), dtype=torch.bool, device=device)  # the step's trigger: [G]
+        n_reply = capacity - cache.length
+        # per reply token, the layers its trigger flagged, on the host (pinned: copied without waiting)
+        self.cuts = torch.zeros(n_reply, len(self.layers), dtype=torch.bool,
+                                pin_memory=device.type == "cuda")
+        self.cuts_copied = torch.cuda.Event() if device.type == "cuda" else None
+        super().__init__(model, cache, prompt_start, capacity, None, capture)
+        self.previous.copy_(first_queries)  # the captured step's warm-up runs wrote theirs
+        self.redo.zero_()
         units = [policy.units(cache, self.layers, a, b) for a, b in spans]
         self.summary, self.member, self.slots = joined(units)
-        always = policy.always_read(self.first, device)
-        self.always = always.expand(len(self.layers), model.cfg.n_kv_heads, -1)
-        # the last input token's queries, which choose first (and are the "previous" of the reply's first token):
-        # kept by the message's prefill, or run again over the cache
-        self.previous = prefill_queries(model, cache, self.layers, [policy._last_token])[:, 0][self.global_index]
+        always = policy.always_read(self.first, device).to(torch.int32)
+        self.always = always.expand(len(self.layers), cfg.n_kv_heads, -1)
+        self.n_sinks = min(policy.sinks, self.first)  # the always-read slots before the retrievable region
         self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
+        self._choice = Replay(self._choose_flagged, device, self._replay.graph is not None)
+
+    @torch.inference_mode()
+    def _step(self) -> tuple[Tensor, None]:
+        m = self.model
+        step = self.inputs.step(m)
+        step.chosen = self.chosen
+        step.n_chosen = self.base + (step.slot - self.first_slot + 1)  # the input's chosen, and the reply so far
+        queries: list[Tensor] = []
+        h = m.run_layers(m.embed(self.inputs.token), None, self.cache, None, step=step, queries=queries)
+        current = torch.stack([queries[i].reshape(m.cfg.n_heads, m.cfg.head_dim) for i in self.layers])
+        self.redo.copy_(self.policy.boundary(self.previous, current))
+        self.previous.copy_(current)
+        return m.head(h), None
+
+    def lists(self, q: Tensor, summary: Tensor, member: Tensor, always: Tensor) -> Tensor:
+        """The input slots [G', Hkv, n] the queries q [G', H, D] read: the sinks and the buffer, and their best
+        units' slots, ascending."""
+        scores = unit_scores(q, summary, self.model.cfg.softmax_scale)
+        best = slots_of_best_units(scores, member, self.slots, self.policy.tokens, self.policy.pool)
+        sinks = self.n_sinks  # ascending already: the sinks, the retrievable region's slots, the buffer
+        return torch.cat([always[:, :, :sinks], best, always[:, :, sinks:]], 2)
 
     @torch.inference_mode()
     def select(self, q: Tensor, layers: Tensor) -> None:
@@ -142,17 +186,37 @@ class UnitRetrievalDecode(SlotListDecode):
             q, summary, member, always = q[at], self.summary[at], self.member[at], self.always[at]
         else:
             summary, member, always = self.summary, self.member, self.always
-        scores = unit_scores(q, summary, self.model.cfg.softmax_scale)
-        best = slots_of_best_units(scores, member, self.slots, self.policy.tokens, self.policy.pool)
-        lists = torch.cat([always.to(torch.int32), best], 2).sort(dim=2).values
+        lists = self.lists(q, summary, member, always)
         self.write_group(self.global_index[flagged.to(self.global_index.device)], lists)
         self.policy.selections += 1
 
+    @torch.inference_mode()
+    def _choose_flagged(self) -> None:
+        """The choice the last step's trigger called for, as one fixed-shape pass (what the choice replay captures):
+        every global layer's lists from the last token's queries, the unflagged layers' kept as they were."""
+        lists = self.lists(self.previous, self.summary, self.member, self.always)
+        n = lists.shape[2]
+        old = self.chosen[self.global_index, :, :n]
+        self.chosen[self.global_index, :, :n] = torch.where(self.redo[:, None, None], lists, old)
+
+    def before_token(self) -> None:
+        if self.n_out == 0:
+            return
+        if self.cuts_copied is not None:
+            self.cuts_copied.synchronize()  # done already where the decode loop read the last token
+        flagged = self.cuts[self.n_out - 1]
+        if not bool(flagged.any()):
+            return
+        if self._choice.graph is not None:
+            self._choice()
+            self.policy.selections += 1
+        else:
+            self.select(self.previous, flagged)
+
     def after_token(self) -> None:
-        current = self.queries[(self.n_out - 1) % self.keep_queries][self.global_index]
-        redo = self.policy.boundary(self.previous, current).cpu()
+        row = self.cuts[self.n_out - 1]
+        row.copy_(self.redo, non_blocking=True)
+        if self.cuts_copied is not None:
+            self.cuts_copied.record()
         self.policy.decoded += 1
-        self.policy.reply_cuts.append(redo)
-        if redo.any():
-            self.select(current, redo)
-        self.previous = current
+        self.policy.reply_cuts.append(row)
