@@ -6,9 +6,12 @@ round again.
 - Saving: a round answered under a policy that stores units (`louiskv`) has them built from the cache right after
   its K/V is handed to the writer, and written the same way (the background writer, content-addressed files).
 - Opening: the chat's units are read once its K/V is in the cache, and handed to the cache (KVCache.units), where
-  the policy finds them. A round without units (saved before, or under another policy) or whose units cannot be
-  read (a damaged or missing file, another model's) gets them built from its K/V — clustered whole: no trigger
-  was watched for its reply — and stored, with one restore note saying how many and why.
+  the policy finds them. The rounds' files are read, checked and decompressed on several threads (hashing and
+  zstd release the GIL): one at a time they added ~1.2 s to a 32k chat's restore on the 8B shape, whose units
+  are ~1/8 of its raw K/V in float32 (docs/benchmarks.md, "LouisKV"). A round without units (saved before, or
+  under another policy) or whose units cannot be read (a damaged or missing file, another model's) gets them built
+  from its K/V — clustered whole: no trigger was watched for its reply — and stored, with one restore note saying
+  how many and why.
 
 A segment holds the units of one round in one float32 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
 [0, U) the centroids; plane 1, flattened, each token's unit (exact in float32 up to 2^24 units).
@@ -17,6 +20,8 @@ A segment holds the units of one round in one float32 tensor [G, 2, Hkv, rows, D
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -62,6 +67,10 @@ def stores_units(policy) -> bool:
     return callable(getattr(policy, "round_units", None))
 
 
+# Threads reading a chat's units files (each file is read, hashed and decompressed by one).
+READ_THREADS = min(8, os.cpu_count() or 1)
+
+
 class ChatUnits:
     """One chat's units in the store (see the module docstring); `policy`: the chat's message policy."""
 
@@ -83,18 +92,22 @@ class ChatUnits:
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         built, damaged = [], []
         device = cache.kv.device
-        for row in rounds:
-            span = (row.token_start, row.token_end)
-            if span in cache.units or row.token_end > cache.length or row.token_end <= row.token_start:
-                continue
-            units = self._read(rows.get(row.idx), row, device, damaged)
-            if units is None:
+        todo = [row for row in rounds if (row.token_start, row.token_end) not in cache.units
+                and row.token_start < row.token_end <= cache.length]
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(todo)))) as pool:
+            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), todo))
+        for row, (units, problem) in zip(todo, read):
+            if units is not None:
+                units = Units(units.start, units.end, units.member.to(device), units.summary.to(device))
+            else:
+                if problem:
+                    damaged.append(problem)
                 with torch.inference_mode():
                     units = self.policy.round_units(cache, self.layers, row.token_start, row.token_end,
                                                     row.token_end)
                 self._submit(row, units)
                 built.append(row.idx)
-            cache.units[span] = units
+            cache.units[(row.token_start, row.token_end)] = units
         notes = []
         if built:
             why = f" ({'; '.join(damaged[:3])})" if damaged else " (stored without them)"
@@ -102,20 +115,20 @@ class ChatUnits:
                          f"stored with the chat")
         return notes
 
-    def _read(self, seg: dict | None, row: RoundRow, device, damaged: list[str]) -> Units | None:
+    def _read(self, seg: dict | None, row: RoundRow) -> tuple[Units | None, str]:
+        """A round's units on the CPU, read from its segment (on a reader thread), or None and why not ('' where
+        it has none)."""
         if seg is None:
-            return None
+            return None, ""
         if (seg["token_start"], seg["token_end"]) != (row.token_start, row.token_end):
-            damaged.append(f"round {row.idx}: units of other tokens")
-            return None
+            return None, f"round {row.idx}: units of other tokens"
         try:
             header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
-            return unpack_units(packed, row.token_start, row.token_end, device)
+            return unpack_units(packed, row.token_start, row.token_end), ""
         except (StorageError, ValueError) as exc:
-            damaged.append(f"round {row.idx}: {exc}")
-            return None
+            return None, f"round {row.idx}: {exc}"
 
     def _submit(self, row: RoundRow, units: Units) -> None:
         self.writer.submit(self.sid, row.idx, pack_units(units), range(self.model.cfg.n_layers),
