@@ -8,11 +8,7 @@
 # The 8B shape has random weights, so its watershed is not calibrated: @4 is the paper's L_w = 5 for Llama-3 8B
 # (counted from 1), the rounds it picks are arbitrary, and only its speed and memory figures mean something.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt"
+source "$(dirname "$0")/device-env.sh"
 part() {
   local workloads=$1 name=$2 limit=$3
   timeout "$limit" python3 -m kvchat.app.cli bench --models llama-3.1-8b --workloads "$workloads" --device cuda \

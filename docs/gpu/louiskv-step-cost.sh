@@ -3,11 +3,7 @@
 # into /tmp/bench-models on first use, ~4 min, as docs/gpu/memory-budget.sh does) at 32k, budget 1,024 and 2,048:
 # docs/probes/louiskv_step_cost.py. Run from the repository root with the wheels in .whl/; results go to $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt"
+source "$(dirname "$0")/device-env.sh"
 MODEL=$(python3 -c "from pathlib import Path; from kvchat.app.bench.engine_speed import model_file
 print(model_file(Path('/tmp/bench-models'), 'llama-3.1-8b', 'Q4_K_M'))") || exit 1
 for tokens in ${TOKENS:-1024 2048}; do

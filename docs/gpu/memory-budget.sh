@@ -12,11 +12,7 @@
 #
 # Results (JSON, markdown, the log) go to $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 KVCHAT_HOME=/tmp/kvhome
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt"
+source "$(dirname "$0")/device-env.sh"
 part() {
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m kvchat.app.cli bench --models llama-3.1-8b --qtype Q4_K_M --workloads 32k \
