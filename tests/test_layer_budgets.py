@@ -130,7 +130,7 @@ def test_a_budget_of_the_whole_input_gives_the_full_caches_tokens(engine, name):
 @pytest.mark.parametrize("name", BUDGET_POLICIES)
 def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(engine, name):
     m, cfg = engine.model, engine.config
-    policy = make_policy(name, engine, budget=0.25)
+    policy = make_policy(name, engine, budget=0.25, window=8)  # a short chat: the paper's window
     cache, logits, prompt = prefilled(engine, policy)
     n = len(prompt)
     step = decode_steps(m, cache, 5, 200, None, 0, False, policy)
@@ -166,7 +166,7 @@ def test_a_working_set_of_the_kept_slots_decodes_as_the_slot_lists_and_holds_onl
     m, cfg = engine.model, engine.config
     runs = {}
     for working_set in (False, True):
-        policy = make_policy(name, engine, budget=0.25, working_set=working_set)
+        policy = make_policy(name, engine, budget=0.25, working_set=working_set, window=8)
         cache, logits, prompt = prefilled(engine, policy)
         n = len(prompt)
         step = decode_steps(m, cache, 8, 200, None, 0, False, policy)
@@ -201,7 +201,7 @@ def test_a_host_resident_chat_streams_each_message_through_the_device_and_answer
     second = engine.encode_prompt("What is my brother's city?")
     runs = {}
     for resident in ("device", "host"):
-        policy = make_policy("xkv", engine, budget=0.3, working_set=True)
+        policy = make_policy("xkv", engine, budget=0.3, working_set=True, window=8)  # a short chat: the paper's window
         cache = m.new_cache(256) if resident == "device" else HostResidentKV(m, policy, 64)
         out = []
         for prompt in (engine.encode_prompt(QUESTION), second):
@@ -233,7 +233,7 @@ def test_a_host_resident_message_runs_in_chunks_as_in_one_piece(engine):
     prompt = engine.encode_prompt(QUESTION)
     got = []
     for chunk in (4096, 7):
-        policy = make_policy("xkv", engine, budget=0.3, working_set=True)
+        policy = make_policy("xkv", engine, budget=0.3, working_set=True, window=8)  # a short chat: the paper's window
         host = HostResidentKV(m, policy, 16)  # grown on the way
         logits = host.prefill_prompt(m, prompt, chunk=chunk)
         got.append((logits, policy.last_choice.kept, host.host.read(range(cfg.n_layers), 0, len(prompt))))
@@ -284,7 +284,7 @@ def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_eve
     ({"budget": 0.0}, "in \\(0, 1\\]"),
     ({"budget": 1.5}, "in \\(0, 1\\]"),
     ({"budget": -0.2}, "in \\(0, 1\\]"),
-    ({"tokens": 4}, "smaller than the always-kept window of 8"),
+    ({"tokens": 4}, "smaller than the always-kept window of 32"),
     ({"pool": 4}, "odd"),
     ({"pooling": "median"}, "avg or max"),
     ({"working_set": True, "progressive": True}, "not with progressive=true"),

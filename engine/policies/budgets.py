@@ -1,13 +1,18 @@
 """Per-layer KV budgets (the base of engine.policies.xkv, .uniform and .pyramid): the new message's prefill reads the
 whole chat, then the reply reads, in each global layer, only the input slots that layer's budget keeps.
 
-What is scored (XKV's Alg. 2, SnapKV's observation window): the attention the input's last `window` tokens (8, the
-paper's `ows`) pay each earlier input slot, per layer and KV head — softmax probabilities over the keys each of
-them saw (causal), summed over the window's tokens and the KV head's query heads (kernels/slot_mass.py, the kernel
-LoopServe's selection runs) — then averaged over `pool` neighbouring slots, so that a value of several tokens is
-kept whole. The paper's `ps` is 7; kvchat's default is 15, chosen on a development set of the embedded model's
-held-out chats (policy comparison at budget 0.4: recall 34.0% with 7, 36.4% with 15, 36.0% with 31, 34.4% with 63,
-the full cache 41.1%; without pooling 2.7% on the report sets, where it was first tried).
+What is scored (XKV's Alg. 2, SnapKV's observation window): the attention the input's last `window` tokens pay
+each earlier input slot, per layer and KV head — softmax probabilities over the keys each of them saw (causal),
+summed over the window's tokens and the KV head's query heads (kernels/slot_mass.py, the kernel LoopServe's
+selection runs) — then averaged over `pool` neighbouring slots, so that a value of several tokens is kept whole.
+The paper's `ps` is 7; kvchat's default is 15, chosen on a development set of the embedded model's held-out chats
+(policy comparison at budget 0.4: recall 34.0% with 7, 36.4% with 15, 36.0% with 31, 34.4% with 63, the full cache
+41.1%; without pooling 2.7% on the report sets, where it was first tried). The paper's `ows` is 8; kvchat's window
+is 32: in a chat the input ends with the chat template's end of turn and the assistant's header, so the last 8
+tokens hold only the question's last words (on the embedded model: ' my', ' dog', '?' and five template tokens).
+On the same development set at 0.4: 92 of 253 answers with 8, 95 with 16, 97 with 24, 98 with 32, 94 with 48 and
+64; an oracle scoring with the expected reply's own attention keeps all 104 of the full cache's, so the window is
+what loses answers (docs/benchmarks.md, "What a choice of 0.4 can keep").
 
 Decisions the paper leaves open, made here once:
 * The window's own slots are always kept and counted in the budget: a layer keeps `window` + n_i input slots, and
@@ -79,7 +84,7 @@ class LayerBudgetPolicy(KVPolicy):
 
     budget: float = 0.2  # share of the input's slots a global layer keeps on average, window included, in (0, 1]
     tokens: int = 0  # instead of `budget`: input slots a global layer keeps on average (0: use `budget`)
-    window: int = 8  # the observation window: the input's last tokens, always kept, whose attention is scored
+    window: int = 32  # the observation window: the input's last tokens, always kept, whose attention is scored
     pool: int = 15  # slots pooled into each score (odd; the paper has 7: docs/benchmarks.md, "XKV")
     pooling: str = "avg"  # "avg": the paper's; "max": each slot scored as its best neighbour (LoopServe's)
     # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
