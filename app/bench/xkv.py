@@ -23,7 +23,11 @@ from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.app.bench.engine_speed import quantized_matrices
 from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies import make_policy
+from kvchat.engine.policies.budgets import LayerBudgetPolicy
 from kvchat.engine.timing import timed_runs
+
+# The new message: the context's last tokens, as many as the policies' observation window scores by default.
+MESSAGE_TOKENS = LayerBudgetPolicy.window
 
 
 @dataclass
@@ -52,7 +56,7 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
     model, device = engine.model, engine.device
     tokens = chat_tokens(engine, context)
     capacity = context + decode_tokens + 2
-    window = tokens[-8:].tolist()
+    window = tokens[-MESSAGE_TOKENS:].tolist()
 
     def prefill():
         cache = model.new_cache(capacity)
@@ -118,13 +122,13 @@ def speed_figures(engine: Engine, choice, tok_s: list[float], weights: int, full
 def host_resident_figures(engine: Engine, cache, tokens, budget: float, repeats: int, decode_tokens: int,
                           weights: int, full_kv: int, full_rate: float) -> dict:
     """xkv with the chat's K/V in host memory (engine.kv.host_resident): the history copied there from the
-    device cache layer by layer (as a restore would place it), the message (the last 8 tokens) streamed through
+    device cache layer by layer (as a restore would place it), the message (the last MESSAGE_TOKENS) streamed through
     the device, then the reply over the working set. The K/V the device holds is measured twice: as the cache
     accounts it (one staged layer while reading, the working set while writing) and as the allocator saw it (its
     peak above what was allocated before, the bench's own full cache aside)."""
     model, device, cfg = engine.model, engine.device, engine.config
     context = len(tokens)
-    history = context - 8
+    history = context - MESSAGE_TOKENS
     policy = make_policy("xkv", engine, budget=budget, working_set=True)
     hk = HostResidentKV(model, policy, context + decode_tokens + 2)
     for layer in range(cfg.n_layers):
