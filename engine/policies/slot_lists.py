@@ -95,11 +95,19 @@ class SlotListDecode:
         step = self.inputs.step(m)
         step.chosen = self.chosen
         step.n_chosen = self.base + (step.slot - self.first_slot + 1)  # the input's chosen, and the reply so far
-        queries: list[Tensor] | None = [] if self.keep_queries else None
+        queries: list[Tensor] | None = [] if self.keep_queries or self.watches_queries else None
         h = m.run_layers(m.embed(self.inputs.token), None, self.cache, None, step=step, queries=queries)
         if queries is None:
             return m.head(h), None
-        return m.head(h), torch.stack([q.reshape(m.cfg.n_heads, m.cfg.head_dim) for q in queries])
+        stacked = torch.stack([q.reshape(m.cfg.n_heads, m.cfg.head_dim) for q in queries])  # [L, H, D]
+        self.watch(stacked)
+        return m.head(h), stacked if self.keep_queries else None
+
+    watches_queries = False  # whether `watch` sees each step's queries
+
+    def watch(self, queries: Tensor) -> None:
+        """Inside the step (in its CUDA graph, so device work alone): the token's queries [L, H, D], where
+        `watches_queries`; nothing by default."""
 
     def __call__(self, token: int) -> Tensor:
         """Append one token at the next slot and return its logits [V]."""

@@ -155,18 +155,12 @@ class UnitRetrievalDecode(SlotListDecode):
         self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
         self._choice = Replay(self._choose_flagged, device, self._replay.graph is not None)
 
-    @torch.inference_mode()
-    def _step(self) -> tuple[Tensor, None]:
-        m = self.model
-        step = self.inputs.step(m)
-        step.chosen = self.chosen
-        step.n_chosen = self.base + (step.slot - self.first_slot + 1)  # the input's chosen, and the reply so far
-        queries: list[Tensor] = []
-        h = m.run_layers(m.embed(self.inputs.token), None, self.cache, None, step=step, queries=queries)
-        current = torch.stack([queries[i].reshape(m.cfg.n_heads, m.cfg.head_dim) for i in self.layers])
+    watches_queries = True
+
+    def watch(self, queries: Tensor) -> None:
+        current = queries[self.global_index]  # [G, H, D]
         self.redo.copy_(self.policy.boundary(self.previous, current))
         self.previous.copy_(current)
-        return m.head(h), None
 
     def lists(self, q: Tensor, summary: Tensor, member: Tensor, always: Tensor) -> Tensor:
         """The input slots [G', Hkv, n] the queries q [G', H, D] read: the sinks and the buffer, and their best
