@@ -393,7 +393,11 @@ async def test_the_round_policy_chosen_in_the_settings_is_saved_and_the_open_cha
         assert any("Calibrating the model for the round KV policy or for merging" in n for n in told)
         made = json.loads(next((data_dir() / "calibrations").glob("*[0-9a-f].json")).read_text())
         shipped = json.loads(artifacts.DEFAULT_MODEL.with_suffix(".calibration.json").read_text())
-        assert {**made, "date": None} == {**shipped, "date": None}  # the shipped file is what calibrating gives
+        # The shipped file is what calibrating gives: every decision the same, the KL curve and the agreements to the
+        # 4th decimal (another CPU's SIMD rounds the sums of a softmax differently in the 6th).
+        approx = {"curve": pytest.approx(shipped["curve"], abs=1e-4),
+                  "agreement": pytest.approx(shipped["agreement"], abs=1e-3), "date": None}
+        assert {**made, "date": None} == {**shipped, **approx}
         assert any("reopening “ada” under it" in n for n in told)
         session = app.backend._open[sid].session
         assert isinstance(session.cache, TieredKV)
