@@ -288,12 +288,54 @@ def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_eve
     ({"pool": 4}, "odd"),
     ({"pooling": "median"}, "avg or max"),
     ({"working_set": True, "progressive": True}, "not with progressive=true"),
+    ({"head": -1}, "count of reply tokens"),
+    ({"head": 4, "working_set": True}, "not with working_set"),
 ])
 def test_a_budget_out_of_range_is_one_line(engine, options, message):
     for name in BUDGET_POLICIES:
         with pytest.raises(KvchatError, match=message) as info:
             make_policy(name, engine, **options)
         assert "\n" not in str(info.value)
+
+
+def test_a_reply_head_reads_every_slot_then_joins_the_window(engine, monkeypatch):
+    """`head`: the reply's first tokens decode over the full cache (its tokens and logits exactly), then the budgets
+    are chosen with them in the window and kept like the window's slots; their queries run once together after the
+    message's tapped ones, which gives the choice a second pass of the whole window gives."""
+    import kvchat.engine.policies.budgets as budgets
+
+    m, head = engine.model, 3
+    cache, logits, _ = prefilled(engine, None)
+    full_tokens, full = decode(decode_steps(m, cache, 13, 200, None, 0, False, make_policy("full")), logits, 12)
+    rerun, ran, chosen = budgets.window_queries, [], {}
+    monkeypatch.setattr(budgets, "window_queries", lambda model, c, t: ran.append(len(t)) or rerun(model, c, t))
+    for how in ("the message's tap, the head run once", "the whole window run again"):
+        policy = make_policy("xkv", engine, budget=0.25, window=8, head=head)
+        cache, logits, prompt = prefilled(engine, policy)
+        choose = policy.choose
+        monkeypatch.setattr(policy, "choose", lambda model, c: chosen.setdefault(how, choose(model, c)))
+        step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+        tokens, rows = [int(logits.argmax())], [logits]
+        for _ in range(head):  # the head: nothing chosen yet
+            rows.append(step(tokens[-1]).clone())
+            tokens.append(int(rows[-1].argmax()))
+        assert how not in chosen and policy.last_choice is None
+        assert tokens == full_tokens[: head + 1]
+        torch.testing.assert_close(torch.stack(rows), full[: head + 1], rtol=1e-5, atol=1e-5)
+        ran.clear()
+        if how == "the whole window run again":
+            m.query_tap = None
+        step(tokens[-1])  # the choice, then the first token over the kept slots
+        assert ran == ([head] if how.startswith("the message") else [8 + head])
+        n = len(prompt) + head
+        choice, slots = chosen[how]
+        assert choice.input_slots == n and policy.kept_per_layer(n) == max(8 + head, -(-n // 4))
+        for layer in choice.global_layers:  # the window kept whole: the message's last 8 tokens and the head
+            assert all(row[-8 - head :].tolist() == list(range(n - 8 - head, n)) for row in slots[layer])
+    tapped, again = chosen["the message's tap, the head run once"][0], chosen["the whole window run again"][0]
+    assert tapped.kept == again.kept and tapped.retention == pytest.approx(again.retention, abs=1e-5)
+    assert [s.tolist() for s in chosen["the message's tap, the head run once"][1] if s is not None] == [
+        s.tolist() for s in chosen["the whole window run again"][1] if s is not None]
 
 
 def test_a_budget_runs_on_the_full_cache_only(engine):

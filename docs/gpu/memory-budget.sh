@@ -9,6 +9,8 @@
 #   bash docs/gpu/memory-budget.sh unlimited
 #   bash docs/gpu/memory-budget.sh xkv         # issue 43: kv-split and policy:xkv without a budget, then policy:xkv
 #                                              # at 8 GiB, where the chat's K/V stays in host memory (xkv:host)
+#   RUNS="1 2" bash docs/gpu/memory-budget.sh xkv-runs   # kv-split and policy:xkv without a budget, a bench run each
+#                                              # (cold, then 2 warm), to see whether xkv's first token holds in every run
 #
 # Results (JSON, markdown, the log) go to $OUT.
 set -uo pipefail
@@ -33,5 +35,7 @@ case "${1:-12gib}" in
   unlimited) part unlimited 560 ;;
   xkv)       METHODS=kv-split,policy:xkv part xkv-unlimited 300
              METHODS=policy:xkv part xkv-8gib 260 --gpu-memory 8GiB ;;
-  *) echo "usage: $0 12gib|8gib|unlimited|xkv" >&2; exit 2 ;;
+  xkv-runs)  for run in ${RUNS:-1 2 3}; do
+               METHODS=kv-split,policy:xkv REPEATS=2 part "xkv-run$run" "${LIMIT:-240}"; done ;;
+  *) echo "usage: $0 12gib|8gib|unlimited|xkv|xkv-runs" >&2; exit 2 ;;
 esac

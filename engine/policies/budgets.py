@@ -12,7 +12,12 @@ is 32: in a chat the input ends with the chat template's end of turn and the ass
 tokens hold only the question's last words (on the embedded model: ' my', ' dog', '?' and five template tokens).
 On the same development set at 0.4: 92 of 253 answers with 8, 95 with 16, 97 with 24, 98 with 32, 94 with 48 and
 64; an oracle scoring with the expected reply's own attention keeps all 104 of the full cache's, so the window is
-what loses answers (docs/benchmarks.md, "What a choice of 0.4 can keep").
+what loses answers (docs/benchmarks.md, "What a choice of 0.4 can keep"). Other ways of scoring the same window
+(the most any one token or query head pays a slot, each token's attention renormalized, the pool shifted back) moved
+recall by at most one answer (docs/probes/xkv_score_variants.py). What the oracle has and the window lacks is the
+reply's own start: with `head`, the reply's first tokens decode over every slot and then join the window, and the
+choice is made after them. It gained 3 answers of 6 on the development set at 4 tokens, and lost one on the report
+sets (docs/benchmarks.md, "With the window of 32"): it is off by default.
 
 Decisions the paper leaves open, made here once:
 * The window's own slots are always kept and counted in the budget: a layer keeps `window` + n_i input slots, and
@@ -90,6 +95,9 @@ class LayerBudgetPolicy(KVPolicy):
     # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
     # progressive decode, engine.policies.progressive_decode), the layer keeping its budget; off: chosen once.
     progressive: bool = False
+    # Beyond the paper: the reply's first `head` tokens read every slot, and their queries join the window's in the
+    # score (an answer's own start points at where it was told better than the question's words do). 0: the paper's.
+    head: int = 0
     # Beyond the paper: the reply decodes over a working set that holds each layer's kept slots alone, in a tensor of
     # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
     # off: over the full cache through per-layer slot lists. Not with `progressive` (its choice changes).
@@ -101,6 +109,7 @@ class LayerBudgetPolicy(KVPolicy):
     # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
     last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
+    _decoded: int = field(default=0, init=False, repr=False)  # of the window, reply tokens (`head`)
 
     def __post_init__(self):
         if not 0 < self.budget <= 1:
@@ -110,6 +119,9 @@ class LayerBudgetPolicy(KVPolicy):
         if (self.working_set or self.host_resident) and self.progressive:
             which = "working_set" if self.working_set else "host_resident"
             raise KvchatError(f"{which}=true decodes over the slots chosen once: not with progressive=true")
+        if self.head < 0 or (self.head and (self.working_set or self.host_resident or self.progressive)):
+            raise KvchatError("head is a count of reply tokens (0 or more), and not with working_set, host_resident "
+                              "or progressive")
         if self.pooling not in ("avg", "max"):
             raise KvchatError(f"pooling is avg or max, not {self.pooling!r}")
         if self.tokens < 0 or (self.tokens and self.tokens < self.window):
@@ -136,6 +148,7 @@ class LayerBudgetPolicy(KVPolicy):
         # The message reads the whole chat; its last tokens are the window scored after its prefill, whose queries
         # the prefill itself keeps (QueryTap), so they need not run through every layer again.
         self._window_tokens = list(new_tokens[-self.window:])
+        self._decoded = 0
         self.last_choice = None  # until this message's reply chooses
         if model is not None and not self.host_resident:  # a host-resident chat scores as it streams the message
             model.query_tap = QueryTap(self.window)
@@ -149,7 +162,8 @@ class LayerBudgetPolicy(KVPolicy):
         n_win = min(len(self._window_tokens), first)
         if not self.scores_needed(cfg, first, n_win):
             return self.keep_everything(cfg, first)
-        scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:])  # [G, Hkv, N]
+        scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:],
+                              min(self._decoded, n_win))  # [G, Hkv, N]
         return self.choice_from_scores(cfg, scores, first, n_win)
 
     def scores_needed(self, cfg, first: int, n_win: int) -> bool:
@@ -187,11 +201,13 @@ class LayerBudgetPolicy(KVPolicy):
             kept[layer] = chosen.shape[1]
         return BudgetChoice(first, kept, retention, globals_), slots
 
-    def _scores(self, model: Transformer, cache: KVCache, layers: list[int], tokens: list[int]) -> Tensor:
-        """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window."""
+    def _scores(self, model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0
+                ) -> Tensor:
+        """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window (its last
+        `after` tokens the reply's, decoded since the message's prefill)."""
         cfg = model.cfg
         first, n_win = cache.length, len(tokens)
-        queries = prefill_queries(model, cache, layers, tokens)  # [L, T, H, D]
+        queries = prefill_queries(model, cache, layers, tokens, after)  # [L, T, H, D]
         out = []
         per_layer_bytes = cfg.n_heads * n_win * first * 4
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
@@ -215,6 +231,13 @@ class LayerBudgetPolicy(KVPolicy):
                     cuda_graph: bool | None):
         if attend is not None or cache.slot_positions is not None:
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
+        if self.head and self.kept_per_layer(cache.length + self.head) < cache.length + self.head:
+            return ReplyHeadThenBudget(self, model, cache, prompt_start, capacity, cuda_graph)
+        return self.budget_step(model, cache, prompt_start, capacity, cuda_graph)
+
+    def budget_step(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int,
+                    cuda_graph: bool | None):
+        """The reply's step over the slots chosen now (None: every slot kept, the engine's own step)."""
         choice, slots = self.choose(model, cache)
         self.last_choice = choice
         if all(s is None for s in slots):
@@ -235,19 +258,63 @@ class LayerBudgetPolicy(KVPolicy):
         return step
 
 
+class ReplyHeadThenBudget:
+    """The reply's first `policy.head` tokens decode over the whole cache (the cache's own step), then the budgets are
+    chosen with those tokens in the window (their queries computed once, in one pass of the head's tokens) and the
+    reply goes on over the kept slots."""
+
+    def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
+                 capacity: int, cuda_graph: bool | None):
+        self.policy, self.model, self.cache = policy, model, cache
+        self.prompt_start, self.capacity, self.cuda_graph = prompt_start, capacity, cuda_graph
+        self.left = policy.head
+        self.step = cache.decode_step(model, policy.head + 1, capacity, cuda_graph=cuda_graph)
+        self.chosen = False
+
+    @torch.inference_mode()
+    def __call__(self, token: int) -> Tensor:
+        if not self.chosen and not self.left:
+            self.chosen = True
+            self.step = self.policy.budget_step(self.model, self.cache, self.prompt_start, self.capacity,
+                                                self.cuda_graph) or self.cache.decode_step(
+                self.model, self.capacity - self.cache.length, self.capacity, cuda_graph=self.cuda_graph)
+        if self.chosen:
+            return self.step(token)
+        self.left -= 1
+        self.policy._window_tokens.append(token)
+        self.policy._decoded += 1
+        # The message's tap is kept aside: an eager step would feed it and a graphed one not; the head's queries are
+        # run once, together, at the choice on every device.
+        tap, self.model.query_tap = self.model.query_tap, None
+        try:
+            return self.step(token)
+        finally:
+            self.model.query_tap = tap
+
+    def finish(self) -> None:
+        finish = getattr(self.step, "finish", None)
+        if finish is not None:
+            finish()
+
+
 @torch.inference_mode()
-def prefill_queries(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int]) -> Tensor:
-    """The queries [L, T, H, D] of the cache's last T input slots, which hold `tokens`, at `layers` (the others
-    zeros): those the message's prefill kept (the model's QueryTap, read once: no later prefill feeds it), or, if it
-    did not keep them all, `window_queries`' (every layer, run again)."""
+def prefill_queries(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0
+                    ) -> Tensor:
+    """The queries [L, T, H, D] of the cache's last T slots, which hold `tokens`, at `layers` (the others zeros):
+    those the message's prefill kept (the model's QueryTap, read once: no later prefill feeds it), the last `after`
+    (reply tokens decoded since the prefill, which decode steps do not tap) run once together; or, if the tap did not
+    keep the rest, `window_queries`' (every layer, run again)."""
     tap, model.query_tap = model.query_tap, None
-    kept = tap.queries(layers, cache.length, len(tokens)) if tap is not None else None
+    ours = tap is not None and after < len(tokens)
+    kept = tap.queries(layers, cache.length - after, len(tokens) - after) if ours else None
     if kept is None:
         return window_queries(model, cache, tokens)
     cfg = model.cfg
     queries = next(iter(kept.values())).new_zeros(cfg.n_layers, len(tokens), cfg.n_heads, cfg.head_dim)
     for layer, q in kept.items():
-        queries[layer] = q
+        queries[layer, : len(tokens) - after] = q
+    if after:  # the reply's tokens decoded since the prefill (a policy's `head`): run once, all together
+        queries[:, len(tokens) - after :] = window_queries(model, cache, tokens[len(tokens) - after :])
     return queries
 
 
