@@ -50,6 +50,13 @@ def slot_mass_ref(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None = N
     slot) -> [G, Hkv, N] float32: per layer and KV head, the softmax probabilities (over the keys each token may
     see: itself and before, the hidden input slots left out) of input slots [0, N), summed over tokens and the
     KV head's query heads."""
+    return slot_probabilities_ref(q, k, n_input, visible, scale).sum((2, 3))
+
+
+def slot_probabilities_ref(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None = None,
+                           scale: float | None = None) -> Tensor:
+    """`slot_mass_ref` before its sum: [G, Hkv, rep, T, N] float32, each query head of the KV head's group and each
+    token apart (docs/probes/xkv_score_variants.py sums them other ways)."""
     n_layers, n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, n_keys = k.shape[1], k.shape[2]
     rep = n_heads // n_kv_heads
@@ -65,7 +72,7 @@ def slot_mass_ref(q: Tensor, k: Tensor, n_input: int, visible: Tensor | None = N
         seen = seen & torch.cat([visible, visible.new_ones(n_layers, n_keys - n_input)], 1)[:, None]
     scores = scores.view(n_layers, n_kv_heads, rep, n_tokens, n_keys).mul_(scale)
     scores = scores.masked_fill_(~seen[:, None, None], float("-inf"))
-    return torch.softmax(scores, dim=-1).sum((2, 3))[..., :n_input]
+    return torch.softmax(scores, dim=-1)[..., :n_input]
 
 
 if triton is not None:

@@ -19,9 +19,7 @@ Prints the variant, the budget and the correct answers of the questions (docs/be
 from __future__ import annotations
 
 import argparse
-import math
 
-import torch
 import torch.nn.functional as F
 
 import kvchat.engine.policies.budgets as budgets
@@ -29,27 +27,14 @@ from kvchat.app.bench.evaluate import evaluate, heldout_chats
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
+from kvchat.kernels.slot_mass import slot_probabilities_ref
 
 VARIANTS = ("sum", "rowmax", "headmax", "renorm", "lead4")
 
 
-def window_probabilities(q, k, n_input: int, scale: float | None):
-    """q [G, T, H, D], k [G, Hkv, S, D] -> softmax probabilities [G, Hkv, rep, T, n_input] (causal), as
-    kernels/slot_mass.py's reference computes them before its sum."""
-    n_layers, n_tokens, n_heads, head_dim = q.shape
-    n_kv_heads, n_keys = k.shape[1], k.shape[2]
-    rep = n_heads // n_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    grouped = q.view(n_layers, n_tokens, n_kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4)
-    scores = grouped.reshape(n_layers, n_kv_heads, rep * n_tokens, head_dim).float() @ k.float().transpose(2, 3)
-    scores = scores.view(n_layers, n_kv_heads, rep, n_tokens, n_keys) * scale
-    seen = torch.arange(n_keys)[None, :] <= (n_keys - n_tokens + torch.arange(n_tokens))[:, None]
-    return torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)[..., :n_input]
-
-
 def variant_mass(variant: str):
     def mass(q, k, n_input, visible=None, scale=None):
-        p = window_probabilities(q, k, n_input, scale)
+        p = slot_probabilities_ref(q, k, n_input, visible, scale)  # [G, Hkv, rep, T, N]
         if variant == "rowmax":
             return p.amax(3).sum(2)
         if variant == "headmax":
