@@ -1,7 +1,9 @@
 """Where one louiskv choice's time goes on the GPU (engine.kv.units: unit_scores, slots_of_best_units, then the
 lists), at the 8B shape's sizes at 32k (32 global layers, 8 KV heads of 4 query heads, head size 128, ~2,070 units
 and ~32,500 retrievable slots per layer and KV head, 1,024 chosen), each part timed alone over many runs queued
-back to back (the GPU's time, launches hidden), and ways of ranking the slots beside the one the policy uses.
+back to back (the GPU's time, launches hidden), and ways of ranking the slots beside the one the policy uses: the
+torch path (kernels.unit_choice.slots_of_best_units_ref, its parts above it) and the fused Triton kernel that
+slots_of_best_units runs on CUDA (issue 44), whose lists are checked to be the torch path's.
 
     python docs/probes/unit_choice_cost.py [--slots 32500] [--units 2070] [--tokens 1024]
 """
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.engine.kv.units import slots_of_best_units, unit_scores
+from kvchat.kernels.unit_choice import slots_of_best_units_ref
 
 
 def gpu_ms(fn, runs: int = 50) -> float:
@@ -83,9 +86,12 @@ def main() -> None:
         "stable sort of the floats": lambda: torch.sort(pooled, dim=2, descending=True, stable=True),
         "slots of the order, sorted": lambda: slots[order].sort(dim=2).values.to(torch.int32),
         "lists written": write,
-        "slots_of_best_units (all of it)": lambda: slots_of_best_units(scores, member, slots, k, pool),
+        "slots_of_best_units, torch (all)": lambda: slots_of_best_units_ref(scores, member, slots, k, pool),
         "  its top-n of the floats": lambda: torch.topk(pooled, k, dim=2, sorted=False).values.amin(2, keepdim=True),
+        "slots_of_best_units, fused kernel": lambda: slots_of_best_units(scores, member, slots, k, pool),
     }
+    fused, torch_path = slots_of_best_units(scores, member, slots, k, pool), best
+    assert torch.equal(fused, torch_path), f"the fused kernel's lists differ in {(fused != torch_path).sum()} places"
     out = {name: gpu_ms(fn) for name, fn in parts.items()}
     for name, ms in out.items():
         print(f"{name:<34} {ms * 1e3:8.1f} us", flush=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvchat.kernels import unit_choice
 from kvchat.kernels.kmeans import DEFAULT_ITERATIONS, kmeans
 
 TOKENS_PER_CLUSTER = 16
@@ -151,22 +152,11 @@ def unit_scores(q: Tensor, summary: Tensor, scale: float) -> Tensor:
 
 
 def slots_of_best_units(scores: Tensor, member: Tensor, slots: Tensor, n: int, pool: int = 1) -> Tensor:
-    """The `n` listed slots (of `slots` [N]) of the best-scoring units per layer and KV head ([G, Hkv, U] scores,
-    each slot's unit [G, Hkv, N]) -> [G, Hkv, n] int32, ascending: slots ranked by their unit's score, ties to the
-    lower slot (whole units first, the last one cut at the budget). With `pool` > 1 (odd) a slot is ranked by the
-    best unit within pool // 2 listed slots of it (the neighbours of a chosen slot come with it)."""
-    n = min(n, slots.numel())
-    per_slot = scores.gather(2, member)  # [G, Hkv, N]
-    g, h, total = per_slot.shape
-    if pool > 1:
-        per_slot = torch.nn.functional.max_pool1d(per_slot.reshape(g * h, 1, total), pool, stride=1,
-                                                  padding=pool // 2).view(g, h, total)
-    # The order of a stable sort (the score, then the position: a unit's slots come in order, lowest first), as one
-    # top-n over int64 keys: a non-negative float's bits order as it does, and the low half breaks ties to the lower
-    # position. At 32k on the 8B shape (256 rows of ~32,500 slots) on an H100: 0.54 ms for the keys and their
-    # top-n, where the stable sort took 0.73 ms; a top-n of the scores alone, then the ties at the n-th resolved by
-    # positions in fixed shapes, took longer (0.89 ms in all against 0.80; docs/benchmarks.md, "LouisKV").
-    bits = (per_slot.float().clamp_min(0) + 0.0).view(torch.int32).long()  # + 0.0: no -0.0
-    position = torch.arange(total - 1, -1, -1, device=per_slot.device)  # the lower slot, the larger key
-    order = torch.topk((bits << 32) | position, n, dim=2, sorted=False).indices
-    return slots[order].sort(dim=2).values.to(torch.int32)
+    """The `n` listed slots (of `slots` [N], ascending) of the best-scoring units per layer and KV head ([G, Hkv, U]
+    scores, each slot's unit [G, Hkv, N]) -> [G, Hkv, n] int32, ascending: slots ranked by their unit's score, ties
+    to the lower slot (whole units first, the last one cut at the budget). With `pool` > 1 (odd) a slot is ranked by
+    the best unit within pool // 2 listed slots of it (the neighbours of a chosen slot come with it).
+
+    On CUDA one Triton kernel makes the choice (kernels/unit_choice.py: a radix select of each row's n-th best, no
+    host sync, so it runs inside the choice's CUDA graph); elsewhere its plain-torch reference, the same lists."""
+    return unit_choice.slots_of_best_units(scores, member, slots, n, pool)
