@@ -9,7 +9,8 @@ import torch
 
 from kvchat.engine.train.synthetic import make_model
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two threads on a two-core machine; one in each of the suite's two workers (pytest-xdist: below).
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(scope="session")
@@ -96,10 +97,27 @@ def pytest_configure(config):
         atexit.register(shutil.rmtree, cache, True)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): the whole suite (no files named) runs on two on a machine without
+    CUDA, as CI does: one process kept the second core busy ~20% of the time (model work of tiny models, child
+    processes starting, the app's tests waiting for their screens). Files or tests named run in this process, and
+    GPU tests one at a time (they share one device and time it)."""
+    if torch.cuda.is_available() or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return 0
+    return min(2, os.cpu_count() or 1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups given here
 def pytest_collection_modifyitems(config, items):
     # The tests that read the interpreter's child (triton_interpreter) run last: the child runs in the background
     # from the run's start, and by the end it has finished in the CPU time the other tests leave idle.
     items.sort(key=lambda item: item.name.endswith("_in_triton_s_interpreter"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A file's tests stay in one worker (its module fixtures are built once: a model, a measured chat), and
+        # the interpreter's tests all in one, which runs their child itself (triton_interpreter.start).
+        for item in items:
+            interpreted = item.name.endswith("_in_triton_s_interpreter")
+            item.add_marker(pytest.mark.xdist_group("triton-interpreter" if interpreted else item.path.name))
     if not os.environ.get("KVCHAT_STRESS"):
         stress = pytest.mark.skip(reason="a stress test: KVCHAT_STRESS=1 runs it")
         for item in items:

@@ -41,9 +41,11 @@ def passed_in_interpreter(test_file: str) -> int:
 
 def start() -> None:
     """Start the child for the collected files in the background, at the lowest priority (once; not inside a child:
-    it runs its tests itself)."""
+    it runs its tests itself; not in a pytest-xdist worker, where the worker that runs those tests runs it)."""
     global _started
     if _started is not None or _outcomes is not None or not collected_files or os.environ.get("TRITON_INTERPRET"):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start one: the one that runs them starts it then
         return
     files = sorted(collected_files)
     output = tempfile.TemporaryFile("w+")  # a file, not a pipe: a long report never blocks the child
