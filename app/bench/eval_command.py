@@ -29,7 +29,8 @@ def register(main: click.Group, model_option, to_device) -> None:
     @click.option("--kv-policy", "policy_name", default="full", show_default=True,
                   type=click.Choice(EVAL_POLICIES),
                   help="Which KV cache the questions are answered from.")
-    @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1), help="Held-out chats to run.")
+    @click.option("--chats", default=40, show_default=True, type=click.IntRange(min=1),
+                  help="Held-out chats to run (--phrasing written: all the set's chats unless given).")
     @click.option("--mode", default="app", show_default=True, type=click.Choice(["app", "compare"]),
                   help="app: recall as the app answers (every reply the model's own, kept in the chat); compare: "
                        "policy comparison (only questions answered, each rolled back to the expected reply, so every "
@@ -50,10 +51,19 @@ def register(main: click.Group, model_option, to_device) -> None:
                   help="krul: the share of layers merged (at most; the check may accept fewer).")
     @click.option("--unchecked", is_flag=True,
                   help="krul: merge the pairs the chat's attention statistics pick, without the model's check.")
-    @click.option("--phrasing", default="heldout", show_default=True, type=click.Choice(["heldout", "train", "dev"]),
+    @click.option("--phrasing", default="heldout", show_default=True,
+                  type=click.Choice(["heldout", "train", "dev", "written"]),
                   help="heldout: sentences written from templates training never saw; train: the training templates; "
                        "dev: a third disjoint set, for choosing between training runs (the values are held-out either "
-                       "way).")
+                       "way); written: the hand-written set of app/bench/written_eval.json (no template's), each fact "
+                       "told once and asked --min-distance+ rounds later, scored on exact copy.")
+    @click.option("--values", "values", default="heldout", show_default=True, type=click.Choice(["heldout", "random"]),
+                  help="heldout: the held-out pools' values (real names, cities, ...); random: random strings "
+                       "(letters, digits, mixed case, 2-16 characters, at times several words) in --phrasing's "
+                       "templates, each told once and asked --min-distance+ rounds later, scored on exact copy.")
+    @click.option("--min-distance", default=20, show_default=True, type=click.IntRange(min=1),
+                  help="--phrasing written, --values random: the fewest rounds between a fact and its question "
+                       "(--min-tokens does not apply: these chats are built, not drawn).")
     @click.option("--samples", default=0, show_default=True, type=click.IntRange(min=0),
                   help="Also sample this many replies at --temperature with the guard off, and count those that loop "
                        "or run past the model's reply cap.")
@@ -74,9 +84,9 @@ def register(main: click.Group, model_option, to_device) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `accuracy`).")
     @gpu_memory_option
     @click.pass_context
-    def eval_(ctx, model_path, policy_name, mode, chats, seed, report, min_rounds, max_rounds, min_tokens, device, watershed,
-              r_l, unchecked, phrasing, samples, temperature, text, lengths, positions, kv_budget, given_options,
-              as_json, gpu_memory) -> None:
+    def eval_(ctx, model_path, policy_name, mode, chats, seed, report, min_rounds, max_rounds, min_tokens, device,
+              watershed, r_l, unchecked, phrasing, values, min_distance, samples, temperature, text, lengths, positions,
+              kv_budget, given_options, as_json, gpu_memory) -> None:
         """Recall accuracy on held-out memory chats, per question kind, distance in rounds and phrasing family, and
         how politely out-of-scope prompts are answered; with --text, fidelity on real text."""
         from kvchat.app.bench.evaluate import (
@@ -86,6 +96,7 @@ def register(main: click.Group, model_option, to_device) -> None:
             heldout_chats,
             report_chats,
             sample_replies,
+            told_once_eval_chats,
         )
         from kvchat.app.chats import calibrating
         from kvchat.app.session.policies import build_policy
@@ -116,14 +127,25 @@ def register(main: click.Group, model_option, to_device) -> None:
             raise KvchatError("--report and --seed both name the chats: give one")
         if max_rounds < min_rounds:
             raise KvchatError(f"--max-rounds {max_rounds} is below --min-rounds {min_rounds}")
+        told_once = phrasing == "written" or values == "random"
+        if phrasing == "written" and values == "random":
+            raise KvchatError("--values random is for the generator's phrasings: the written set has its own values")
         engine = Engine(model_path, device=to_device(device))
         policy = build_policy(policy_name, engine, calibrating,
                               **_policy_options(policy_name, watershed, r_l, unchecked, given, kv_budget))
         try:
-            dialogues = report_chats(chats, min_rounds, max_rounds, engine, min_tokens, phrasing) if report else \
-                heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
+            if told_once:  # the written set whole unless --chats is given; random values: --chats chats
+                count = None if phrasing == "written" and \
+                    ctx.get_parameter_source("chats") == click.core.ParameterSource.DEFAULT else chats
+                dialogues = [dlg for s in (REPORT_SEEDS if report else (seed,)) for dlg in told_once_eval_chats(
+                    phrasing, values, count, s, min_rounds, max_rounds, min_distance)]
+            else:
+                dialogues = report_chats(chats, min_rounds, max_rounds, engine, min_tokens, phrasing) if report else \
+                    heldout_chats(chats, seed, min_rounds, max_rounds, engine, min_tokens, phrasing)
         except ValueError as exc:
-            raise KvchatError(f"{exc}; lower --min-tokens or raise --min-rounds") from None
+            fix = "raise --min-rounds or lower --min-distance" if told_once else \
+                "lower --min-tokens or raise --min-rounds"
+            raise KvchatError(f"{exc}; {fix}") from None
 
         from kvchat.app.cli_progress import counted_progress
 
@@ -134,8 +156,12 @@ def register(main: click.Group, model_option, to_device) -> None:
             result = evaluate(engine, policy, dialogues, progress=progress, mode=mode)
         d = result.as_dict() | ({"options": given} if given else {})
         d["seeds"] = list(REPORT_SEEDS) if report else [seed]
-        if samples:
-            more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds, phrasing=phrasing)
+        d["values"] = "written" if phrasing == "written" else values
+        if told_once:
+            d["min_distance"] = min_distance
+        if samples:  # (the generator's chats: the written set's replies are scored on exact copy alone)
+            more = heldout_chats(max(chats, samples // 10), seed + 1, min_rounds, max_rounds,
+                                 phrasing="heldout" if phrasing == "written" else phrasing)
             with counted_progress(f"eval: {samples} sampled replies", None if as_json else (
                     lambda done, total: click.echo(f"\r{done}/{total} sampled replies", nl=False, err=True))) as shown:
                 d["samples"] = sample_replies(engine, more, samples, temperature, seed, progress=shown).as_dict()
@@ -155,6 +181,14 @@ def register(main: click.Group, model_option, to_device) -> None:
             other = d["other_replies"]
             click.echo(f"  (every reply the model's own and kept; {other['as_expected']}/{other['replies']} replies to "
                        f"statements and small talk as the chat expected)")
+        copy = d["exact_copy"]
+        what = {"written": "the written set", "random": "random values"}.get(d["values"], "held-out values")
+        click.echo(f"exact copy ({what}{f', asked {min_distance}+ rounds after told' if told_once else ''}): "
+                   f"{copy['accuracy']:.1%} ({copy['correct']}/{copy['questions']}) replies with every value byte "
+                   f"for byte")
+        for title in ("by_kind", "by_length"):
+            cells = "  ".join(f"{k} {v['accuracy']:.1%} ({v['questions']})" for k, v in copy[title].items())
+            click.echo(f"  exact copy {title.replace('_', ' ')}: {cells}")
         if "merged_layer_fraction" in d:
             click.echo(f"layers merged: {d['merged_layer_fraction']:.1%} of the model's, on average at a question")
         for title in ("by_repeat", "by_values", "by_kind", "by_position", "by_distance", "by_stated", "by_asked"):

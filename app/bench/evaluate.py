@@ -12,10 +12,14 @@ Each chat is fed round by round into one KV cache, in one of two modes:
 
 A question counts when the reply equals the expected one exactly. Recall is reported per question kind, position,
 distance and phrasing family, apart for *repeated* questions (the same expected reply was an earlier round's) and
-for questions whose values training chats also use (weekdays and months). Out-of-scope prompts (greetings, thanks,
-requests, questions about something never told) are scored too: a reply counts as polite when it is one of the
-demo model's fixed short replies. `sample_replies` samples replies at a temperature with the guard off, to count
-the ones that loop or run past the cap.
+for questions whose values training chats also use (weekdays and months). Every question is also scored on **exact
+copy**: whether each value it asks for is in the reply byte for byte and whole (`copies_value`: not part of a longer
+word or number), whatever the words around it; per value kind (a slot's pool, or a told-once item's kind) and
+length. Told-once chats (engine/data/told_once.py: random values; app/bench/written_eval.py: the hand-written set),
+whose replies' wording is free, are judged on it. Out-of-scope prompts (greetings, thanks, requests, questions
+about something never told) are scored too: a reply counts as polite when it is one of the demo model's fixed short
+replies. `sample_replies` samples replies at a temperature with the guard off, to count the ones that loop or run
+past the cap.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvchat.app.bench.written_eval import written_chats
 from kvchat.app.session.chat import settled_prefix
-from kvchat.engine.data.dialogues import POLITE_REPLIES, Dialogue, dialogues
+from kvchat.engine.data.dialogues import POLITE_REPLIES, Dialogue, Question, dialogues, slot_for
+from kvchat.engine.data.told_once import MIN_DISTANCE, ToldOnceQuestion, copies_value, random_value_chats
 from kvchat.engine.engine import Engine
 from kvchat.engine.generate import generate, prefill
 from kvchat.engine.kv.tiered import TieredKV
@@ -96,6 +102,11 @@ class EvalResult:
     kv_fractions: list[float] = field(default_factory=list)
     round_fractions: list[float] = field(default_factory=list)
     merged_fractions: list[float] = field(default_factory=list)  # Krul: share of layers merged, at each question
+    # Exact copy: a question counts when every value it asks for is in the reply byte for byte (copies_value); per
+    # value, by its kind (a slot's pool, or a told-once item's kind) and by its length in characters.
+    exact_copy: Tally = field(default_factory=Tally)
+    exact_copy_by_kind: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    exact_copy_by_length: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
 
     @property
     def accuracy(self) -> float:
@@ -120,6 +131,10 @@ class EvalResult:
                 "by_distance": table(self.by_distance), "by_stated": table(self.by_stated),
                 "by_asked": table(self.by_asked), "by_repeat": table(self.by_repeat),
                 "by_values": table(self.by_values),
+                "exact_copy": {"questions": self.exact_copy.questions, "correct": self.exact_copy.correct,
+                               "accuracy": round(self.exact_copy.accuracy, 4),
+                               "by_kind": table(self.exact_copy_by_kind),
+                               "by_length": table(self.exact_copy_by_length)},
                 **({"other_replies": {"replies": self.other_replies.questions,
                                       "as_expected": self.other_replies.correct}} if self.mode == "app" else {}),
                 "out_of_scope": {"prompts": self.out_of_scope.questions, "polite": self.out_of_scope.correct,
@@ -137,6 +152,18 @@ class EvalResult:
 def reply_matches(got: str, expected: str) -> bool:
     """A recall answer counts when it is the expected reply exactly (surrounding whitespace aside)."""
     return got.strip() == expected.strip()
+
+
+def value_kinds(q: Question) -> tuple[str, ...]:
+    """The kind of each value `q` asks for: a told-once question's own, else its slot's pool ("names", ...)."""
+    if isinstance(q, ToldOnceQuestion):
+        return (q.value_kind,) * len(q.values)
+    return tuple(slot_for(k).field for k in q.keys)
+
+
+def length_bucket(value: str) -> str:
+    n = len(value)
+    return "1-4 chars" if n <= 4 else "5-8 chars" if n <= 8 else "9-16 chars" if n <= 16 else "17+ chars"
 
 
 def _sort_key(label: str) -> tuple:
@@ -165,6 +192,19 @@ def heldout_chats(count: int, seed: int, min_rounds: int, max_rounds: int, engin
             if len(chosen) == count:
                 return chosen
     raise ValueError(f"too few held-out chats of {min_rounds}-{max_rounds} rounds reach {min_tokens} tokens")
+
+
+def told_once_eval_chats(phrasing: str, values: str, count: int | None, seed: int, min_rounds: int,
+                         max_rounds: int, min_distance: int = MIN_DISTANCE) -> list[Dialogue]:
+    """Told-once chats: with phrasing "written" the hand-written set (all of it, or its first `count` chats), else
+    `count` chats of random values in `phrasing`'s templates (`values` "random")."""
+    if phrasing == "written":
+        if values != "heldout":
+            raise ValueError("the written set has its own values: --values random is for the generator's phrasings")
+        return written_chats(seed, min_rounds, max_rounds, min_distance, count)
+    if values != "random":
+        raise ValueError(f"told-once chats of {phrasing} phrasing take random values, not {values}")
+    return random_value_chats(count or 1, seed, min_rounds, max_rounds, min_distance, phrasing)
 
 
 def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_tokens: int = 64,
@@ -234,12 +274,19 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
                                (result.by_asked, q.asked), (result.by_repeat, repeat), (result.by_values, values)):
                 table[key].add(ok)
             result.overall.add(ok)
+            copied = [copies_value(out.text, v) for v in q.values]
+            result.exact_copy.add(all(copied))
+            for value, kind, hit in zip(q.values, value_kinds(q), copied):
+                result.exact_copy_by_kind[kind].add(hit)
+                result.exact_copy_by_length[length_bucket(value)].add(hit)
             if tiered and round_starts:
                 result.kv_fractions.append(cache.device_bytes() / cache.full_bytes())
                 kept = len(set(cache.stats.chosen) | set(cache.stats.added) | set(cache.stats.found))
                 result.round_fractions.append(kept / len(round_starts))
-            if not ok and len(result.failures) < 20:
-                result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text})
+            # a told-once reply's wording is free: it fails when it does not copy the value
+            if (not all(copied) if isinstance(q, ToldOnceQuestion) else not ok) and len(result.failures) < 20:
+                result.failures.append({"question": rnd.user[-120:], "expected": rnd.assistant, "got": out.text,
+                                        "exact_copy": all(copied)})
         elif out is not None:
             result.other_replies.add(ok)
         expected_before.add(rnd.assistant.strip())
