@@ -74,8 +74,9 @@ def test_round_text_matches_the_shipped_template(models):
 def _all_templates():
     from kvchat.engine.data import dialogues as d
 
-    groups = [d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS, d._REQUESTS]
-    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat")]:
+    groups = [d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS, d._REQUESTS,
+              *d.COPY_WRAPPERS]
+    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat"), *d.copy_mix_slots()]:
         groups += [slot.states, slot.asks, slot.recalls]
     return groups
 
@@ -216,9 +217,9 @@ def _phrasing_groups():
     from kvchat.engine.data import dialogues as d
 
     groups = [([g], "") for g in (d._REMEMBER, d._LIST, d._CORRECT_FULL, d._CORRECT_SHORT, d._GREETINGS, d._THANKS,
-                                   d._REQUESTS)]
+                                   d._REQUESTS, *d.COPY_WRAPPERS)]
     groups.append(([d._OPENERS, d._CLOSERS, d._ASK_OPENERS, d._ASK_CLOSERS], ""))
-    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat")]:
+    for slot in [*d.SLOTS, d.called_slot("my", "boat"), d.called_slot("the", "sailboat"), *d.copy_mix_slots()]:
         subject = slot.key.removeprefix("called:") if slot.key.startswith("called:") else \
             slot.answer.removeprefix("Your ").split(" is ")[0].split(" are ")[0].lower()
         groups.append(([slot.states, slot.asks, slot.recalls], subject))

@@ -57,7 +57,7 @@ def _generator_grams() -> dict[tuple[str, ...], str]:
     dets = ("my", "our", "the")
     nouns = sorted(set(d._NOUNS_TRAIN + d._NOUNS_HELDOUT + d._NOUNS_DEV))
     groups = [v for v in vars(d).values() if isinstance(v, d.Templates)]
-    for slot in [*d.SLOTS, *(d.called_slot(det, noun) for det in dets for noun in nouns)]:
+    for slot in [*d.SLOTS, *(d.called_slot(det, noun) for det in dets for noun in nouns), *d.copy_mix_slots()]:
         groups += [slot.states, slot.asks, slot.recalls]
     texts = [t for g in groups for t in (*g.train, *g.more, *g.dev, *g.heldout)] + d._FILLER + d._FILLER_HELDOUT
     found: dict[tuple[str, ...], str] = {}

@@ -25,11 +25,18 @@ Users write the way people do: "remember that ...", "X is called Y", several fac
 and without a question mark, in lower case, with a one-letter typo, "what did I say my ... was?", corrections
 ("actually, it's ..."). What the model cannot do gets a short polite reply (POLITE_REPLIES): greetings, thanks,
 requests to write, explain or compute, and questions about something never told.
+
+An option, `mix="copy"` (issue 45), makes a share of the facts told ones whose values must be copied whatever they
+look like: random strings and codes, dates, times, phone numbers and amounts, several attributes of one named thing,
+facts told in passing, other spellings and slips (the section "the copy mix" below: its values and templates are
+split the same way). Without it every chat is the one the same arguments always gave.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -177,6 +184,13 @@ POSITIONS = ("alone", "begin", "middle", "end")
 STATED_FAMILIES = ("plain", "remember", "called", "list", "correction")
 ASKED_FAMILIES = ("plain", "what_did_i_say", "no_question_mark", "lower_case", "typo")
 OUT_OF_SCOPE_KINDS = ("greeting", "thanks", "request", "unknown")
+# The copy mix (issue 45; `mix="copy"`): facts whose values must be copied whatever they look like. Its own
+# families beside the ones above: a fact told in passing inside a longer sentence, a question typed with the other
+# English spelling, a dropped apostrophe or a slip (`respell`).
+MIXES = ("copy",)
+COPY_SHARE = 0.5  # the share of facts told that are the copy mix's, by default
+COPY_STATED_FAMILIES = ("in_passing",)
+COPY_ASKED_FAMILIES = ("respelled",)
 
 GREETING_REPLY = "Hello! Tell me something to remember, and ask me about it later."
 THANKS_REPLY = "You're welcome."
@@ -235,7 +249,8 @@ class Slot:
         return f"Noted: {text[0].lower()}{text[1:]}"
 
 
-def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), (), (), ())) -> Slot:
+def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=((), (), (), ()),
+               extra_asks=((), (), (), ())) -> Slot:
     """A fact of the form "my {x} is {v}"."""
     be, was, it = ("are", "were", "they") if plural else ("is", "was", "it")
     return Slot(
@@ -252,13 +267,14 @@ def _attribute(key: str, x: str, field: str, plural: bool = False, extra_states=
         _t([f"What {be} my {x}?", f"Can you tell me my {x}?", f"Do you remember my {x}?", f"Tell me my {x}.",
             f"Which {'ones' if plural else 'one'} {be} my {x}?", f"And my {x}?", f"Do you know my {x}?",
             f"What was my {x}?", f"Could you tell me what my {x} {be}?"]
-           + ([f"What's my {x}?"] if not plural else []),
+           + ([f"What's my {x}?"] if not plural else []) + list(extra_asks[0]),
            [f"Do you happen to know my {x}?", f"I forgot my {x}. What {be} {it}?", f"Any clue about my {x}?",
-            f"My {x}, what {be} {it}?"],
-           [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?"],
+            f"My {x}, what {be} {it}?", *extra_asks[1]],
+           [f"Can you recall my {x}?", f"Please tell me what my {x} {be}.", f"Would you remind me of my {x}?",
+            *extra_asks[2]],
            [f"Say my {x}.", f"Give me my {x}.", f"How about my {x}?", f"What about my {x}?",
             f"Do you still know my {x}?", f"You know my {x}, right?", f"What {be} my {x}, do you remember?",
-            f"So what {be} my {x}?", f"I need my {x}."]),
+            f"So what {be} my {x}?", f"I need my {x}.", *extra_asks[3]]),
         _t([f"What did I say my {x} {was}?", f"What did I tell you my {x} {was}?",
             f"What did I say about my {x}?", f"Remember my {x}? What {was} {it}?"],
            [f"Remind me, which {was} my {x} again?",
@@ -365,6 +381,12 @@ def slot_for(key: str) -> Slot:
     if key.startswith("called:"):
         det, noun = key.removeprefix("called:").split(" ", 1)
         return called_slot(det, noun)
+    if key.startswith("attr:"):  # an attribute of a named thing (the copy mix): "attr:age:my dog"
+        _, attribute, thing = key.split(":", 2)
+        det, noun = thing.split(" ", 1)
+        return entity_slot(attribute, det, noun)
+    if key in _COPY_SLOTS:
+        return _COPY_SLOTS[key]
     return _FIXED_SLOTS[key]
 
 
@@ -474,6 +496,496 @@ def typo(text: str, rng: random.Random, protect: tuple[str, ...] = ()) -> str:
     return " ".join(words)
 
 
+# ---- the copy mix (issue 45): values to copy whatever they look like ----
+#
+# `mix="copy"` (dialogues, make_dialogue) makes a share of the facts told these: random strings as names, codes and
+# the like; dates, times, years, phone numbers and amounts in their common written forms; several attributes of one
+# named thing, asked one at a time; facts told in passing; and facts and questions typed with the other English
+# spelling, a dropped apostrophe or a slip. Its values are split like the pools': a string the generator makes is
+# held out when the CRC-32 of its bytes is 3 mod 7 (`held_out_value`), so held-out chats never tell one a training
+# chat could; breeds are made up in training and real in held-out chats, like names. Its templates keep the
+# module's rule: no held-out one shares four words in a row (the thing told or asked masked) with a trained or dev
+# one of its group (`copy_mix_slots`, `COPY_WRAPPERS`).
+
+_PLACEHOLDERS = ("\x11", "\x12", "\x13", "\x14")  # stand for the values while the words around them change
+
+# Facts of the form "my {x} is {v}" (`_attribute`) and their own ways of telling and asking: (key, the thing, the
+# value field, states (train, held-out, dev), asks (train, held-out, dev)).
+_COPY_ATTRIBUTES = [
+    ("code:wifi", "wifi password", "codes",
+     (["the wifi password is {v}", "the password for our wifi is {v}"], ["to get online here you type {v}"],
+      ["the router's key is {v}"]),
+     (["What is the wifi password?"], ["How do I get online here?"], ["What's the router's key?"])),
+    ("code:door", "door code", "codes",
+     (["the code for the front door is {v}", "the door opens with {v}"], ["the keypad by the door wants {v}"],
+      ["to open the door I type {v}"]),
+     (["What opens the front door?"], ["What does the keypad by the door want?"], ["How do I open the door?"])),
+    ("code:booking", "booking code", "codes",
+     (["my booking is under {v}", "the booking code is {v}"], ["they confirmed the reservation as {v}"],
+      ["the reservation code is {v}"]),
+     (["What is the booking code?"], ["Under what did they confirm the reservation?"],
+      ["What's the reservation code?"])),
+    ("code:username", "username", "codes",
+     (["I log in as {v}", "my login is {v}"], ["online I go by {v}"], ["I sign in as {v}"]),
+     (["What do I log in as?"], ["What name do I go by online?"], ["What do I sign in as?"])),
+    ("code:bike lock", "bike lock code", "codes",
+     (["my bike lock opens with {v}", "the lock on my bike is {v}"], ["the combination for the bike is {v}"],
+      ["I unlock my bike with {v}"]),
+     (["What opens my bike lock?"], ["What's the combination for the bike?"], ["How do I unlock my bike?"])),
+    ("code:parcel", "tracking number", "codes",
+     (["the parcel's tracking number is {v}", "my parcel can be tracked with {v}"],
+      ["the courier gave me {v} to follow the parcel"], ["the parcel's code is {v}"]),
+     (["How do I track my parcel?"], ["What did the courier give me to follow the parcel?"],
+      ["What's the parcel's code?"])),
+    ("code:member", "member ID", "codes",
+     (["my member ID is {v}", "at the club I'm member {v}"], ["the club knows me by {v}"], ["my club number is {v}"]),
+     (["What is my member ID?"], ["By what does the club know me?"], ["What's my club number?"])),
+    ("date:flight", "flight date", "dates",
+     (["my flight is on {v}", "my plane takes off on {v}"], ["I'm flying out on {v}"], ["the plane leaves on {v}"]),
+     (["When is my flight?", "What day do I fly?"], ["On which date am I flying?"], ["When do I fly out?"])),
+    ("date:dentist", "dentist appointment", "dates",
+     (["I see the dentist on {v}", "my dentist appointment is on {v}"], ["the dentist expects me on {v}"],
+      ["I have the dentist on {v}"]),
+     (["When do I see the dentist?"], ["What date is the dentist expecting me?"], ["When is the dentist?"])),
+    ("date:wedding", "wedding anniversary", "dates",
+     (["we were married on {v}", "our anniversary is on {v}"], ["our wedding took place on {v}"],
+      ["we married on {v}"]),
+     (["When is our anniversary?", "What's our wedding date?"], ["On what date was our wedding?"],
+      ["When did we marry?"])),
+    ("date:deadline", "project deadline", "dates",
+     (["the project must be in on {v}", "my deadline is {v}"], ["I have to hand the project in by {v}"],
+      ["the project has to be done by {v}"]),
+     (["When is the project due?"], ["By when must I hand the project in?"],
+      ["When does the project have to be done?"])),
+    ("time:train", "train time", "times",
+     (["my train is at {v}", "I catch the train at {v}"], ["the train I take departs at {v}"],
+      ["my train goes at {v}"]),
+     (["When does my train leave?", "What time is my train?"], ["At what hour does the train I take depart?"],
+      ["What time does my train go?"])),
+    ("time:alarm", "alarm time", "times",
+     (["my alarm clock is on {v}", "I get up at {v} when the alarm rings"], ["I'm woken by the alarm at {v}"],
+      ["my alarm rings at {v}"]),
+     (["When does my alarm go off?"], ["At what hour am I woken?"], ["What time will my alarm ring?"])),
+    ("time:dinner", "dinner reservation", "times",
+     (["dinner's reserved for {v}", "we have a table at {v}"], ["the restaurant expects us at {v}"],
+      ["our table is at {v}"]),
+     (["When is dinner booked for?"], ["When does the restaurant expect us?"], ["What time is our table?"])),
+    ("year:graduation", "graduation year", "years",
+     (["I graduated in {v}"], ["I finished university in {v}"], ["I got my degree in {v}"]),
+     (["When did I graduate?", "What year did I graduate?"], ["University ended for me in what year?"],
+      ["When did I get my degree?"])),
+    ("year:job", "starting year", "years",
+     (["I started at my job in {v}", "I joined the company in {v}"], ["the company hired me in {v}"],
+      ["I've worked there since {v}"]),
+     (["When did my job begin?", "What year did I join the company?"], ["In what year was I hired?"],
+      ["From what year have I worked there?"])),
+    ("phone:mine", "phone number", "phones",
+     (["I can be called on {v}", "my number is {v}"], ["ring me on {v}"], ["my mobile is {v}"]),
+     (["How can I be reached?", "What number am I on?"], ["Which number rings me?"], ["What's my mobile?"])),
+    ("phone:mum", "mother's phone number", "phones",
+     (["you can call my mum on {v}", "mum's phone is {v}"], ["mum picks up on {v}"], ["my mom's phone is {v}"]),
+     (["How do I call my mum?"], ["On which number does mum pick up?"], ["What's my mom's phone?"])),
+    ("phone:work", "work number", "phones",
+     (["at the office my extension is {v}", "the number of my desk phone is {v}"], ["the office line is {v}"],
+      ["the work phone is {v}"]),
+     (["Which extension do I have at the office?"], ["What's the office line?"], ["Which is the work phone?"])),
+    ("phone:vet", "vet's number", "phones",
+     (["the vet's phone is {v}", "you call the vet on {v}"], ["the animal clinic answers on {v}"],
+      ["the vet can be called on {v}"]),
+     (["How do I call the vet?"], ["What number does the animal clinic answer on?"], ["What's the vet's phone?"])),
+    ("amount:rent", "rent", "money",
+     (["I pay {v} in rent", "the rent is {v}"], ["each month the landlord gets {v}"], ["rent costs me {v}"]),
+     (["How much is my rent?", "How much rent do I pay?"], ["What does the landlord get each month?"],
+      ["What does my rent cost?"])),
+    ("amount:gym", "gym fee", "money",
+     (["the gym costs me {v}", "I pay {v} for the gym"], ["the gym takes {v} from my account"],
+      ["gym membership is {v}"]),
+     (["How much does the gym cost me?"], ["What does the gym take from my account?"],
+      ["What's the gym membership?"])),
+    ("amount:suitcase", "suitcase weight", "weights",
+     (["my suitcase weighs {v}"], ["the scale says my luggage is {v}"], ["my bag weighs {v}"]),
+     (["How heavy is my suitcase?", "How much does my suitcase weigh?"], ["What did the scale say for my luggage?"],
+      ["What does my bag weigh?"])),
+    ("amount:commute", "commute", "distances",
+     (["I live {v} from work", "it is {v} to my office"], ["the office is about {v} away from home"],
+      ["work is {v} from my place"]),
+     (["What distance is my commute?", "How far do I live from work?"],
+      ["What distance separates home and the office?"],
+      ["How far away is work?"])),
+    ("amount:height", "height", "heights",
+     (["I am {v} tall"], ["I measure {v}"], ["I stand {v} tall"]),
+     (["How tall am I?"], ["What do I measure?"], ["How tall do I stand?"])),
+]
+_COPY_SLOTS = {key: _attribute(key, x, field, extra_states=(*states, ()), extra_asks=(*asks, ()))
+               for key, x, field, states, asks in _COPY_ATTRIBUTES}
+
+# Named things with several attributes: the kinds, their attributes (besides a name, which is `called_slot`'s), and
+# their nouns in each phrasing, split like _NOUNS_* (the training ones are training nouns, the held-out ones held-out
+# nouns, or nouns no other phrasing names).
+_ENTITY_ATTRIBUTES = {"pets": ("age", "color", "breed", "weight"), "vehicles": ("color", "plate", "year")}
+_ENTITY_NOUNS = {
+    "train": {"pets": ("dog", "cat", "horse", "rabbit", "pony", "goat", "parrot", "hamster", "puppy", "kitten",
+                       "tortoise", "cow"),
+              "vehicles": ("car", "van", "truck", "tractor", "bike", "boat", "yacht", "canoe")},
+    "dev": {"pets": ("gerbil", "budgie", "canary", "chinchilla"),
+            "vehicles": ("moped", "caravan", "trailer", "wagon", "barge", "glider")},
+    "heldout": {"pets": ("lizard", "snake", "cockatoo", "iguana"),
+                "vehicles": ("scooter", "motorbike", "bicycle", "kayak", "sailboat", "dinghy")},
+}
+_PRONOUNS = {"pets": (("he", "his"), ("she", "her"), ("it", "its")), "vehicles": (("it", "its"), ("she", "her"))}
+_BREEDS = ("beagle", "poodle", "labrador", "collie", "terrier", "husky", "dachshund", "spaniel", "bulldog",
+           "greyhound", "siamese", "persian", "bengal", "sphynx", "arabian", "shetland", "mustang", "appaloosa")
+_HELD_OUT_WORDS = frozenset(_REAL_WORDS | set(_BREEDS))  # the held-out values of words: never in a training chat
+
+
+def _entity_templates(attribute: str, d: str) -> tuple[Templates, Templates, Templates, str, tuple[str, ...]]:
+    """How an attribute of `d` ("my dog") is told, asked and recalled; its answer (with {A}, the answer's
+    determiner and noun) and its keywords."""
+    if attribute == "age":
+        return (_t([f"{d} is {{v}} old", f"{d} is now {{v}} old", f"{d} turned {{v}} old", f"{d}'s age is {{v}}"],
+                   [f"{d} has been around for {{v}}", f"{d} celebrated being {{v}} old"],
+                   [f"{d} is aged {{v}}", f"{d} has lived {{v}} so far"]),
+                _t([f"What's the age of {d}?", f"What age is {d}?", f"What is {d}'s age?", f"How old's {d}?"],
+                   [f"For how long has {d} been around?", f"Can you say how long {d} has been alive?"],
+                   [f"Tell me {d}'s age.", f"Any idea how old {d} is?"]),
+                _t([f"How old did I say {d} was?", f"What age did I give for {d}?"],
+                   [f"Earlier I gave an age for {d}; which was it?"], [f"What did I tell you {d}'s age was?"]),
+                "{A} is {v} old.", ("old", "age"))
+    if attribute == "color":
+        return (_t([f"{d} is {{v}} in color", f"{d}'s color is {{v}}", f"the color of {d} is {{v}}"],
+                   [f"{d} comes in {{v}}", f"you'd spot {d} by its {{v}} shade"],
+                   [f"{d} is colored {{v}}", f"{d} has a {{v}} look"]),
+                _t([f"What color is {d}?", f"What is the color of {d}?", f"Which color is {d}?",
+                    f"What's {d}'s color?"],
+                   [f"What shade does {d} come in?"], [f"Remind me which color {d} is."]),
+                _t([f"What color did I say {d} was?"], [f"Which shade had I given for {d}?"],
+                   [f"Which color did I tell you {d} is?"]),
+                "{A}'s color is {v}.", ("color", "shade"))
+    if attribute == "breed":
+        return (_t([f"{d} is a {{v}}", f"{d}'s breed is {{v}}", f"the breed of {d} is {{v}}"],
+                   [f"{d} belongs to the {{v}} breed", f"breed-wise, {d} counts as a {{v}}"],
+                   [f"{d} is a purebred {{v}}", f"{d} is of {{v}} stock"]),
+                _t([f"What is {d}'s breed?", f"Which breed is {d}?"],
+                   [f"Do you know the breed {d} belongs to?"], [f"Tell me {d}'s breed."]),
+                _t([f"What breed did I say {d} was?"], [f"Which breed had I mentioned for {d}?"],
+                   [f"What did I tell you {d}'s breed was?"]),
+                "{A}'s breed is {v}.", ("breed",))
+    if attribute == "weight":
+        return (_t([f"{d} weighs {{v}}", f"{d}'s weight is {{v}}", f"{d} weighs about {{v}}"],
+                   [f"on the scale {d} came out at {{v}}"], [f"{d} tips the scale at {{v}}"]),
+                _t([f"How much does {d} weigh?", f"How heavy is {d}?", f"What is {d}'s weight?"],
+                   [f"What did {d} come out at on the scale?"], [f"What does {d} weigh?"]),
+                _t([f"What weight did I give for {d}?"], [f"What had the scale shown for {d}, as I said?"],
+                   [f"How heavy did I say {d} was?"]),
+                "{A} weighs {v}.", ("weighs", "weigh", "weight", "heavy"))
+    if attribute == "plate":
+        return (_t([f"{d}'s plate is {{v}}", f"{d} has the plate {{v}}", f"the licence plate of {d} is {{v}}"],
+                   [f"{d} is registered as {{v}}"], [f"{d}'s registration is {{v}}"]),
+                _t([f"What is {d}'s plate?", f"What plate does {d} have?", f"What's the licence plate of {d}?"],
+                   [f"Under what registration is {d}?"], [f"Which plate is on {d}?"]),
+                _t([f"What plate did I say {d} has?"], [f"Which registration had I given for {d}?"],
+                   [f"What did I tell you {d}'s plate was?"]),
+                "{A}'s plate is {v}.", ("plate", "registration", "licence"))
+    if attribute == "year":
+        return (_t([f"{d} is from {{v}}", f"{d} was manufactured in {{v}}", f"{d} was made in {{v}}"],
+                   [f"{d} rolled out of the factory in {{v}}"], [f"{d} dates from {{v}}"]),
+                _t([f"Which year is {d} from?", f"When was {d} manufactured?", f"When was {d} made?"],
+                   [f"In which year did {d} leave the factory?"], [f"Which model year is {d}?"]),
+                _t([f"What year did I say {d} was from?"], [f"Which year had I named for {d}?"],
+                   [f"When did I say {d} was built?"]),
+                "{A} is from {v}.", ("year", "built", "made"))
+    raise ValueError(f"unknown attribute {attribute!r}")
+
+
+_ATTRIBUTE_FIELDS = {"age": "ages", "color": "colors", "breed": "breeds", "weight": "weights", "plate": "plates",
+                     "year": "years"}
+
+
+@lru_cache(maxsize=None)
+def entity_slot(attribute: str, det: str, noun: str) -> Slot:
+    """One attribute of a named thing that has several ("how old is my dog?" is answered with its age only); its
+    name is `called_slot(det, noun)`."""
+    d = f"{det} {noun}"
+    states, asks, recalls, answer, keywords = _entity_templates(attribute, d)
+    answer_det = {"my": "Your", "our": "Your"}.get(det, det.capitalize())
+    return Slot(f"attr:{attribute}:{d}", _ATTRIBUTE_FIELDS[attribute], states, asks, recalls,
+                answer.replace("{A}", f"{answer_det} {noun}"), (noun, *keywords))
+
+
+def copy_mix_slots() -> list[Slot]:
+    """Every slot the copy mix tells or asks about, with every determiner and noun it uses: for the checks that
+    keep its phrasings apart (held-out, dev and trained ones; the hand-written set)."""
+    slots = list(_COPY_SLOTS.values())
+    for kinds in _ENTITY_NOUNS.values():
+        for kind, nouns in kinds.items():
+            for noun in nouns:
+                for det in ("my", "our", "the"):
+                    slots.append(called_slot(det, noun))
+                    slots += [entity_slot(a, det, noun) for a in _ENTITY_ATTRIBUTES[kind]]
+    return slots
+
+
+def pronoun_clause(template: str, d: str, pronoun: tuple[str, str]) -> str | None:
+    """A template that starts with `d` ("my dog is {v} old") said of it again in the same message ("he is {v}
+    old", "his breed is {v}"); None for one that cannot be ("{v} is the name of my dog", "my dog, it is ...")."""
+    if not template.startswith(d + " ") and not template.startswith(d + "'s "):
+        return None
+    rest = template[len(d):]
+    if rest.startswith("'s ") and rest[3:].split(" ")[0] not in ("called", "a", "named", "now"):
+        if rest[3:].startswith("name "):
+            return None  # "his name is {v}" is a phrase of the hand-written set (tests/test_written_eval.py)
+        return pronoun[1] + rest[2:]  # possessive: "my dog's age" -> "his age"
+    return pronoun[0] + rest
+
+
+# Facts told in passing, inside a longer sentence about something else: {c} the fact, {p} a place that is no value.
+_IN_PASSING = _t(["we drove to the vet in {p} yesterday, and by the way {c}",
+                  "I spent the whole morning in {p} sorting out paperwork; anyway, {c}",
+                  "the kids were at their grandparents' place all weekend and the house was so quiet, oh and {c}",
+                  "{c}, which came up when we were talking over lunch today",
+                  "my cousin visited from {p} and we talked for hours; before I forget, {c}",
+                  "after work I went for a long walk along the river, and I should mention that {c}"],
+                 ["sorry for the slow reply, the plumber only left an hour ago; incidentally, {c}",
+                  "we are back from a week in {p} with a suitcase full of laundry, and while I think of it, {c}",
+                  "{c}, though honestly my head is still full of the exam I sat this morning"],
+                 ["the car needed new tyres so I spent ages at the garage in {p}; side note, {c}",
+                  "{c}, I only thought of it while cooking dinner just now",
+                  "it snowed in {p} overnight and the trains stopped, but also {c}"])
+COPY_WRAPPERS = (_IN_PASSING,)  # the copy mix's template groups beside its slots' (`copy_mix_slots`)
+
+# British and American spellings (British first): the copy mix writes either, in facts and questions alike.
+SPELLINGS = (("favourite", "favorite"), ("colour", "color"), ("neighbour", "neighbor"), ("theatre", "theater"),
+             ("grey", "gray"), ("licence", "license"), ("mum", "mom"), ("tyre", "tire"), ("kilometre", "kilometer"))
+_OTHER_SPELLING = {**dict(SPELLINGS), **{american: british for british, american in SPELLINGS}}
+_SPELLING_RE = re.compile(r"\b(" + "|".join(_OTHER_SPELLING) + r")(s|'s)?\b", re.IGNORECASE)
+
+
+def _other_spelling(m: re.Match) -> str:
+    word = m.group(1)
+    other = _OTHER_SPELLING[word.lower()]
+    other = other.upper() if word.isupper() and len(word) > 1 else other.capitalize() if word[0].isupper() else other
+    return other + (m.group(2) or "")
+
+
+def respell(text: str, rng: random.Random, avoid: frozenset[str] = frozenset()) -> str:
+    """`text` as people type it: British and American spellings swapped (SPELLINGS), apostrophes left out
+    ("whats", "dogs name"), a one-letter slip in a word of 4+ letters (`typo`); at least one of them where the text
+    has a place for it, and no word of `avoid` that it did not have (a training chat gains no held-out value word:
+    "our cat's name" does not become "cats", "grey" not "gray"). Values must be masked (`_PLACEHOLDERS`): a
+    placeholder has no letters to change."""
+    def vocabulary(t: str) -> set[str]:
+        return {w.strip(".,?!:;()-").lower() for w in t.split()}
+
+    had = vocabulary(text) & avoid
+    for _ in range(8):
+        out = _SPELLING_RE.sub(lambda m: _other_spelling(m) if rng.random() < 0.7 else m.group(0), text)
+        words = out.split(" ")
+        apostrophes = [i for i, w in enumerate(words) if "'" in w.strip("'")]
+        if apostrophes and rng.random() < 0.5:
+            for i in apostrophes if rng.random() < 0.3 else rng.sample(apostrophes, 1):
+                words[i] = words[i][:1] + words[i][1:].replace("'", "", 1)
+            out = " ".join(words)
+        if rng.random() < 0.4:
+            out = typo(out, rng)
+        if out != text and not (vocabulary(out) & avoid) - had:
+            return out
+    return text
+
+
+def _mask(text: str, values: list[str]) -> str:
+    for value, mark in sorted(zip(values, _PLACEHOLDERS), key=lambda vm: -len(vm[0])):
+        text = text.replace(value, mark)
+    return text
+
+
+def _unmask(text: str, values: list[str]) -> str:
+    for value, mark in zip(values, _PLACEHOLDERS):
+        text = text.replace(mark, value)
+    return text
+
+
+# -- the copy mix's values --
+
+_ALNUM = {"lower": "abcdefghijklmnopqrstuvwxyz", "upper": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "digits": "0123456789"}
+_ALNUM["mixed"] = _ALNUM["lower"] + _ALNUM["upper"] + _ALNUM["digits"]
+_CODE_STYLES = ("lower", "capitalised", "upper", "digits", "mixed", "code", "several words")
+_CODE_WEIGHTS = (12, 12, 8, 10, 30, 18, 10)
+_NUMBER_WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+_DAYS_IN_MONTH = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+# The value fields the copy mix draws its own way (`copy_value`), beside the pools' and breeds.
+COPY_VALUE_FIELDS = ("codes", "dates", "times", "years", "phones", "money", "weights", "distances", "heights",
+                     "ages", "plates")
+
+
+def held_out_value(value: str) -> bool:
+    """Whether a value the copy mix makes belongs to held-out chats (one in seven, by the CRC-32 of its bytes):
+    training chats never tell one, as numbers keep to their residue classes."""
+    return zlib.crc32(value.encode()) % 7 == 3
+
+
+@lru_cache(maxsize=1)
+def _chat_words() -> frozenset[str]:
+    """Every word of the generator's sentences, the copy mix's included: a random string is never one, so that it is
+    found in a chat only where it was told."""
+    texts = [*_FILLER, *_FILLER_HELDOUT, *POLITE_REPLIES, LIST_ACK, *_TOPICS, *_TOPICS_HELDOUT, *_TOPICS_DEV,
+             *_NOUNS_TRAIN, *_NOUNS_HELDOUT, *_NOUNS_DEV, *_RELATIONS, *_SPARE_WORDS, *_MONTHS, *_WEEKDAYS,
+             *_NUMBER_WORDS, *_OTHER_SPELLING]
+    groups = [v for v in globals().values() if isinstance(v, Templates)]
+    for slot in [*SLOTS, *copy_mix_slots()]:
+        groups += [slot.states, slot.asks, slot.recalls]
+        texts.append(slot.answer)
+    for g in groups:
+        texts += [*g.train, *g.heldout, *g.dev, *g.more]
+    return frozenset(w.strip(".,?!:;()-'\"").lower() for t in texts for w in t.replace("{", " ").split())
+
+
+def _random_word(rng: random.Random, style: str, length: int) -> str:
+    if style == "capitalised":
+        return rng.choice(_ALNUM["upper"]) + "".join(rng.choices(_ALNUM["lower"], k=length - 1))
+    return "".join(rng.choices(_ALNUM[style], k=length))
+
+
+def _cuts(rng: random.Random, length: int, parts: int, gap: int) -> list[int]:
+    """Lengths of `parts` pieces (each 2+ characters) of `length` characters with `gap` between each two."""
+    room = length - gap * (parts - 1)
+    cuts = sorted(rng.sample(range(2, room - 1), parts - 1))
+    while any(b - a < 2 for a, b in zip([0, *cuts], [*cuts, room])):
+        cuts = sorted(rng.sample(range(2, room - 1), parts - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, room])]
+
+
+def random_code(rng: random.Random, held: bool = False) -> str:
+    """A random string of 2-16 characters: lower case, a capitalised word, capitals, digits, letters of both cases
+    and digits mixed, a code of such pieces joined by '-' or '_' ("X7k-22Qa", "bq9_T"), or two or three words;
+    no word of it a word of the generator's sentences or a held-out value (`_HELD_OUT_WORDS`); of `held`'s split
+    (`held_out_value`)."""
+    while True:
+        style = rng.choices(_CODE_STYLES, weights=_CODE_WEIGHTS)[0]
+        length = rng.randint(2, 16)
+        if style == "code" and length >= 5:
+            parts = rng.choice((2, 2, 3)) if length >= 8 else 2
+            sep = rng.choice("-_")
+            value = sep.join(_random_word(rng, rng.choice(("mixed", "mixed", "upper", "digits", "lower")), n)
+                             for n in _cuts(rng, length, parts, 1))
+        elif style == "several words" and length >= 5:
+            parts = rng.choice((2, 2, 3)) if length >= 8 else 2
+            word_style = rng.choice(("lower", "capitalised", "mixed"))
+            value = " ".join(_random_word(rng, word_style, n) for n in _cuts(rng, length, parts, 1))
+        else:
+            value = _random_word(rng, style if style in _ALNUM or style == "capitalised" else "mixed", length)
+        words = re.split(r"[ _-]", value)
+        if any(w.lower() in _chat_words() or w.lower() in _HELD_OUT_WORDS for w in words):
+            continue
+        if held_out_value(value) == held:
+            return value
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _date(rng: random.Random) -> str:
+    """A date as people write it: "14 June", "June 14th", "the 14th of June", "14/06", "2024-06-14", ..."""
+    month = rng.randrange(12)
+    day, year, name = 1 + rng.randrange(_DAYS_IN_MONTH[month]), rng.randint(2019, 2031), _MONTHS[month]
+    return rng.choice((f"{day} {name}", f"{name} {_ordinal(day)}", f"{_ordinal(day)} of {name}",
+                       f"{day:02}/{month + 1:02}", f"{year}-{month + 1:02}-{day:02}", f"{day} {name} {year}",
+                       f"{name[:3]} {day}", f"{name} {day}, {year}", f"{month + 1}/{day}/{year}",
+                       f"{day}.{month + 1}.{year}"))
+
+
+def _time(rng: random.Random) -> str:
+    """A time as people write it: "3:45 pm", "3:45pm", "15:45", "9 am", "quarter past three", ..."""
+    hour, minute = rng.randrange(24), rng.choice((0, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, rng.randrange(60)))
+    twelve, half = (hour + 11) % 12 + 1, "am" if hour < 12 else "pm"
+    roll = rng.random()
+    if roll < 0.15:
+        return rng.choice((f"quarter past {_NUMBER_WORDS[twelve - 1]}", f"half past {_NUMBER_WORDS[twelve - 1]}",
+                           f"quarter to {_NUMBER_WORDS[twelve % 12]}", f"{_NUMBER_WORDS[twelve - 1]} o'clock"))
+    if roll < 0.3:
+        return rng.choice((f"{twelve} {half}", f"{twelve}{half}", f"{twelve} {half.upper()}"))
+    return rng.choice((f"{twelve}:{minute:02} {half}", f"{twelve}:{minute:02}{half}", f"{hour:02}:{minute:02}",
+                       f"{hour}:{minute:02}", f"{twelve}:{minute:02} {half.upper()}", f"{hour}h{minute:02}"))
+
+
+def _digits(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(_ALNUM["digits"], k=n))
+
+
+def _phone(rng: random.Random) -> str:
+    """A phone-like number: "+44 20 7946 0958", "555-0143", "020 7946 0958", "(555) 014-3321", ..."""
+    return rng.choice((f"+{rng.randint(1, 99)} {_digits(rng, 2)} {_digits(rng, 4)} {_digits(rng, 4)}",
+                       f"555-{_digits(rng, 4)}", f"0{_digits(rng, 2)} {_digits(rng, 4)} {_digits(rng, 4)}",
+                       f"({_digits(rng, 3)}) {_digits(rng, 3)}-{_digits(rng, 4)}",
+                       f"{_digits(rng, 3)}-{_digits(rng, 3)}-{_digits(rng, 4)}",
+                       f"+{rng.randint(1, 99)} {_digits(rng, 3)} {_digits(rng, 3)} {_digits(rng, 3)}",
+                       f"0{_digits(rng, 3)} {_digits(rng, 6)}", _digits(rng, rng.randint(7, 11))))
+
+
+def _number(rng: random.Random, low: float, high: float, decimals: int) -> str:
+    """A number in [low, high], with `decimals` decimals at most (a trailing zero or a whole number at times)."""
+    value = rng.uniform(low, high)
+    places = rng.randint(0, decimals)
+    text = f"{value:.{places}f}"
+    return f"{int(value):,}" if places == 0 and value >= 1000 and rng.random() < 0.5 else text
+
+
+def _amount(rng: random.Random, field: str) -> str:
+    """An amount with its unit: "$40", "€12.50", "12.5 kg", "3 km", "1.82 m", ..."""
+    if field == "money":
+        n = _number(rng, 1, 3000, 2)
+        return rng.choice((f"${n}", f"€{n}", f"£{n}", f"{n} euros", f"{n} dollars", f"{n} pounds", f"{n} EUR"))
+    if field == "weights":
+        return rng.choice((f"{_number(rng, 0.2, 60, 1)} kg", f"{_number(rng, 0.2, 60, 1)}kg",
+                           f"{_number(rng, 50, 950, 0)} g", f"{_number(rng, 1, 120, 1)} lbs",
+                           f"{_number(rng, 1, 60, 1)} kilos"))
+    if field == "distances":
+        return rng.choice((f"{_number(rng, 0.3, 90, 1)} km", f"{_number(rng, 0.3, 90, 1)}km",
+                           f"{_number(rng, 1, 60, 1)} miles", f"{_number(rng, 100, 950, 0)} m",
+                           f"{_number(rng, 1, 90, 1)} kilometres", f"{_number(rng, 1, 90, 1)} kilometers"))
+    if field == "heights":
+        feet, inches, cm = rng.randint(4, 6), rng.randint(0, 11), rng.randint(140, 205)
+        return rng.choice((f"1.{rng.randint(40, 99)} m", f"{cm} cm", f"{cm}cm", f"{feet} ft {inches}",
+                           f"{feet} feet {inches}"))
+    raise ValueError(f"unknown amount field {field!r}")
+
+
+def _plate(rng: random.Random) -> str:
+    """A licence plate: "AB12 CDE", "KX-482-B", "7ABC123", ..."""
+    def letters(n):
+        return _random_word(rng, "upper", n)
+    return rng.choice((f"{letters(2)}{_digits(rng, 2)} {letters(3)}", f"{letters(2)}-{_digits(rng, 3)}-{letters(1)}",
+                       f"{_digits(rng, 1)}{letters(3)}{_digits(rng, 3)}",
+                       f"{letters(1)} {_digits(rng, 4)} {letters(2)}", f"{letters(3)} {_digits(rng, 4)}"))
+
+
+def copy_value(field: str, rng: random.Random, held: bool = False) -> str:
+    """A value of one of COPY_VALUE_FIELDS in one of its common written forms, of `held`'s split
+    (`held_out_value`); none spells a held-out value's word ("BEN 2103" is no plate: Ben is a held-out name)."""
+    if field == "codes":
+        return random_code(rng, held)
+    while True:
+        if field == "dates":
+            value = _date(rng)
+        elif field == "times":
+            value = _time(rng)
+        elif field == "years":
+            value = str(rng.randint(1950, 2035))
+        elif field == "phones":
+            value = _phone(rng)
+        elif field == "ages":
+            value = rng.choice((f"{rng.randint(2, 19)} years", f"{rng.randint(2, 11)} months",
+                                f"{rng.randint(3, 12)} weeks", f"{rng.randint(2, 19)} and a half years"))
+        elif field == "plates":
+            value = _plate(rng)
+        else:
+            value = _amount(rng, field)
+        if any(w.lower() in _HELD_OUT_WORDS for w in re.split(r"[ _/.,:-]", value)):
+            continue
+        if held_out_value(value) == held:
+            return value
+
+
 @dataclass
 class Question:
     round_index: int  # the round whose user message asks it
@@ -532,14 +1044,17 @@ class _Known:
     last: int  # round that last told or corrected it
     corrected: bool
     stated: str
+    copy: bool = False  # told by the copy mix (a value to copy whatever it looks like): corrected the same way
 
 
 class _Writer:
     """Writes one chat round by round; `known` is what the user has told so far."""
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
-                 never_told: int = 25, wide: bool = False):
+                 never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
+        self.mix, self.mix_share = mix, mix_share  # the copy mix (issue 45): see `copy_statement`
+        self.entities: dict[str, tuple[str, tuple[str, str]]] = {}  # the copy mix's things: "my dog": kind, he/his
         self.never_told = never_told  # the weight of questions about something never told among out-of-scope prompts
         self.wide = wide and phrasing == "train"  # training chats draw on every group's `more` phrasings too
         self.filler = _FILLER_HELDOUT if phrasing == "heldout" else _FILLER  # small talk
@@ -732,6 +1247,8 @@ class _Writer:
             text = _cap(self.dressed(text, _OPENERS, _CLOSERS))
         if len(slots) == 1:
             text = self.with_frame_noise(self.with_spare_words(text, values[0]), (*slots[0].keywords, values[0]))
+        if self.mix:
+            text = self.respelled(text, values)
         for s, v in zip(slots, values):
             self.known[s.key] = _Known(v, i, i, False, "called" if s.key.startswith("called:") else family)
         self.last_single = slots[0].key if len(slots) == 1 else None
@@ -741,6 +1258,8 @@ class _Writer:
         rng = self.rng
         short = self.last_single is not None and rng.random() < 0.5
         key = self.last_single if short else rng.choice(list(self.known))
+        if self.mix and self.known[key].copy:
+            return self.copy_correction(i, key, short)
         slot, old = slot_for(key), self.known[key].value
         new = self.value(slot)
         if new == old:
@@ -798,6 +1317,8 @@ class _Writer:
             reply = f"{answers[0][:-1]}, and {answers[1][0].lower()}{answers[1][1:]}"
         else:
             question, reply = self.question_text(slots[0], asked), answers[0]
+        if self.mix:
+            question, asked = self.respelled_question(question, asked)
         position = rng.choice(POSITIONS)
         distance = i - min(self.known[k].last if kind == "corrected" else self.known[k].first for k in keys)
         self.dlg.questions.append(Question(i, kind, position, distance, keys,
@@ -810,8 +1331,10 @@ class _Writer:
         rng = self.rng
         kind = rng.choices(OUT_OF_SCOPE_KINDS, weights=(20, 20, 35, self.never_told))[0]
         if kind == "unknown":
-            slot = self.unknown_slot()
+            slot = (self.mix and rng.random() < 0.5 and self.unknown_copy_slot()) or self.unknown_slot()
             text, reply = self.question_text(slot, self.asked_family()), UNKNOWN_REPLY
+            if self.mix:
+                text = self.respelled_question(text, "plain")[0]
         elif kind == "request":
             topics = {"train": _TOPICS, "heldout": _TOPICS_HELDOUT, "dev": _TOPICS_DEV}[self.phrasing]
             text = self.pick(_REQUESTS).format(
@@ -841,6 +1364,228 @@ class _Writer:
         text = " ".join(self.rng.sample(self.filler, self.rng.choice((1, 2))))
         return Round(self.with_unknown_words(text), CHATTER_REPLY)
 
+    # -- the copy mix (issue 45) --
+    def copy_statement(self, i: int) -> Round:
+        """A fact of the copy mix: a random string told as a name, city, code and the like (`random_code`); a date,
+        time, year, phone number or amount in one of its written forms (`copy_value`); or one to three attributes
+        of a named thing ("My dog is called Bq9-Tt, he is 7 years old and a beagle."), each asked on its own later.
+        Told plainly, wrapped ("remember that ..."), as a list, or in passing inside a longer sentence
+        (`_IN_PASSING`); the values are masked while the words around them change (noise, `respell`), so that
+        they stay byte for byte what the replies copy."""
+        rng = self.rng
+        kind = rng.choices(("random", "forms", "entity"), weights=(35, 30, 35))[0]
+        facts = self.entity_facts() if kind == "entity" else self.copy_fact(kind)
+        if not facts:
+            return self.chatter()
+        values = [v for _, v in facts]
+        marks = list(_PLACEHOLDERS[:len(facts)])
+        d = _thing(facts[0][0].key)
+        pronoun = self.entities[d][1] if d in self.entities and len(facts) > 1 else None
+        clauses = [self.copy_clause(slot, mark, pronoun if j and rng.random() < 0.8 else None)
+                   for j, ((slot, _), mark) in enumerate(zip(facts, marks))]
+        if len(facts) > 1:
+            clauses = [self.with_frame_noise(c, (*s.keywords, m)) for c, (s, _), m in zip(clauses, facts, marks)]
+            template = self.pick(_LIST)
+            while ("{c}" in template or "{C}" in template) != (len(facts) == 3):
+                template = self.pick(_LIST)
+            parts = dict(zip("abc", clauses))
+            text = template.format(a=_cap(parts["a"]), b=parts["b"], c=parts.get("c", ""), B=_cap(parts["b"]),
+                                   C=_cap(parts.get("c", "")))
+            family, reply = "list", LIST_ACK
+        else:
+            slot = facts[0][0]
+            roll = rng.random()
+            if roll < 0.3:
+                text = _cap(self.pick(_IN_PASSING).format(c=clauses[0], p=self.place(values))) + "."
+                family = "in_passing"
+            elif roll < 0.58:
+                text, family = self.pick(_REMEMBER).format(c=clauses[0]), "remember"
+            else:
+                text, family = _cap(clauses[0]) + ".", "plain"
+            if family != "in_passing":
+                text = _cap(self.dressed(text, _OPENERS, _CLOSERS))
+            text = self.with_frame_noise(self.with_spare_words(text), (*slot.keywords, marks[0]))
+            reply = slot.ack(values[0])
+        if rng.random() < 0.35:
+            text = respell(text, rng, self.unseen_words())
+        for slot, value in facts:
+            stated = "called" if slot.key.startswith("called:") and family != "in_passing" else family
+            self.known[slot.key] = _Known(value, i, i, False, stated, copy=True)
+        self.last_single = facts[0][0].key if len(facts) == 1 else None
+        return Round(_unmask(text, values), reply)
+
+    def copy_clause(self, slot: Slot, mark: str, pronoun: tuple[str, str] | None = None) -> str:
+        """A clause telling `slot`'s value (`mark` standing for it); with `pronoun`, of a thing the same message
+        named already ("he is {v} old")."""
+        template = self.pick(slot.states)
+        if pronoun is not None:
+            d = _thing(slot.key)
+            for _ in range(20):
+                said_again = pronoun_clause(template, d, pronoun)
+                if said_again is not None:
+                    template = said_again
+                    break
+                template = self.pick(slot.states)
+        if self.rng.random() < 0.15:
+            template = template.lower()  # typed in lower case; the value stays as typed
+        return template.replace("{v}", mark)
+
+    def place(self, values: list[str]) -> str:
+        """A place a fact in passing mentions: a made-up or held-out city, as the split's pools give, that is no
+        value of the chat."""
+        taken = set(values) | {k.value for k in self.known.values()}
+        while True:
+            place = self.p.pick("cities", self.rng)
+            if place not in taken:
+                return place
+
+    def copy_fact(self, kind: str) -> list[tuple[Slot, str]]:
+        """One fact: with `kind` "random" a random string in a slot of the generator's (a name, a city, a named
+        thing ...) or a code's; "forms" a date, time, year, phone number or amount."""
+        rng = self.rng
+        if kind == "forms":
+            free = [s for s in _COPY_SLOTS.values() if s.field != "codes" and s.key not in self.known]
+        elif rng.random() < 0.3:
+            slot = self.free_called_slot()
+            free = [slot] if slot is not None else []
+        elif rng.random() < 0.5:
+            free = [s for s in SLOTS if s.field not in SHARED_VALUE_FIELDS and s.key not in self.known]
+        else:
+            free = [s for s in _COPY_SLOTS.values() if s.field == "codes" and s.key not in self.known]
+        if not free:
+            return []
+        slot = rng.choice(free)
+        return [(slot, self.copy_value_of(slot, kind == "random"))]
+
+    def free_called_slot(self) -> Slot | None:
+        """A named thing whose noun no fact of the chat names yet (as `fresh_slot` picks one)."""
+        for _ in range(8):
+            slot = called_slot(self.rng.choice(("my", "my", "our", "the")), self.noun())
+            noun = slot.key.split(" ", 1)[1]
+            if not any(k.endswith(" " + noun) for k in self.known) and not any(
+                    e.endswith(" " + noun) for e in self.entities):
+                return slot
+        return None
+
+    def entity_facts(self) -> list[tuple[Slot, str]]:
+        """One more attribute of a named thing the chat told some of, or a new thing with one to three of its
+        attributes (a name among them at times): the first said of "my dog", the others of "he" most times."""
+        rng = self.rng
+        untold = {d: [a for a in ("name", *_ENTITY_ATTRIBUTES[kind]) if _entity_key(a, d) not in self.known]
+                  for d, (kind, _) in self.entities.items()}
+        untold = {d: attrs for d, attrs in untold.items() if attrs}
+        if untold and rng.random() < 0.35:
+            d = rng.choice(list(untold))
+            attributes = [rng.choice(untold[d])]
+        else:
+            kind = rng.choice(("pets", "vehicles"))
+            noun = self.entity_noun(kind)
+            if noun is None:
+                return self.copy_fact("forms")
+            d = f"{rng.choice(('my', 'my', 'our', 'the'))} {noun}"
+            self.entities[d] = (kind, rng.choice(_PRONOUNS[kind]))
+            attributes = rng.sample(("name", *_ENTITY_ATTRIBUTES[kind]), rng.choices((1, 2, 3), (35, 35, 30))[0])
+        facts: list[tuple[Slot, str]] = []
+        for attribute in attributes:
+            slot = slot_for(_entity_key(attribute, d))
+            value = self.copy_value_of(slot, False, [v for _, v in facts])
+            facts.append((slot, value))
+        return facts
+
+    def entity_noun(self, kind: str) -> str | None:
+        """A noun for a new named thing of `kind` that no fact of the chat names yet: the phrasing's (_ENTITY_NOUNS),
+        or in training at times a made-up one, which teaches reading the attribute, not knowing the noun."""
+        rng = self.rng
+        for _ in range(8):
+            made_up = self.phrasing == "train" and rng.random() < (0.5 if self.noise >= 2 else 0.25)
+            noun = pseudo_word(rng) if made_up else rng.choice(_ENTITY_NOUNS[self.phrasing][kind])
+            if not any(k.endswith(" " + noun) for k in self.known) and not any(
+                    e.endswith(" " + noun) for e in self.entities):
+                return noun
+        return None
+
+    def copy_value_of(self, slot: Slot, random_string: bool, taken: list[str] = ()) -> str:
+        """A value for `slot` no fact of the chat has: its field's written forms (COPY_VALUE_FIELDS), a breed, a
+        named thing's color from the pools; else a random string (`random_string`, or half the time) or the
+        pools' value."""
+        rng, held = self.rng, not self.p.synthetic
+        taken = {*taken, *(k.value for k in self.known.values())}
+        for _ in range(50):
+            if slot.field in COPY_VALUE_FIELDS:
+                value = copy_value(slot.field, rng, held)
+            elif slot.field == "breeds":
+                value = rng.choice(_BREEDS) if held else pseudo_word(rng)
+                if not held and value in _BREEDS:
+                    continue
+            elif slot.key.startswith("attr:") or not (random_string or rng.random() < 0.5):
+                value = self.p.pick(slot.field, rng)
+            else:
+                value = random_code(rng, held)
+            if value not in taken:
+                break
+        return value
+
+    def copy_correction(self, i: int, key: str, short: bool) -> Round:
+        """A correction of a copy-mix fact: a new value of its kind, the values masked while the words change."""
+        rng = self.rng
+        slot, old = slot_for(key), self.known[key].value
+        new = self.copy_value_of(slot, slot.field not in COPY_VALUE_FIELDS and not key.startswith("attr:"))
+        if new == old:
+            return self.chatter()
+        marks = list(_PLACEHOLDERS[:2])
+        if short:
+            text = self.pick(_CORRECT_SHORT).format(v=marks[0], old=marks[1])
+        else:
+            text = self.pick(_CORRECT_FULL).format(c=self.copy_clause(slot, marks[0]), old=marks[1])
+        text = _cap(self.with_frame_noise(text, (*slot.keywords, *marks)))
+        if rng.random() < 0.35:
+            text = respell(text, rng, self.unseen_words())
+        known = self.known[key]
+        self.known[key] = _Known(new, known.first, i, True, "correction", copy=True)
+        self.last_single = None
+        return Round(_unmask(text, [new, old]), slot.ack(new))
+
+    def unknown_copy_slot(self) -> Slot | None:
+        """Something never told, asked in a copy-mix chat: most often an attribute of a named thing the chat told
+        others of ("How old is my dog?" when only its name was told), else a fact of the copy mix's."""
+        untold = [_entity_key(a, d) for d, (kind, _) in self.entities.items()
+                  for a in ("name", *_ENTITY_ATTRIBUTES[kind]) if _entity_key(a, d) not in self.known]
+        if untold and self.rng.random() < 0.7:
+            return slot_for(self.rng.choice(untold))
+        free = [s for s in _COPY_SLOTS.values() if s.key not in self.known]
+        return self.rng.choice(free) if free else None
+
+    def respelled(self, text: str, values: list[str]) -> str:
+        """A fact of the copy mix's chats typed with the other spelling, an apostrophe left out or a slip, a third
+        of the time; never inside a value."""
+        if self.rng.random() >= 0.35:
+            return text
+        return _unmask(respell(_mask(text, values), self.rng, self.unseen_words()), values)
+
+    def respelled_question(self, text: str, asked: str) -> tuple[str, str]:
+        """A question of the copy mix's chats typed the same way, a third of the time: its family "respelled"."""
+        if self.rng.random() >= 0.35:
+            return text, asked
+        typed = respell(text, self.rng, self.unseen_words())
+        return typed, "respelled" if typed != text else asked
+
+    def unseen_words(self) -> frozenset[str]:
+        """The words a chat of this split must never gain: a training chat, the held-out values (and breeds)."""
+        return _HELD_OUT_WORDS if self.p.synthetic else frozenset()
+
+
+def _entity_key(attribute: str, d: str) -> str:
+    return f"called:{d}" if attribute == "name" else f"attr:{attribute}:{d}"
+
+
+def _thing(key: str) -> str:
+    """The named thing a key is about ("my dog" for "attr:age:my dog" and "called:my dog"), else ""."""
+    if key.startswith("called:"):
+        return key.removeprefix("called:")
+    if key.startswith("attr:"):
+        return key.split(":", 2)[2]
+    return ""
+
 
 def _bare(word: str) -> str:
     return word.strip(".,?!:;()-").removesuffix("'s").lower()
@@ -862,7 +1607,8 @@ def _ask(question: str, position: str, rng: random.Random, filler: list[str] = _
 
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
-                  phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False) -> Dialogue:
+                  phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
+                  mix: str | None = None, mix_share: float = COPY_SHARE) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
@@ -870,9 +1616,10 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     in words the model does not know (`with_tail`) and capitalises a made-up first word; 5 makes half of the words
     put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs
     questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35).
-    `wide` (training only) adds every template group's `more` phrasings to the trained ones."""
+    `wide` (training only) adds every template group's `more` phrasings to the trained ones. `mix` "copy" makes a
+    `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -882,7 +1629,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
         elif w.known and roll < 0.36:
             rnd = w.correction(i)
         elif roll < 0.64:
-            rnd = w.statement(i)
+            rnd = w.copy_statement(i) if mix and rng.random() < mix_share else w.statement(i)
         elif roll < 0.86:
             rnd = w.out_of_scope(i)
         else:
@@ -893,12 +1640,22 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
-              phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False) -> list[Dialogue]:
+              phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
+              mix: str | None = None, mix_share: float = COPY_SHARE) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
-    (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any."""
+    (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any.
+    `mix` (MIXES; None: none) adds a mix of other facts (`make_dialogue`), drawn from a stream of its own for each
+    split and phrasing; without it the chats are the ones these arguments always gave."""
     if phrasing not in PHRASINGS:
         raise ValueError(f"unknown phrasing {phrasing!r} (accepted: {', '.join(PHRASINGS)})")
-    rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
+    if mix is not None and mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r} (accepted: {', '.join(MIXES)})")
+    if mix is not None and not 0 <= mix_share <= 1:
+        raise ValueError(f"mix_share must be within 0-1, not {mix_share}")
+    if mix is None:
+        rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
+    else:
+        rng = random.Random(f"{split}:{phrasing}:{mix}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told, wide) for _ in range(count)]
+                          never_told, wide, mix, mix_share) for _ in range(count)]

@@ -174,7 +174,8 @@ def _chat_words() -> frozenset[str]:
     is found in a chat only where it was told."""
     texts = [*d._FILLER, *d._FILLER_HELDOUT, *d.POLITE_REPLIES, d.LIST_ACK, *d._TOPICS, *d._TOPICS_HELDOUT,
              *d._TOPICS_DEV, *d._NOUNS_TRAIN, *d._NOUNS_HELDOUT, *d._NOUNS_DEV, *d._RELATIONS, *d._SPARE_WORDS]
-    groups = [v for v in vars(d).values() if isinstance(v, d.Templates)]
+    # (not the copy mix's own wrappers: no told-once chat uses them, and the eval's values stay the ones measured)
+    groups = [v for v in vars(d).values() if isinstance(v, d.Templates) and all(v is not w for w in d.COPY_WRAPPERS)]
     for slot in [*d.SLOTS, d.called_slot("my", "boat")]:
         groups += [slot.states, slot.asks, slot.recalls]
         texts.append(slot.answer)

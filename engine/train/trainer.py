@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from kvchat.engine.data.dialogues import _ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, Dialogue, dialogues
+from kvchat.engine.data.dialogues import _ANIMALS, _CITIES, _COLORS, _FIRST, _FOODS, MIXES, Dialogue, dialogues
 from kvchat.engine.gguf.config import ModelConfig
 from kvchat.engine.gguf.loader import read_tensor
 from kvchat.engine.gguf.reader import GGUFFile
@@ -76,6 +76,13 @@ class TrainConfig:
     # shapes only as far as an answer needs them. 0: replies only; the model shipped 2026-11-24 (latest) took 1.0 in
     # its last four stages (0.3 and 3.0 recalled less on held-out phrasings; docs/embedded-model.md).
     user_lm: float = 0.0
+    # Issue 45: "copy" mixes facts whose values must be copied whatever they look like into the training chats
+    # (dialogues.make_dialogue `mix`): random strings and codes, dates, times, years, phone numbers and amounts in
+    # their written forms, several attributes of one named thing asked one at a time, facts told in passing, and
+    # British/American spellings, dropped apostrophes and slips in facts and questions; `mix_share` of the facts
+    # told are the mix's. "" (no mix): the chats every earlier run trained on, byte for byte.
+    mix: str = ""
+    mix_share: float = 0.5
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -135,14 +142,20 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told, wide = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
-            for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide))]
+            for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide),
+                               mix=mix or None, mix_share=mix_share)]
+
+
+def corpus_chunks(cfg: TrainConfig) -> list[tuple]:
+    """The training chats as `_encode_chunk` arguments: 500 chats a chunk, each chunk its own seed."""
+    return [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
+             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share) for i in range(math.ceil(cfg.n_dialogues / 500))]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    chunks = [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-               cfg.never_told, cfg.wide) for i in range(math.ceil(cfg.n_dialogues / 500))]
+    chunks = corpus_chunks(cfg)
     with mp.get_context("spawn").Pool(workers, _init_worker, (str(gguf_path),)) as pool:
         out = []
         for part in pool.imap_unordered(_encode_chunk, chunks):
@@ -427,11 +440,22 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None, help="stop (and save) after this many minutes of steps")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a TrainConfig field for a new run (e.g. --set batch=8)")
+    ap.add_argument("--mix", choices=MIXES, default=None,
+                    help="for a new run: mix these facts into the training chats (copy: values to copy whatever they "
+                         "look like, issue 45; TrainConfig.mix)")
+    ap.add_argument("--mix-share", type=float, default=None, metavar="SHARE",
+                    help="for a new run: the share of facts told that are the mix's (default 0.5)")
     args = ap.parse_args()
     cfg = TrainConfig(seed=args.seed)
     for item in args.set:
         field, value = item.split("=", 1)
         setattr(cfg, field, type(getattr(cfg, field))(value))
+    if args.mix is not None:
+        cfg.mix = args.mix
+    if args.mix_share is not None:
+        if not 0 <= args.mix_share <= 1:
+            ap.error("--mix-share must be within 0-1")
+        cfg.mix_share = args.mix_share
     if args.total_steps:
         cfg.steps = args.total_steps
     try:
