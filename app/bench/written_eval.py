@@ -6,7 +6,7 @@ It lives under app/bench/ (package data of `kvchat.app.bench`) so that training 
 app/ (tests/import_contract.py), and nothing chooses between models on it. Every triple is asked once per seed:
 the set is shuffled into chats of PER_CHAT facts (no two about one subject), each fact told once and asked
 `min_distance`+ rounds later, held-out small talk and out-of-scope prompts between (engine/data/told_once.py). The
-replies are scored on exact copy (app/bench/evaluate.py: `copies_value`): the answer byte for byte, whatever the
+replies are scored on exact copy (engine/data/told_once.py: `copies_value`): the answer byte for byte, whatever the
 words around it.
 """
 
