@@ -97,6 +97,7 @@ def pytest_configure(config):
         atexit.register(shutil.rmtree, cache, True)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: a machine without it (the GPU image) runs the rest
 def pytest_xdist_auto_num_workers(config):
     """Workers for `-n auto` (pyproject's addopts): the whole suite (no files named) runs on two on a machine without
     CUDA, as CI does: one process kept the second core busy ~20% of the time (model work of tiny models, child

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 45 on a CUDA machine (H100): the demo model trained on to copy values whatever they look like (the `--mix copy`
+# chats, docs/embedded-model.md "Training data for exact copying"), from the shipped model's weights with Q's recipe.
+# Run from the repository root with the wheels in .whl/ (as docs/gpu/bench-resume.sh); one part per 10-minute command:
+#
+#   bash docs/gpu/train-copy.sh kernel      # first, issue 44's fused choice kernel: its gpu tests and timing
+#   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
+#
+# The exported model and the log go to $OUT; runs are chosen on the CPU by `kvchat eval --phrasing dev --values
+# random`, never by the written set.
+set -uo pipefail
+source "$(dirname "$0")/device-env.sh"
+case "${1:-train}" in
+  kernel)
+    timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu tests/test_unit_choice_kernel.py 2>&1 | tail -15 \
+      | tee "$OUT/pytest-unit-choice-gpu.txt"
+    timeout "${PROBE_LIMIT:-90}" python3 docs/probes/unit_choice_cost.py > "$OUT/unit-choice-cost.txt" 2> "$OUT/unit-choice-cost.log"
+    echo "unit choice probe: exit status $?"; tail -25 "$OUT/unit-choice-cost.txt" ;;
+  train)
+    LONG="--set noise=6 --set never_told=50 --set lr=0.001 --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
+          --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60"
+    timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
+      --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
+      2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8
+    cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/" ;;
+  *) echo "usage: $0 kernel|train" >&2; exit 2 ;;
+esac
