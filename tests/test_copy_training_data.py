@@ -130,6 +130,32 @@ def test_every_value_told_is_copied_byte_for_byte_by_its_acknowledgement_and_eve
     assert set(d.COPY_VALUE_FIELDS) | {"breeds"} <= fields, set(d.COPY_VALUE_FIELDS) - fields
 
 
+
+def test_the_generators_own_sentences_tell_random_strings_too(monkeypatch):
+    """A share of the generator's own statements (`_Writer.statement`: its slots and templates, not the mix's) tell
+    random strings (`GENERATOR_RANDOM_SHARE`), whole and none recased at the start of a message; without the mix
+    none does."""
+    drawn, told = [], []
+
+    def random_code(rng, held=False):
+        drawn.append(value := real_random_code(rng, held))
+        return value
+
+    def statement(self, i):
+        start = len(drawn)
+        rnd = real_statement(self, i)
+        told.extend((rnd.user, value) for value in drawn[start:])
+        return rnd
+
+    real_random_code, real_statement = d.random_code, d._Writer.statement
+    monkeypatch.setattr(d, "random_code", random_code)
+    monkeypatch.setattr(d._Writer, "statement", statement)
+    dialogues("train", 30, 0, 20, 30, mix="copy")
+    assert len(told) >= 20 and all(copies_value(user, value) for user, value in told), told
+    del told[:]
+    dialogues("train", 30, 0, 20, 30)
+    assert not told
+
 _FORMS = {  # the written forms issue 45 names, each of which the mix tells
     "code with - or _": r"[A-Za-z0-9]+([-_][A-Za-z0-9]+)+",
     "mixed case and digits": r"(?=.*[a-z])(?=.*[A-Z])(?=.*\d)\S+",
