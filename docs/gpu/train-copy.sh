@@ -5,11 +5,30 @@
 #
 #   bash docs/gpu/train-copy.sh kernel      # first, issue 44's fused choice kernel: its gpu tests and timing
 #   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
+#   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
+#   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
 #
-# The exported model and the log go to $OUT; runs are chosen on the CPU by `kvchat eval --phrasing dev --values
-# random`, never by the written set.
+# The exported model and the log go to $OUT; runs are chosen by `kvchat eval --phrasing dev --values random` and
+# `--phrasing dev` (seed 0, 20 chats, as the app answers, on the CPU, one thread each: the figures of
+# docs/embedded-model.md), never by the written set.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
+dev_evals() {  # MODEL NAME: the two development evals, in the background
+  for set in random heldout; do
+    values=$([ $set = random ] && echo "--values random")
+    OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-400}" python3 -m kvchat.app.cli eval --model "$1" --phrasing dev $values \
+      --mode app --chats 20 --device cpu --json > "$OUT/$2-dev-$set.json" 2> "$OUT/$2-dev-$set.log" &
+  done
+}
+summary() {
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*-dev-*.json")):
+    d = json.loads(f.read_text())
+    print(f.stem, f"recall {d['correct']}/{d['questions']}", f"exact copy {d['exact_copy']['correct']}",
+          f"polite {d['out_of_scope']['polite_rate']:.3f}", f"longest reply {d['longest_reply']}")
+PY
+}
 case "${1:-train}" in
   kernel)
     timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu tests/test_unit_choice_kernel.py 2>&1 | tail -15 \
@@ -22,6 +41,9 @@ case "${1:-train}" in
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
       --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
       2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8
-    cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/" ;;
-  *) echo "usage: $0 kernel|train" >&2; exit 2 ;;
+    cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/"
+    if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; wait; summary; fi ;;
+  eval)
+    shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
+  *) echo "usage: $0 kernel|train|eval MODEL..." >&2; exit 2 ;;
 esac
