@@ -10,6 +10,9 @@ query heads, then averages them over 15 neighbouring slots (engine.policies.budg
              itself left out) before the sum
     lead4    the pooled neighbourhood shifted 4 slots back ([s-11, s+3]): a slot inherits the attention paid to the
              words before it (a value told after its key)
+    shared   each layer's pooled score (normalized per KV head) plus the mean of every global layer's: a slot that
+             some layers' window finds is kept in the others too
+    across   the mean of every global layer's pooled score alone, the same ranking in every layer
 
     python docs/probes/xkv_score_variants.py rowmax [--budget 0.4]
 
@@ -29,7 +32,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
 from kvchat.kernels.slot_mass import slot_probabilities_ref
 
-VARIANTS = ("sum", "rowmax", "headmax", "renorm", "lead4")
+VARIANTS = ("sum", "rowmax", "headmax", "renorm", "lead4", "shared", "across")
 
 
 def variant_mass(variant: str):
@@ -58,6 +61,18 @@ def lead_pooled(policy, lead: int):
     return pooled
 
 
+def across_layers(policy, own: float):
+    """`policy.pooled`, then each layer's scores (per KV head, normalized to sum to 1) times `own` plus the mean over
+    the global layers of those normalized scores."""
+    pooled_alone = policy.pooled
+
+    def pooled(mass):
+        scores = pooled_alone(mass)  # [G, Hkv, N]
+        normalized = scores / scores.sum(-1, keepdim=True).clamp_min(1e-30)
+        return own * normalized + normalized.mean((0, 1), keepdim=True)
+    return pooled
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variant", choices=VARIANTS)
@@ -71,6 +86,8 @@ def main() -> None:
     policy = make_policy("xkv", engine, budget=args.budget)
     if args.variant == "lead4":
         policy.pooled = lead_pooled(policy, 4)
+    if args.variant in ("shared", "across"):
+        policy.pooled = across_layers(policy, 1.0 if args.variant == "shared" else 0.0)
     result = evaluate(engine, policy, chats, mode="compare")
     print(args.variant, args.budget, result.overall.correct, result.overall.questions, flush=True)
 
