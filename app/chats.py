@@ -142,6 +142,16 @@ def budget_words(b: dict) -> str:
             f"{mean_retention:.1%} of the attention scored\n  per layer: {' '.join(map(str, kept))}")
 
 
+def model_budget_words(b: dict) -> str:
+    """A model's average per-layer KV budgets (storage: model_kv_budgets) in two lines."""
+    shares = b["kept_share"]
+    retention = sum(b["retention"]) / max(len(b["retention"]), 1)
+    replies = f"{b['replies']} repl{'y' if b['replies'] == 1 else 'ies'}"
+    return (f"this model's average ({terminal_line(str(b['policy']))}, {replies} of every chat): layers kept "
+            f"{min(shares):.1%}-{max(shares):.1%} of the input (mean {sum(shares) / len(shares):.1%}), holding "
+            f"{retention:.1%} of the attention scored\n  per layer: {' '.join(f'{x:.1%}' for x in shares)}")
+
+
 def _check_kv_budget(ctx, param, value):
     if value is not None and not 0 < value <= 1:
         raise KvchatError(f"--kv-budget is a share of the chat's K/V in (0, 1], not {value:g}")
@@ -434,6 +444,9 @@ def register(main: click.Group, model_option, device_option) -> None:
                "system_prompt": info["system_prompt"], "rounds": rounds,
                "kv_bytes": sum(r["kv_bytes"] for r in rounds), "kv_raw_bytes": sum(r["kv_raw_bytes"] for r in rounds),
                "last_restore": store.last_restore(info["id"]), "kv_budgets": store.kv_budgets(info["id"])}
+        # the chat's model's average under the chat's policy (XKV's sampling mode), over every chat on it
+        out["model_kv_budgets"] = out["kv_budgets"] and store.model_kv_budgets(info["model_fingerprint"],
+                                                                               out["kv_budgets"]["policy"])
         if as_json:
             click.echo(json.dumps(out))
             return
@@ -459,6 +472,8 @@ def register(main: click.Group, model_option, device_option) -> None:
             click.echo(f"last restore: {restore_words(lr)}")
         if out["kv_budgets"]:
             click.echo(budget_words(out["kv_budgets"]))
+        if out["model_kv_budgets"]:
+            click.echo(model_budget_words(out["model_kv_budgets"]))
 
     @main.command()
     @click.argument("session", required=False)

@@ -158,6 +158,15 @@ def _m009_kv_budgets(db: Database) -> None:
                             foreign_keys=[("session_id", "sessions", "id")], if_not_exists=True)
 
 
+def _m010_model_kv_budgets(db: Database) -> None:
+    # The model's average per-layer budgets (XKV's "sampling mode": what a layer keeps of a chat on this model, over
+    # every reply chosen so far), per model fingerprint and policy: sums and a count, so each reply adds to them.
+    db["model_kv_budgets"].create({"fingerprint": str, "policy": str, "replies": int, "kept_share_sums": str,
+                                   "retention_sums": str, "updated": str}, pk=("fingerprint", "policy"),
+                                  not_null={"replies", "kept_share_sums", "retention_sums", "updated"},
+                                  if_not_exists=True)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m001_initial),
                                                             ("002_segment_kind", _m002_segment_kind),
                                                             ("003_restore_streams", _m003_restore_streams),
@@ -166,13 +175,15 @@ MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [("001_initial", _m00
                                                             ("006_round_reply_state", _m006_round_reply_state),
                                                             ("007_message_search", _m007_message_search),
                                                             ("008_chat_parameters", _m008_chat_parameters),
-                                                            ("009_kv_budgets", _m009_kv_budgets)]
+                                                            ("009_kv_budgets", _m009_kv_budgets),
+                                                            ("010_model_kv_budgets", _m010_model_kv_budgets)]
 
 
 # Migrations a store may lack and still be read by this kvchat (on a read-only home, where none can run): readers
 # take a missing rounds.reply_state as "done", missing chat parameters as the defaults; a search without the
-# message index builds one in memory; a chat without stored KV budgets has none to show.
-READABLE_WITHOUT = {"006_round_reply_state", "007_message_search", "008_chat_parameters", "009_kv_budgets"}
+# message index builds one in memory; a chat or model without stored KV budgets has none to show.
+READABLE_WITHOUT = {"006_round_reply_state", "007_message_search", "008_chat_parameters", "009_kv_budgets",
+                    "010_model_kv_budgets"}
 SAVING = "save to the chat store"  # what a write was doing, when its caller does not say
 
 
@@ -697,13 +708,42 @@ class Store:
     # ---- per-layer KV budgets ----
 
     def save_kv_budgets(self, sid: str, *, policy: str, budget: float, input_slots: int, kept: list[int],
-                        retention: list[float], round_idx: int) -> None:
-        """The chat's latest per-layer budgets (one row a chat, replaced by each reply's choice)."""
+                        retention: list[float], round_idx: int, fingerprint: str | None = None) -> None:
+        """The chat's latest per-layer budgets (one row a chat, replaced by each reply's choice); with the model's
+        `fingerprint`, added to the model's average (`model_kv_budgets`) in the same transaction."""
         with self.transaction("save the chat's KV budgets") as db:
             db["kv_budgets"].upsert({"session_id": sid, "policy": policy, "budget": budget,
                                      "input_slots": input_slots, "kept": json.dumps(kept),
                                      "retention": json.dumps([round(r, 4) for r in retention]),
                                      "round_idx": round_idx, "updated": now()}, pk="session_id")
+            if fingerprint is None:
+                return
+            shares = [n / max(input_slots, 1) for n in kept]
+            rows = list(db["model_kv_budgets"].rows_where("fingerprint = ? AND policy = ?", [fingerprint, policy]))
+            replies, share_sums, retention_sums = 0, [0.0] * len(shares), [0.0] * len(retention)
+            if rows and len(json.loads(rows[0]["kept_share_sums"])) == len(shares):
+                replies = rows[0]["replies"]
+                share_sums = json.loads(rows[0]["kept_share_sums"])
+                retention_sums = json.loads(rows[0]["retention_sums"])
+            db["model_kv_budgets"].upsert({
+                "fingerprint": fingerprint, "policy": policy, "replies": replies + 1,
+                "kept_share_sums": json.dumps([a + b for a, b in zip(share_sums, shares)]),
+                "retention_sums": json.dumps([a + b for a, b in zip(retention_sums, retention)]),
+                "updated": now()}, pk=("fingerprint", "policy"))
+
+    def model_kv_budgets(self, fingerprint: str, policy: str) -> dict | None:
+        """A model's average budgets under `policy` over every reply chosen so far: {"policy", "replies",
+        "kept_share" (per layer, the mean share of the input kept), "retention" (per global layer, the mean share of
+        the scored attention kept)}, or None."""
+        if "model_kv_budgets" not in self._tables(self.db):  # a read-only store older than migration 010
+            return None
+        rows = self._query("SELECT * FROM model_kv_budgets WHERE fingerprint = ? AND policy = ?", [fingerprint, policy])
+        if not rows:
+            return None
+        n = rows[0]["replies"]
+        return {"policy": policy, "replies": n,
+                "kept_share": [round(x / n, 4) for x in json.loads(rows[0]["kept_share_sums"])],
+                "retention": [round(x / n, 4) for x in json.loads(rows[0]["retention_sums"])]}
 
     def kv_budgets(self, sid: str) -> dict | None:
         """The chat's latest per-layer budgets (kept, retention as lists), or None."""

@@ -494,7 +494,7 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
         assert "kind" not in old.db["kv_segments"].columns_dict
         old.close()
     store = Store()
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 9
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == len(store_db.MIGRATIONS) == 10
     assert store.kv_budgets(sid) is None and "kv_budgets" in store.db.table_names()  # 009: a table, empty
     assert kinds_and_files(store, sid) == [(0, "kv", "a")]
     assert [r.reply_state for r in store.rounds(sid)] == [REPLY_DONE]  # stored before replies had states: whole

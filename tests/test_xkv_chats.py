@@ -33,6 +33,29 @@ def test_a_chat_under_xkv_answers_and_keeps_its_budgets(kvchat_home):
     assert all(0 < r <= 1 for r in budgets["retention"])
     shown = kvchat("show", sid).stdout
     assert "KV budgets (xkv 0.4, at round 3)" in shown and "per layer: " + " ".join(map(str, kept)) in shown
+    # the model's average over every reply of every chat on it (XKV's sampling mode): 4 replies, then 8
+    average = json.loads(kvchat("show", sid, "--json").stdout)["model_kv_budgets"]
+    assert average["policy"] == "xkv" and average["replies"] == 4 and len(average["kept_share"]) == 8
+    assert all(0 < x <= 1 for x in average["kept_share"]) and all(0 < r <= 1 for r in average["retention"])
+    assert "this model's average (xkv, 4 replies of every chat)" in kvchat("show", sid).stdout
+    other, _ = chat_under(["--kv-policy", "xkv", "--kv-budget", "0.4"])
+    assert json.loads(kvchat("show", sid, "--json").stdout)["model_kv_budgets"]["replies"] == 8
+    assert json.loads(kvchat("show", other, "--json").stdout)["model_kv_budgets"]["replies"] == 8
+
+
+def test_the_models_average_budgets_are_the_mean_of_every_replys_shares(kvchat_home):
+    store = Store()
+    sid = store.create_session(title="", model_fingerprint="f" * 64, model_path="model.gguf", system_prompt=None)
+    for kept, retention in (([10, 40, 20], [0.5, 0.9]), ([30, 20, 20], [0.7, 0.8])):
+        store.save_kv_budgets(sid, policy="xkv", budget=0.3, input_slots=100, kept=kept, retention=retention,
+                              round_idx=0, fingerprint="f" * 64)
+    store.save_kv_budgets(sid, policy="uniform", budget=0.3, input_slots=50, kept=[5, 5, 5], retention=[1.0, 1.0],
+                          round_idx=1, fingerprint="f" * 64)
+    average = store.model_kv_budgets("f" * 64, "xkv")
+    assert average == {"policy": "xkv", "replies": 2, "kept_share": [0.2, 0.3, 0.2], "retention": [0.6, 0.85]}
+    assert store.model_kv_budgets("f" * 64, "uniform")["kept_share"] == [0.1, 0.1, 0.1]
+    assert store.model_kv_budgets("e" * 64, "xkv") is None
+    assert store.kv_budgets(sid)["policy"] == "uniform"  # the chat keeps its latest alone
 
 
 def test_a_bad_kv_budget_is_one_line_and_sends_nothing(kvchat_home):

@@ -427,15 +427,16 @@ class ChatSession:
             device_tier.reserve(slots, exact=True)
 
     def _save_budgets(self, policy: KVPolicy | None, idx: int) -> None:
-        """A layer-budget policy's choice for this reply (XKV: engine.policies.budgets), kept with the chat for
-        `kvchat show`. The reply is saved already: a store that refuses this costs the figures, nothing else."""
+        """A layer-budget policy's choice for this reply (XKV: engine.policies.budgets), kept with the chat and
+        added to the model's average, for `kvchat show`. The reply is saved already: a store that refuses this
+        costs the figures, nothing else."""
         choice = getattr(policy, "last_choice", None)
         if choice is None:
             return
         try:
             self.store.save_kv_budgets(self.sid, policy=policy.name, budget=policy.budget,
                                        input_slots=choice.input_slots, kept=choice.kept,
-                                       retention=choice.retention, round_idx=idx)
+                                       retention=choice.retention, round_idx=idx, fingerprint=self.fingerprint)
         except StoreError:
             pass
 
