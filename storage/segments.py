@@ -177,8 +177,9 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None
     for what, r in (("layers", layers), ("tokens", tokens)):
         if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
             raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
-    if kind == SEGMENT_UNITS and kv.dtype != torch.float32:
-        raise ValueError(f"units are float32 (a token's unit is a number in them), not {kv.dtype}")
+    if kind == SEGMENT_UNITS and kv.dtype not in (torch.bfloat16, torch.float32):
+        # bfloat16 (a token's unit in the bits of an int16), or float32 as chats saved before 2026-11-28 hold
+        raise ValueError(f"units are bfloat16 or float32 (a token's unit is a number in them), not {kv.dtype}")
     if not layer_rows_fit(kind, kv.shape[0], len(layers)):
         raise ValueError(f"{name} for layers {layers} must hold {len(layers)} layers, not {kv.shape[0]}")
     if not token_rows_fit(kind, kv.shape[3], len(tokens)):

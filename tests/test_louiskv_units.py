@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 import kvchat.engine.policies.louiskv as louiskv_module
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.service import ChatService
 from kvchat.app.session.units import pack_units, unpack_units
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.kv.units import round_units, segment_units, sliced
+from kvchat.engine.kv.units import Units, round_units, segment_units, sliced
 from kvchat.engine.policies import make_policy
 from kvchat.engine.sampling import SamplingParams
 from kvchat.storage.db import SEGMENT_UNITS, Store
@@ -42,9 +43,10 @@ def test_a_reply_is_cut_where_each_layers_trigger_fired_and_no_segment_runs_long
     want1 = [0] * 16 + [1] * 16 + [2] * 8
     assert units.member[0, 0].tolist() == want0 and units.member[1, 1].tolist() == want1
     assert torch.equal(units.member[0, 0], units.member[0, 1])  # a layer's KV heads share its boundaries
-    for layer, head, unit in ((0, 1, 1), (0, 0, 3), (1, 0, 2)):  # each summary is the mean of its keys
+    for layer, head, unit in ((0, 1, 1), (0, 0, 3), (1, 0, 2)):  # each summary is the mean of its keys (in bf16)
         mask = units.member[layer, head] == unit
-        assert torch.allclose(units.summary[layer, head, unit, 0], k[layer, head, mask].mean(0), atol=1e-6)
+        mean = k[layer, head, mask].mean(0)
+        assert torch.equal(units.summary[layer, head, unit, 0], mean.to(torch.bfloat16).float())
     assert units.member[1].max() == 2  # layer 1's fourth centroid is unused: no slot points to it
     plain = segment_units(k, 0, None, longest=16)  # no trigger watched: segments of `longest`
     assert plain.member[0, 0].tolist() == want1
@@ -63,15 +65,42 @@ def test_a_rounds_units_are_its_messages_clusters_then_its_replys_segments():
 
 
 def test_units_pack_into_a_segment_and_back_exactly():
+    # centroids are made in bfloat16's precision, so the bfloat16 segment gives back exactly what the session read
     units = round_units(keys(2, n=37), 3, 20, None, tokens_per_cluster=4, longest=6)
+    assert torch.equal(units.summary, units.summary.to(torch.bfloat16).float())
     packed = pack_units(units)
-    assert packed.dtype == torch.float32 and packed.shape[1] == 2
+    assert packed.dtype == torch.bfloat16 and packed.shape[1] == 2
+    assert packed.numel() * 2 * 2 == pack_units_float32(units).numel() * 4  # half the bytes of the format before
     back = unpack_units(packed, 3, 40)
-    assert torch.equal(back.member, units.member)
-    assert torch.equal(back.summary[:, :, : units.n_units], units.summary[:, :, : back.n_units].float())
-    packed[0, 1, 0, 0, 0] = 10_000  # a token naming a unit the segment does not hold
-    with pytest.raises(ValueError, match="does not hold"):
-        unpack_units(packed, 3, 40)
+    assert torch.equal(back.member, units.member) and back.summary.dtype == torch.float32
+    assert torch.equal(back.summary[:, :, : units.n_units], units.summary[:, :, : back.n_units])
+    # a segment of the float32 format (chats saved before) reads back the same
+    old = unpack_units(pack_units_float32(units), 3, 40)
+    assert torch.equal(old.member, units.member) and torch.equal(old.summary, back.summary)
+    # more units than a member's int16 holds: refused, not stored wrong
+    many = Units(0, 1, torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, (1 << 15) + 1, 1, 8))
+    with pytest.raises(ValueError, match="more than a units segment holds"):
+        pack_units(many)
+    # a token naming a unit the segment does not hold, in either format
+    packed[0, 1, 0, 0].view(torch.int16)[0] = 10_000
+    before = pack_units_float32(units)
+    before[0, 1, 0, 0, 0] = 10_000
+    for bad in (packed, before):
+        with pytest.raises(ValueError, match="does not hold"):
+            unpack_units(bad, 3, 40)
+
+
+def pack_units_float32(units: Units) -> Tensor:
+    """The units segment's format before 2026-11-28: float32, members as float32 values."""
+    g, h, u, _, d = units.summary.shape
+    n = units.member.shape[2]
+    rows = max(u, -(-n // d), 1)
+    packed = torch.zeros(g, 2, h, rows, d)
+    packed[:, 0, :, :u] = units.summary[:, :, :, 0]
+    members = torch.zeros(g, h, rows * d)
+    members[:, :, :n] = units.member.float()
+    packed[:, 1] = members.view(g, h, rows, d)
+    return packed
 
 
 def louiskv(tau: float = 0.5):

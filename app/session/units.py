@@ -13,8 +13,11 @@ round again.
   from its K/V — clustered whole: no trigger was watched for its reply — and stored, with one restore note saying
   how many and why.
 
-A segment holds the units of one round in one float32 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
-[0, U) the centroids; plane 1, flattened, each token's unit (exact in float32 up to 2^24 units).
+A segment holds the units of one round in one bfloat16 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
+[0, U) the centroids (made in bfloat16's precision: engine.kv.units.in_stored_precision); plane 1, flattened, each
+token's unit as an int16 whose bits the bfloat16 plane holds as they are (a round has fewer than 2^15 units per
+layer and KV head at any context kvchat runs). Chats saved before 2026-11-28 hold float32 segments (members exact
+in float32 up to 2^24), read as they are.
 """
 
 from __future__ import annotations
@@ -33,18 +36,24 @@ from kvchat.storage.db import SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
 
 
+# A member's unit must fit an int16 to be stored in the bfloat16 plane's bits.
+MOST_UNITS = 1 << 15
+
+
 def pack_units(units: Units) -> Tensor:
-    """Units (one centroid per unit) as a units segment's tensor [G, 2, Hkv, rows, D] float32 on the CPU."""
+    """Units (one centroid per unit) as a units segment's tensor [G, 2, Hkv, rows, D] bfloat16 on the CPU."""
     g, h, u, s, d = units.summary.shape
     if s != 1:
         raise ValueError("only units summarized by one centroid are stored")
+    if u > MOST_UNITS:
+        raise ValueError(f"a round of {u} units per layer and KV head is more than a units segment holds")
     n = units.member.shape[2]
     rows = max(u, math.ceil(n / d), 1)
-    packed = torch.zeros(g, 2, h, rows, d)
-    packed[:, 0, :, :u] = units.summary[:, :, :, 0].float().cpu()
-    members = torch.zeros(g, h, rows * d)
-    members[:, :, :n] = units.member.float().cpu()
-    packed[:, 1] = members.view(g, h, rows, d)
+    packed = torch.zeros(g, 2, h, rows, d, dtype=torch.bfloat16)
+    packed[:, 0, :, :u] = units.summary[:, :, :, 0].cpu().to(torch.bfloat16)
+    members = torch.zeros(g, h, rows * d, dtype=torch.int16)
+    members[:, :, :n] = units.member.cpu().to(torch.int16)
+    packed[:, 1] = members.view(g, h, rows, d).view(torch.bfloat16)
     return packed
 
 
@@ -54,7 +63,8 @@ def unpack_units(packed: Tensor, start: int, end: int, device: torch.device | st
     n = end - start
     if n > rows * d:
         raise ValueError(f"a units segment of {rows} rows cannot hold {n} tokens' units")
-    member = packed[:, 1].reshape(g, h, rows * d)[:, :, :n].long()
+    plane = packed[:, 1].reshape(g, h, rows * d)[:, :, :n]
+    member = (plane.view(torch.int16) if packed.dtype == torch.bfloat16 else plane).long()  # float32: before 11-28
     u = int(member.max()) + 1 if n else 1
     if u > rows or bool((member < 0).any()):
         raise ValueError("a units segment names units it does not hold")

@@ -47,6 +47,13 @@ class Units:
         return self.summary.shape[2]
 
 
+def in_stored_precision(centroids: Tensor) -> Tensor:
+    """Centroids rounded to bfloat16, kept as float32: a chat stores its units in bfloat16 (half the bytes a restore
+    reads, hashes and decompresses: app/session/units.py), so the replies of the session that built them read the
+    centroids a reopened chat reads."""
+    return centroids.to(torch.bfloat16).float()
+
+
 def cluster_units(keys: Tensor, start: int, tokens_per_cluster: int = TOKENS_PER_CLUSTER,
                   iterations: int = DEFAULT_ITERATIONS) -> Units:
     """Keys [G, Hkv, n, D] of slots [start, start + n) in ceil(n / tokens_per_cluster) clusters per layer and KV
@@ -54,7 +61,7 @@ def cluster_units(keys: Tensor, start: int, tokens_per_cluster: int = TOKENS_PER
     g, h, n, d = keys.shape
     k = max(1, math.ceil(n / tokens_per_cluster))
     centroids, assign, _ = kmeans(keys.reshape(g * h, n, d), k, iterations)
-    return Units(start, start + n, assign.view(g, h, n), centroids.view(g, h, k, 1, d))
+    return Units(start, start + n, assign.view(g, h, n), in_stored_precision(centroids.view(g, h, k, 1, d)))
 
 
 def segment_units(keys: Tensor, start: int, cuts: Tensor | None, longest: int) -> Units:
@@ -78,7 +85,8 @@ def segment_units(keys: Tensor, start: int, cuts: Tensor | None, longest: int) -
     sums.scatter_add_(2, member[:, None, :, None].expand(g, h, n, d), keys.float())
     counts = torch.zeros(g, n_units, device=keys.device).scatter_add_(1, member, torch.ones(g, n, device=keys.device))
     centroids = sums / counts.clamp_min(1)[:, None, :, None]
-    return Units(start, start + n, member[:, None].expand(g, h, n).contiguous(), centroids[:, :, :, None])
+    return Units(start, start + n, member[:, None].expand(g, h, n).contiguous(),
+                 in_stored_precision(centroids[:, :, :, None]))
 
 
 def round_units(keys: Tensor, start: int, reply_at: int, cuts: Tensor | None = None,
