@@ -127,10 +127,11 @@ def test_a_budget_of_the_whole_input_gives_the_full_caches_tokens(engine, name):
     assert policy.last_choice.kept_share == 1.0
 
 
+@pytest.mark.parametrize("pooling", ["avg", "max"])
 @pytest.mark.parametrize("name", BUDGET_POLICIES)
-def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(engine, name):
+def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(engine, name, pooling):
     m, cfg = engine.model, engine.config
-    policy = make_policy(name, engine, budget=0.25, window=8)  # a short chat: the paper's window
+    policy = make_policy(name, engine, budget=0.25, window=8, pooling=pooling)  # a short chat: the paper's window
     cache, logits, prompt = prefilled(engine, policy)
     n = len(prompt)
     step = decode_steps(m, cache, 5, 200, None, 0, False, policy)
@@ -142,17 +143,16 @@ def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(e
         assert set(choice.kept) == {average}
     assert step.base.tolist() == choice.kept
     # One layer's lists, recomputed by hand: the window's scores (softmax over what each of its tokens saw,
-    # summed over tokens and the KV head's query heads), pooled over `pool` slots (the best of them, ties within a
-    # plateau to the larger mean), the top n_i, then the window.
+    # summed over tokens and the KV head's query heads), pooled over `pool` slots (their mean; or the best of them,
+    # ties within a plateau to the larger mean), the top n_i, then the window.
     layer = max(range(cfg.n_layers), key=lambda i: choice.kept[i])
     queries = window_queries(m, cache, prompt[-8:])[layer : layer + 1]
     mass = slot_mass_ref(queries, cache.layer(layer)[0:1, :, :n], n - 8, scale=cfg.softmax_scale)[0]
     pool = policy.pool
-    assert policy.pooling == "max"
     mean = torch.nn.functional.avg_pool1d(mass[:, None], pool, stride=1, padding=pool // 2,
                                           count_include_pad=False)[:, 0]
     best = torch.nn.functional.max_pool1d(mass[:, None], pool, stride=1, padding=pool // 2)[:, 0]
-    pooled = best + mean / 256
+    pooled = best + mean / 256 if pooling == "max" else mean
     n_i = choice.kept[layer] - 8
     for head in range(cfg.n_kv_heads):
         listed = step.chosen[layer, head, : choice.kept[layer]].tolist()

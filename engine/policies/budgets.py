@@ -17,10 +17,12 @@ what loses answers (docs/benchmarks.md, "What a choice of 0.4 can keep"). Other 
 recall by at most one answer (docs/probes/xkv_score_variants.py). What the oracle has and the window lacks is the
 reply's own start: with `head`, the reply's first tokens decode over every slot and then join the window, and the
 choice is made after them. It gained 3 answers of 6 on the development set at 4 tokens, and lost one on the report
-sets (docs/benchmarks.md, "With the window of 32"): it is off by default. The pool takes the best of its slots'
-scores (`pooling="max"`), not their mean (the paper's): on the same development set, 101 answers against 98 at 0.4
-and 96 against 93 at 0.2 (max over 7 slots: 82; over 31: 98): a value's slots each keep the score of its most
-attended token, where the mean dilutes it with the words around it (docs/benchmarks.md, "Max pooling").
+sets (docs/benchmarks.md, "With the window of 32"): it is off by default. The pool takes its slots' mean (the
+paper's); `pooling="max"` takes the best of them instead (a value's slots each keep the score of its most attended
+token). Max was the default for a day: on the same development set it gave 101 answers against 98 at 0.4 and 96
+against 93 at 0.2, but on the report sets it was a wash (90/86/68 against 91/82/71 at 0.4/0.2/0.1), and on real
+text (gemma-3-270m) it raised the KL at 8k and budget 0.4 by 28-86% for every policy (xkv 0.585 against 0.315) for
+1-4% less at 2k and 0.2/0.1 (docs/benchmarks.md, "Max pooling").
 
 Decisions the paper leaves open, made here once:
 * The window's own slots are always kept and counted in the budget: a layer keeps `window` + n_i input slots, and
@@ -99,8 +101,8 @@ class LayerBudgetPolicy(KVPolicy):
     tokens: int = 0  # instead of `budget`: input slots a global layer keeps on average (0: use `budget`)
     window: int = 32  # the observation window: the input's last tokens, always kept, whose attention is scored
     pool: int = 15  # slots pooled into each score (odd; the paper has 7: docs/benchmarks.md, "XKV")
-    # "max" (the default): each slot scored as its best neighbour (LoopServe's); "avg": the paper's
-    pooling: str = "max"
+    # "avg" (the default, the paper's): each slot scored by its neighbours' mean; "max": by the best of them
+    pooling: str = "avg"
     # Beyond the paper: each layer's slots chosen again every 16 reply tokens by the reply's own queries (LoopServe's
     # progressive decode, engine.policies.progressive_decode), the layer keeping its budget; off: chosen once.
     progressive: bool = False
