@@ -5,12 +5,15 @@ are damaged, and carried by state files."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
+import kvchat.app.session.restore as restore_module
+import kvchat.app.session.units as units_module
 import kvchat.engine.policies.louiskv as louiskv_module
 from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.service import ChatService
@@ -137,6 +140,38 @@ def count_clustering(monkeypatch) -> list[int]:
                         lambda k, start, *a: made.append(start) or real_cluster(k, start, *a))
     return made
 
+
+
+def test_a_reopened_chat_reads_its_units_while_its_k_v_is_restored(kvchat_home, monkeypatch):
+    """Every round's units file is read on the reader threads from the restore's start (`read_ahead`), each once,
+    not after the K/V is in: the restore waits, before it returns, until each read has begun."""
+    store = Store()
+    sid = new_chat(store)
+    run_chat(store, sid, louiskv(), MESSAGES).close()
+    begun, all_begun, lock = [], threading.Event(), threading.Lock()
+    real_read, real_run = units_module.ChatUnits._read, restore_module.RestoreRun.run
+
+    def read(self, seg, row):
+        with lock:
+            begun.append(row.idx)
+            if len(begun) == len(MESSAGES):
+                all_begun.set()
+        return real_read(self, seg, row)
+
+    def run(self, *args, **kwargs):
+        stats = real_run(self, *args, **kwargs)
+        run.waited = all_begun.wait(10)  # before the restore returns, hence before `load` is called
+        return stats
+
+    monkeypatch.setattr(units_module.ChatUnits, "_read", read)
+    monkeypatch.setattr(restore_module.RestoreRun, "run", run)
+    made = count_clustering(monkeypatch)
+    again = ChatSession(store, shared_engine(), sid, policy=louiskv())
+    stats = again.restore()
+    assert run.waited and sorted(begun) == list(range(len(MESSAGES)))  # each round's file read once, ahead
+    assert not made and not [n for n in stats.notes if "retrieval units" in n]
+    assert sorted(again.cache.units) == [(r.token_start, r.token_end) for r in again.rounds]
+    again.close()
 
 def test_a_louiskv_chat_stores_each_rounds_units_and_a_reopened_chat_reads_them(kvchat_home, monkeypatch):
     store = Store()

@@ -178,12 +178,15 @@ class ChatSession:
                          planner=planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
                          upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
                          ignore_merges=self.ignore_merges, room=self.room)
+        # the rounds' retrieval units (louiskv): their files read beside the K/V, handed over after it
+        stored_units = self._units_of_policy()
+        ahead = stored_units.read_ahead(self.rounds) if stored_units is not None else None
         try:
             stats = run.run(progress, cancel)
             stats.notes[:0] = self.restore_notes
             units = self._units(run.cache)
-            if units is not None:  # the rounds' retrieval units (louiskv): read, or built once and stored
-                stats.notes += units.load(run.cache, run.rounds)
+            if units is not None:  # read (ahead), or built once and stored
+                stats.notes += units.load(run.cache, run.rounds, ahead)
         except RestoreCancelled:
             self.rounds = run.rounds
             self.cache, self.restored = self._new_cache(256), None
@@ -205,7 +208,13 @@ class ChatSession:
     def _units(self, cache) -> ChatUnits | None:
         """The chat's stored retrieval units, where its message policy keeps them (louiskv) on a cache of every
         layer (KVCache); None elsewhere."""
-        if not stores_units(self.message_policy) or not isinstance(cache, KVCache):
+        if not isinstance(cache, KVCache):
+            return None
+        return self._units_of_policy()
+
+    def _units_of_policy(self) -> ChatUnits | None:
+        """The chat's stored retrieval units where its message policy keeps them (louiskv), whatever the cache."""
+        if not stores_units(self.message_policy):
             return None
         return ChatUnits(self.store, self.writer, self.sid, self.fingerprint, self.engine.model, self.message_policy)
 

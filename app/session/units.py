@@ -5,13 +5,13 @@ round again.
 
 - Saving: a round answered under a policy that stores units (`louiskv`) has them built from the cache right after
   its K/V is handed to the writer, and written the same way (the background writer, content-addressed files).
-- Opening: the chat's units are read once its K/V is in the cache, and handed to the cache (KVCache.units), where
-  the policy finds them. The rounds' files are read, checked and decompressed on several threads (hashing and
-  zstd release the GIL): one at a time they added ~1.2 s to a 32k chat's restore on the 8B shape, whose units
-  are ~1/8 of its raw K/V in float32 (docs/benchmarks.md, "LouisKV"). A round without units (saved before, or
-  under another policy) or whose units cannot be read (a damaged or missing file, another model's) gets them built
-  from its K/V — clustered whole: no trigger was watched for its reply — and stored, with one restore note saying
-  how many and why.
+- Opening: the rounds' files are read, checked and decompressed on several threads (hashing and zstd release
+  the GIL) from the restore's start, beside its K/V (`read_ahead`), and handed to the cache (KVCache.units) once
+  its K/V is in, where the policy finds them. One at a time after the K/V they added ~1.2 s to a 32k chat's
+  restore on the 8B shape, whose units were ~1/8 of its raw K/V in float32 then (docs/benchmarks.md, "LouisKV").
+  A round without units (saved before, or under another policy) or whose units cannot be read (a damaged or
+  missing file, another model's) gets them built from its K/V — clustered whole: no trigger was watched for its
+  reply — and stored, with one restore note saying how many and why.
 
 A segment holds the units of one round in one bfloat16 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
 [0, U) the centroids (made in bfloat16's precision: engine.kv.units.in_stored_precision); plane 1, flattened, each
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -81,6 +82,13 @@ def stores_units(policy) -> bool:
 READ_THREADS = min(8, os.cpu_count() or 1)
 
 
+@dataclass
+class ReadAhead:
+    """Units files being read ahead of a restore's end (`ChatUnits.read_ahead`): (round, its span) -> the read."""
+
+    futures: dict[tuple[int, int, int], Future]
+
+
 class ChatUnits:
     """One chat's units in the store (see the module docstring); `policy`: the chat's message policy."""
 
@@ -96,16 +104,29 @@ class ChatUnits:
         cache.units[(row.token_start, row.token_end)] = units
         self._submit(row, units)
 
-    def load(self, cache, rounds: list[RoundRow]) -> list[str]:
-        """Hand the cache every closed round's units, read from the store or built from its K/V (then stored);
-        the restore notes this adds."""
+    def read_ahead(self, rounds: list[RoundRow]) -> ReadAhead:
+        """Start reading the rounds' units files on reader threads, to be handed to `load` once the chat's K/V is in
+        the cache: a restore reads them while it reads (or recomputes) the K/V, not after it."""
+        rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
+        pool = ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds))))
+        futures = {(row.idx, row.token_start, row.token_end): pool.submit(self._read, rows.get(row.idx), row)
+                   for row in rounds if row.idx in rows}
+        pool.shutdown(wait=False)  # the threads finish what was submitted, then end
+        return ReadAhead(futures)
+
+    def load(self, cache, rounds: list[RoundRow], ahead: ReadAhead | None = None) -> list[str]:
+        """Hand the cache every closed round's units, read from the store (or taken from `ahead`, where it read the
+        same round) or built from its K/V (then stored); the restore notes this adds."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         built, damaged = [], []
         device = cache.kv.device
         todo = [row for row in rounds if (row.token_start, row.token_end) not in cache.units
                 and row.token_start < row.token_end <= cache.length]
+        early = ahead.futures if ahead is not None else {}
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(todo)))) as pool:
-            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), todo))
+            pending = [early.get((row.idx, row.token_start, row.token_end)) or pool.submit(self._read, rows.get(
+                row.idx), row) for row in todo]  # a round the restore re-tokenized is read again, as it is now
+            read = [f.result() for f in pending]
         for row, (units, problem) in zip(todo, read):
             if units is not None:
                 units = Units(units.start, units.end, units.member.to(device), units.summary.to(device))
