@@ -24,7 +24,11 @@ summary() {
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*-dev-*.json")):
-    d = json.loads(f.read_text())
+    try:
+        d = json.loads(f.read_text())
+    except ValueError:
+        print(f.stem, "no result:", f.with_suffix(".log").read_text().strip().splitlines()[-1:])
+        continue
     print(f.stem, f"recall {d['correct']}/{d['questions']}", f"exact copy {d['exact_copy']['correct']}",
           f"polite {d['out_of_scope']['polite_rate']:.3f}", f"longest reply {d['longest_reply']}")
 PY
