@@ -199,8 +199,10 @@ class LayerBudgetPolicy(KVPolicy):
         counts = self.allocate(per_layer, total)
         if len(counts) != len(globals_) or any(not 0 <= n <= candidates for n in counts):
             raise RuntimeError(f"{self.name} allocated {counts} for {len(globals_)} layers of {candidates} slots")
+        # R_i(n_i) of every layer read back at once (one wait for the device, not one a layer)
         ordered = per_layer.sort(dim=1, descending=True).values.cumsum(1)
-        retention = [float(ordered[j, n - 1]) if n else 0.0 for j, n in enumerate(counts)]
+        at = torch.tensor([max(n - 1, 0) for n in counts], device=ordered.device)[:, None]
+        retention = [r if n else 0.0 for r, n in zip(ordered.gather(1, at)[:, 0].tolist(), counts)]
         window_slots = torch.arange(candidates, first, device=scores.device, dtype=torch.long)
         slots: list[Tensor | None] = [None] * cfg.n_layers
         kept = [min(first, cfg.window(i)) for i in range(cfg.n_layers)]
