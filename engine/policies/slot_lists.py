@@ -71,6 +71,11 @@ class SlotListDecode:
 
     def list_everything(self) -> None:
         """Every candidate slot in every layer's list (what the prompt saw)."""
+        if self.every_slot:  # no view restricts a layer: every input slot, all layers at once (no wait a layer)
+            cfg, device = self.model.cfg, self.chosen.device
+            every = torch.arange(self.first, dtype=torch.int32, device=device)
+            self.write_group(torch.arange(cfg.n_layers, device=device), every.expand(cfg.n_layers, cfg.n_kv_heads, -1))
+            return
         for layer in range(self.model.cfg.n_layers):
             slots = self.candidates[layer].nonzero().flatten().to(torch.int32)
             self.write(layer, slots.expand(self.chosen.shape[1], -1))
