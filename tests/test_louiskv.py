@@ -91,16 +91,18 @@ def test_a_region_no_larger_than_the_budget_gives_the_full_caches_tokens(engine,
     assert replies[0] == replies[1]  # 1,024 slots cover the whole prompt: no choice is made
 
 
+@pytest.mark.parametrize("window", [1, 6])
 @pytest.mark.parametrize("name", ["louiskv", "quest"])
 @pytest.mark.parametrize("told", ["before the prefill", "after it"])
-def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, told, monkeypatch):
-    """The first choice, from the last input token's queries: kept by the message's prefill when the policy is told
-    of the message before it (as generation does), else run again over the cache; the same lists either way."""
+def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, told, window, monkeypatch):
+    """The first choice, from the input's last `window` tokens' queries (each row a softmax over the units, averaged
+    with the KV head's query heads): kept by the message's prefill when the policy is told of the message before it
+    (as generation does), else run again over the cache; the same lists either way."""
     import kvchat.engine.policies.budgets as budgets
 
     m, cfg, prompt = engine.model, engine.config, long_prompt(engine)
     extra = {"tau": 0.5} if name == "louiskv" else {}
-    policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, **extra)
+    policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, window=window, **extra)
     cache = m.new_cache(len(prompt) + 20)
     if told == "before the prefill":
         policy.visible_slots(cache, [0], prompt, model=m)
@@ -111,11 +113,12 @@ def test_each_layer_reads_the_sinks_the_buffer_and_its_best_units(engine, name, 
     step = policy.decode_step(m, cache, 0, None, len(prompt) + 20, False)
     first = len(prompt)
     # what the step's lists hold after the prefill's choice, recomputed from the definitions
-    q = window_queries(m, cache, prompt[-1:])[:, 0]
+    q = window_queries(m, cache, prompt[-window:])  # [L, T, H, D]
     layers = list(range(cfg.n_layers))
     units = policy.units(cache, layers, 4, first - 16)
     summary, member, slots = joined([units])
-    best = slots_of_best_units(unit_scores(q, summary, cfg.softmax_scale), member, slots, 48, policy.pool)
+    rows = [unit_scores(q[:, t], summary, cfg.softmax_scale) for t in range(window)]  # each row alone, then averaged
+    best = slots_of_best_units(torch.stack(rows).mean(0), member, slots, 48, policy.pool)
     always = list(range(4)) + list(range(first - 16, first))
     for layer in layers:
         n = int(step.base[layer])
@@ -208,6 +211,9 @@ def test_bad_options_are_one_line(engine):
     for options in ({"tokens": 0}, {"buffer": 0}, {"tau": 1.5}, {"unit_tokens": 0}, {"pool": 4}):
         with pytest.raises(KvchatError):
             make_policy("louiskv", engine, **options)
+    for window in (0, 300):  # the first choice's window: 1 to the buffer's 256 tokens
+        with pytest.raises(KvchatError, match=f"window is 1 to buffer \\(256\\) tokens, not {window}"):
+            make_policy("louiskv", engine, tau=0.5, window=window)
     with pytest.raises(KvchatError, match="calibrate its retrieval trigger|tau"):
         make_policy("louiskv", engine)  # no threshold and nothing calibrated here: make_policy is pure
     with pytest.raises(KvchatError, match="3 thresholds"):

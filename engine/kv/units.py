@@ -146,7 +146,8 @@ def joined(units: list[Units]) -> tuple[Tensor, Tensor, Tensor]:
 def unit_scores(q: Tensor, summary: Tensor, scale: float) -> Tensor:
     """q [G, H, D] (one token's queries at each global layer), summaries [G, Hkv, U, S, D] -> [G, Hkv, U] float32:
     per query head a softmax over the units of q . centroid (S = 1) or of the bound sum_d max(q_d lo_d, q_d hi_d)
-    (S = 2) times `scale`, averaged over the KV head's query heads."""
+    (S = 2) times `scale`, averaged over the KV head's query heads. Several tokens' queries score together as more
+    query heads: [G, H * T, D] with each head's T rows side by side."""
     g, n_heads, d = q.shape
     n_kv = summary.shape[1]
     grouped = q.float().view(g, n_kv, n_heads // n_kv, d)  # [G, Hkv, rep, D]

@@ -57,6 +57,11 @@ class UnitRetrievalPolicy(KVPolicy):
     # Beyond the papers: a slot ranked by the best unit within pool // 2 slots of it (odd; 1: its own unit alone), so
     # a chosen slot's neighbours come with it, as LoopServe pools (engine.policies.progressive_decode)
     pool: int = 1
+    # Beyond the papers: the first choice (after the prefill) scores the units with the queries of the input's last
+    # `window` tokens (each row's softmax over the units, averaged with the group's query heads), as XKV's window
+    # scores slots; later choices, at boundaries, with the token that triggered them. 1: the last token alone (the
+    # default: 8 and 32 lost 2 and 5 answers of 91 on the development chats, docs/benchmarks.md "LouisKV").
+    window: int = 1
     # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
     selections: int = field(default=0, init=False, repr=False)
     decoded: int = field(default=0, init=False, repr=False)
@@ -64,11 +69,15 @@ class UnitRetrievalPolicy(KVPolicy):
     reply_cuts: list[Tensor] = field(default_factory=list, init=False, repr=False)
     _round_starts: list[int] = field(default_factory=list, init=False, repr=False)
     _last_token: int | None = field(default=None, init=False, repr=False)
+    _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1 or self.pool % 2 == 0:
             raise KvchatError(f"the {self.name} KV policy reads tokens >= 1 retrieved slots beside sinks >= 0 and a "
                               f"buffer >= 1 of the latest ones, in units of unit_tokens >= 1, pooled over an odd pool")
+        if not 1 <= self.window <= self.buffer:
+            raise KvchatError(f"the {self.name} KV policy's window is 1 to buffer ({self.buffer}) tokens, not "
+                              f"{self.window}")
 
     @abstractmethod
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
@@ -83,9 +92,10 @@ class UnitRetrievalPolicy(KVPolicy):
                       model: Transformer | None = None) -> Attend:
         self._round_starts = [*round_starts, cache.length]  # the new message starts where the chat ends
         self._last_token = new_tokens[-1] if new_tokens else None
+        self._window_tokens = list(new_tokens[-self.window:])
         self.reply_cuts = []
-        if model is not None:  # the prefill keeps its last token's queries, which choose first
-            model.query_tap = QueryTap(1)
+        if model is not None:  # the prefill keeps its last tokens' queries, which choose first
+            model.query_tap = QueryTap(self.window)
         return None  # the message reads the whole chat; the reply reads units of it
 
     def spans(self, first: int) -> list[tuple[int, int]]:
@@ -134,9 +144,12 @@ class UnitRetrievalDecode(SlotListDecode):
         self.policy = policy
         self.layers = [i for i in range(cfg.n_layers) if not model.layers[i].window]
         self.global_index = torch.tensor(self.layers, device=device)
-        # the last input token's queries, which choose first (and are the "previous" of the reply's first token):
-        # kept by the message's prefill, or run again over the cache; then each token's, written by its step
-        first_queries = prefill_queries(model, cache, self.layers, [policy._last_token])[:, 0][self.global_index]
+        # the input's last `window` tokens' queries, which choose first (the last token's are the "previous" of the
+        # reply's first token): kept by the message's prefill, or run again over the cache; then each token's,
+        # written by its step
+        window = policy._window_tokens[-min(policy.window, cache.length):]
+        window_queries = prefill_queries(model, cache, self.layers, window)[self.global_index]  # [G, T, H, D]
+        first_queries = window_queries[:, -1]
         self.previous = first_queries.clone()
         self.redo = torch.zeros(len(self.layers), dtype=torch.bool, device=device)  # the step's trigger: [G]
         n_reply = capacity - cache.length
@@ -152,7 +165,9 @@ class UnitRetrievalDecode(SlotListDecode):
         always = policy.always_read(self.first, device).to(torch.int32)
         self.always = always.expand(len(self.layers), cfg.n_kv_heads, -1)
         self.n_sinks = min(policy.sinks, self.first)  # the always-read slots before the retrievable region
-        self.select(self.previous, torch.ones(len(self.layers), dtype=torch.bool))
+        # each KV head's query heads and the window's rows side by side: [G, H * T, D], head-major
+        g, t, h, d = window_queries.shape
+        self.select(window_queries.permute(0, 2, 1, 3).reshape(g, h * t, d), torch.ones(g, dtype=torch.bool))
         self._choice = Replay(self._choose_flagged, device, self._replay.graph is not None)
 
     watches_queries = True
