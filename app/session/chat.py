@@ -184,9 +184,8 @@ class ChatSession:
         try:
             stats = run.run(progress, cancel)
             stats.notes[:0] = self.restore_notes
-            units = self._units(run.cache)
-            if units is not None:  # read (ahead), or built once and stored
-                stats.notes += units.load(run.cache, run.rounds, ahead)
+            if stored_units is not None and isinstance(run.cache, KVCache):  # read (ahead), or built once and stored
+                stats.notes += stored_units.load(run.cache, run.rounds, ahead)
         except RestoreCancelled:
             self.rounds = run.rounds
             self.cache, self.restored = self._new_cache(256), None

@@ -68,7 +68,6 @@ class UnitRetrievalPolicy(KVPolicy):
     # the latest reply's boundaries: per decoded token, [G] bool, which global layers' trigger fired at it
     reply_cuts: list[Tensor] = field(default_factory=list, init=False, repr=False)
     _round_starts: list[int] = field(default_factory=list, init=False, repr=False)
-    _last_token: int | None = field(default=None, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -91,7 +90,6 @@ class UnitRetrievalPolicy(KVPolicy):
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
         self._round_starts = [*round_starts, cache.length]  # the new message starts where the chat ends
-        self._last_token = new_tokens[-1] if new_tokens else None
         self._window_tokens = list(new_tokens[-self.window:])
         self.reply_cuts = []
         if model is not None:  # the prefill keeps its last tokens' queries, which choose first
@@ -116,7 +114,7 @@ class UnitRetrievalPolicy(KVPolicy):
         if attend is not None or cache.slot_positions is not None:
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
         spans = self.spans(cache.length)
-        if sum(b - a for a, b in spans) <= self.tokens or self._last_token is None:
+        if sum(b - a for a, b in spans) <= self.tokens or not self._window_tokens:
             return None  # every input slot is read anyway: the engine's own step, the full cache's tokens exactly
         return UnitRetrievalDecode(model, cache, prompt_start, capacity, self, spans, cuda_graph)
 
