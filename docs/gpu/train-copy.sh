@@ -7,6 +7,8 @@
 #   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
+#   BLEND_MODELS="C4.gguf C2.gguf Q.gguf" bash docs/gpu/train-copy.sh blends 3:0:1 4:1:1  # weight averages: each
+#                                           # model taken as many times as its count; each blend's development evals
 #
 # The exported model and the log go to $OUT; runs are chosen by `kvchat eval --phrasing dev --values random` and
 # `--phrasing dev` (seed 0, 20 chats, as the app answers, on the CPU, one thread each: the figures of
@@ -49,5 +51,14 @@ case "${1:-train}" in
     if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; wait; summary; fi ;;
   eval)
     shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
-  *) echo "usage: $0 kernel|train|eval MODEL..." >&2; exit 2 ;;
+  blends)
+    shift; read -ra models <<< "${BLEND_MODELS:?the models to average, in the order of the counts}"
+    for spec in "$@"; do
+      IFS=: read -ra counts <<< "$spec"; files=()
+      for i in "${!models[@]}"; do for _ in $(seq 1 "${counts[$i]:-0}"); do files+=("${models[$i]}"); done; done
+      name="blend-${spec//:/-}"
+      python3 -m kvchat.engine.train.trainer --out "/tmp/$name" --average "${files[@]}" > "$OUT/$name-average.log" \
+        && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"
+    done; wait; summary ;;
+  *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS..." >&2; exit 2 ;;
 esac

@@ -214,7 +214,9 @@ class DecoderLayer(nn.Module):
         self.post_ffn_norm = _optional_norm(w.post_ffn_norm, cfg.rms_eps)
         self.gelu = w.gelu
         self.window = window  # 0, or the keys a sliding-window layer reaches back (itself included)
-        # engine.policies.sparse_prefill.SparsePrefill: set for all layers by the Transformer
+        # a prefill's attention in global layers, where it is not every slot's: LoopServe's sparse prefill
+        # (engine.policies.sparse_prefill.SparsePrefill) or a message reading units (engine.policies.units_prefill);
+        # set for all layers by the Transformer
         self.sparse_prefill = None
         self.query_tap: QueryTap | None = None  # set for all layers by the Transformer
         self.wqkv = weight_attribute(w.wqkv)
@@ -267,7 +269,7 @@ class DecoderLayer(nn.Module):
         sparse = self.sparse_prefill
         if (sparse is not None and attend is None and not self.window and cache.slot_positions is None
                 and sparse.applies(x.shape[0], start + x.shape[0])):
-            out = sparse.attend(q, cache.layer(layer), start, self.cfg.softmax_scale)
+            out = sparse.attend(q, cache.layer(layer), start, self.cfg.softmax_scale, layer=layer)
             if out is not None:  # None: every head fell back to dense
                 return linear(self.round_wo(out), self.wo)
         keys, values, mask, causal = attended_kv(cache, layer, start, x.shape[0], attend, self.window)

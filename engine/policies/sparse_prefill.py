@@ -75,10 +75,10 @@ class SparsePrefill:
     def applies(self, n_new: int, n_keys: int) -> bool:
         return n_keys >= max(self.min_keys, 1) and n_new > 1
 
-    def attend(self, q: Tensor, kv: Tensor, start: int, scale: float) -> Tensor | None:
+    def attend(self, q: Tensor, kv: Tensor, start: int, scale: float, layer: int | None = None) -> Tensor | None:
         """New tokens' queries q [T, H, D] (slots [start, start + T)) over a layer's cache kv [2, Hkv, C, D] whose
         slots [0, start + T) hold every key -> attention output [T, H * D], or None where every head fell back to
-        dense (the caller's dense attention is then faster than the kernel's)."""
+        dense (the caller's dense attention is then faster than the kernel's). Every layer alike (`layer` unused)."""
         n_new, n_heads, head_dim = q.shape
         keys, values = kv[0, :, : start + n_new], kv[1, :, : start + n_new]
         index = self.index(q, keys, start, scale)

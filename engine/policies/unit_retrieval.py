@@ -10,7 +10,8 @@ clustered again). Sliding-window layers (Gemma 3) keep their window, outside the
 Decisions (LouisKV's open points, ../shared/papers/louiskv-design-notes.md), made here once and measured in
 docs/benchmarks.md, "LouisKV":
 * The new message's prefill reads the whole chat (the full cache's), as XKV's does; units are read only by the
-  reply. (A lazy resume, whose message reads units too, is the step after: issue 44.)
+  reply. With `prefill="units"` it reads units too, chosen layer by layer by its last token's queries
+  (engine.policies.units_prefill): what a lazy resume needs, measured in docs/benchmarks.md.
 * The first retrieval happens right after the prefill, with the last input token's queries (kept by the prefill:
   engine.model.decoder.QueryTap; else run again, its K/V rewritten as they were:
   engine.policies.budgets.window_queries); later ones after a decoded token whose queries trigger it, and
@@ -42,6 +43,7 @@ from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.budgets import prefill_queries
 from kvchat.engine.policies.slot_lists import SlotListDecode
+from kvchat.engine.policies.units_prefill import UnitsPrefill
 from kvchat.errors import KvchatError
 
 
@@ -62,6 +64,10 @@ class UnitRetrievalPolicy(KVPolicy):
     # scores slots; later choices, at boundaries, with the token that triggered them. 1: the last token alone (the
     # default: 8 and 32 lost 2 and 5 answers of 91 on the development chats, docs/benchmarks.md "LouisKV").
     window: int = 1
+    # What the new message's prefill reads: "full", the whole chat (the reply alone reads units); "units", in each
+    # global layer the sinks, the buffer and the best units of its last token's queries (engine.policies.
+    # units_prefill: what a lazily reopened chat must have on the device before its first token; issue 44)
+    prefill: str = "full"
     # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
     selections: int = field(default=0, init=False, repr=False)
     decoded: int = field(default=0, init=False, repr=False)
@@ -69,11 +75,16 @@ class UnitRetrievalPolicy(KVPolicy):
     reply_cuts: list[Tensor] = field(default_factory=list, init=False, repr=False)
     _round_starts: list[int] = field(default_factory=list, init=False, repr=False)
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
+    # the latest message's prefill over units (prefill="units"), what it read: UnitsPrefill.reads
+    last_prefill: UnitsPrefill | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1 or self.pool % 2 == 0:
             raise KvchatError(f"the {self.name} KV policy reads tokens >= 1 retrieved slots beside sinks >= 0 and a "
                               f"buffer >= 1 of the latest ones, in units of unit_tokens >= 1, pooled over an odd pool")
+        if self.prefill not in ("full", "units"):
+            raise KvchatError(f"the {self.name} KV policy's prefill reads the whole chat (full) or units (units), not "
+                              f"{self.prefill!r}")
         if not 1 <= self.window <= self.buffer:
             raise KvchatError(f"the {self.name} KV policy's window is 1 to buffer ({self.buffer}) tokens, not "
                               f"{self.window}")
@@ -94,12 +105,34 @@ class UnitRetrievalPolicy(KVPolicy):
         self.reply_cuts = []
         if model is not None:  # the prefill keeps its last tokens' queries, which choose first
             model.query_tap = QueryTap(self.window)
-        return None  # the message reads the whole chat; the reply reads units of it
+        self.last_prefill = None
+        if self.prefill == "units" and model is not None:  # the message reads units as well, layer by layer
+            layers = [i for i, layer in enumerate(model.layers) if not layer.window]
+            self.last_prefill = UnitsPrefill(self, cache, layers, cache.length, cache.length + len(new_tokens))
+            model.sparse_prefill = self.last_prefill
+        return None  # the message reads the whole chat (or, above, units of it); the reply reads units of it
 
-    def spans(self, first: int) -> list[tuple[int, int]]:
-        """The retrievable region of an input of `first` slots, cut at round starts: [(start, end)]."""
+    def prepare(self, model: Transformer, cache: KVCache, round_starts: list[int],
+                history: list[int]):
+        if self.prefill != "units":
+            return None
+        before = model.sparse_prefill  # visible_slots puts the message's UnitsPrefill there: taken off after it
+
+        def undo() -> None:
+            model.sparse_prefill = before
+
+        return undo
+
+    def region(self, first: int, until: int | None = None) -> tuple[int, int]:
+        """The retrievable slots [lo, hi) of an input of `first` slots: after the sinks, before the buffer (and
+        before `until`, where given: a message's prefill retrieves only from before the message)."""
         lo = min(self.sinks, first)
         hi = max(first - self.buffer, lo)
+        return lo, hi if until is None else max(min(hi, until), lo)
+
+    def spans(self, first: int, until: int | None = None) -> list[tuple[int, int]]:
+        """The retrievable region of an input of `first` slots, cut at round starts: [(start, end)]."""
+        lo, hi = self.region(first, until)
         cuts = sorted({lo, hi, *(s for s in self._round_starts if lo < s < hi)})
         return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
