@@ -388,6 +388,16 @@ def test_restores_teach_the_planner_how_the_streams_slow_each_other(engine, kvch
     assert stats.tokens_planned and stats.tokens_loaded
     saved, _ = load_profile(fp, made_up.device, 8)
     assert len(saved.observed) == 1 and saved.observed == planner.profile.observed
+    # The resume bench's planner does not learn: each of its methods restores the chat compacted and planned by the
+    # profile as measured, not by what an earlier method's restores taught it (app/bench/resume_engine.py).
+    from kvchat.app.bench.resume_engine import fixed_planner
+
+    save_profile(made_up)
+    bench = fixed_planner(made_up)
+    assert bench(rounds, groups, ()) == plan_restore(rounds, groups, made_up)
+    stats = ChatSession(store, engine, sid, planner=bench).restore()
+    assert stats.tokens_planned and stats.tokens_loaded  # both streams ran, as above: the app's planner learned
+    assert load_profile(fp, made_up.device, 8)[0].observed == []
 
 
 def test_fitting_the_prefill_curve():

@@ -7,6 +7,8 @@
 #   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
+#   bash docs/gpu/train-copy.sh report MODEL.gguf   # the chosen model's report figures, once (and the shipped one's
+#                                           # random strings on the report sets), all at once; results in report.tgz
 #   BLEND_MODELS="C4.gguf C2.gguf Q.gguf" bash docs/gpu/train-copy.sh blends 3:0:1 4:1:1  # weight averages: each
 #                                           # model taken as many times as its count; each blend's development evals
 #
@@ -51,6 +53,33 @@ case "${1:-train}" in
     if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; wait; summary; fi ;;
   eval)
     shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
+  report)  # held-out phrasings on each report set (40 chats, as 2026-11-26's figures), random strings on each (10
+           # chats) for MODEL and the shipped model, and the written set once; one thread each, all at once
+    model=$2; shipped=assets/kvchat-memory-demo.gguf; dir=/tmp/report; mkdir -p $dir
+    one() {  # NAME ARGS...: one eval in the background
+      local name=$1; shift
+      OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-420}" python3 -m kvchat.app.cli eval --mode app --device cpu --json "$@" \
+        > "$dir/$name.json" 2> "$dir/$name.log" &
+    }
+    for seed in 53296 87351 387785 874335; do
+      one "model-heldout-$seed" --model "$model" --seed $seed --chats 40
+      one "model-random-$seed" --model "$model" --seed $seed --chats 10 --values random
+      one "shipped-random-$seed" --model "$shipped" --seed $seed --chats 10 --values random
+    done
+    one model-written --model "$model" --phrasing written
+    wait
+    tar czf "$OUT/report.tgz" -C $dir .
+    python3 - $dir <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    try:
+        d = json.loads(f.read_text())
+    except ValueError:
+        print(f.stem, "no result"); continue
+    print(f.stem, f"recall {d['correct']}/{d['questions']}", f"exact copy {d['exact_copy']['correct']}",
+          f"polite {d['out_of_scope']['polite_rate']:.3f}", f"longest reply {d['longest_reply']}")
+PY
+    ;;
   blends)
     shift; read -ra models <<< "${BLEND_MODELS:?the models to average, in the order of the counts}"
     for spec in "$@"; do
@@ -60,5 +89,5 @@ case "${1:-train}" in
       python3 -m kvchat.engine.train.trainer --out "/tmp/$name" --average "${files[@]}" > "$OUT/$name-average.log" \
         && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"
     done; wait; summary ;;
-  *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS..." >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL" >&2; exit 2 ;;
 esac

@@ -45,10 +45,19 @@ def main() -> None:
         tau = tuple(calibrate_trigger(engine, "probe", share=args.share).tau)
     made: dict[str, list] = {}
 
+    def option_value(text: str):
+        """A number where it reads as one (tau=1.0, unit_tokens=8), else the word (prefill=units)."""
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
     def maker(spec: str, budget: int):
         """`spec`: a policy name, with options after colons (louiskv:tau=1.0:unit_tokens=8)."""
         name, *given = spec.split(":")
-        extra = {k: float(v) if "." in v else int(v) for k, v in (o.split("=", 1) for o in given)}
+        extra = {k: option_value(v) for k, v in (o.split("=", 1) for o in given)}
 
         def make():
             options = {"tokens": budget} if name in ("louiskv", "quest") else {}
