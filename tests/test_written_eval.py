@@ -17,6 +17,7 @@ from test_dialogues import _grams
 from kvchat.app.bench.evaluate import evaluate
 from kvchat.app.bench.written_eval import WRITTEN_KINDS, WRITTEN_SET, written_chats, written_triples
 from kvchat.engine.data import dialogues as d
+from kvchat.engine.data import small_talk
 from kvchat.engine.data.told_once import ToldOnce, copies_value, random_value, random_value_chats, told_once_chats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,8 @@ def test_the_written_set_is_large_covers_every_kind_and_its_answers_are_in_its_f
 
 def _generator_grams() -> dict[tuple[str, ...], str]:
     """Every four words in a row of the generator's sentences (the value masked): each template of every group, in
-    every set (train, more, dev, held-out), named things with every noun the generator names, and its small talk."""
+    every set (train, more, dev, held-out), named things with every noun the generator names, and its small talk
+    (the fixed sentences and every one the training grammar can write)."""
     dets = ("my", "our", "the")
     nouns = sorted(set(d._NOUNS_TRAIN + d._NOUNS_HELDOUT + d._NOUNS_DEV))
     groups = [v for v in vars(d).values() if isinstance(v, d.Templates)]
@@ -64,6 +66,8 @@ def _generator_grams() -> dict[tuple[str, ...], str]:
     for text in texts:
         for gram in _grams(text, "{v}"):
             found.setdefault(gram, text)
+    for gram in small_talk.four_word_sequences():  # training chats' small talk: every sentence its grammar makes
+        found.setdefault(gram, "engine/data/small_talk.py")
     return found
 
 

@@ -37,9 +37,11 @@ from __future__ import annotations
 import random
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from kvchat.engine.data.small_talk import everyday_sentence
 from kvchat.engine.text.chat_format import Round
 
 SYSTEM_PROMPT = "You are kvchat, a helpful assistant that remembers what the user tells you."
@@ -1059,18 +1061,29 @@ class _Writer:
     """Writes one chat round by round; `known` is what the user has told so far."""
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
-                 never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0):
+                 never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0,
+                 talk: float = 0.0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.mix, self.mix_share = mix, mix_share  # the copy mix (issue 45): see `copy_statement`
         self.entities: dict[str, tuple[str, tuple[str, str]]] = {}  # the copy mix's things: "my dog": kind, he/his
         self.never_told = never_told  # the weight of questions about something never told among out-of-scope prompts
         self.wide = wide and phrasing == "train"  # training chats draw on every group's `more` phrasings too
         self.filler = _FILLER_HELDOUT if phrasing == "heldout" else _FILLER  # small talk
+        # training chats only: the share of small-talk sentences written by engine/data/small_talk.py's grammar
+        self.talk = talk if phrasing == "train" else 0.0
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
     def pick(self, templates: Templates) -> str:
         return templates.pick(self.phrasing, self.rng, self.wide)
+
+    def small_talk(self, n: int) -> list[str]:
+        """`n` sentences of small talk: from the chat's fixed ones, or (training with `talk`) that share of them
+        written by the grammar. Without `talk` the draws are exactly those of before."""
+        if not self.talk:
+            return self.rng.sample(self.filler, n)
+        return [everyday_sentence(self.rng) if self.rng.random() < self.talk else self.rng.choice(self.filler)
+                for _ in range(n)]
 
     # -- values and slots --
     def value(self, slot: Slot) -> str:
@@ -1338,7 +1351,7 @@ class _Writer:
                                            tuple(self.known[k].value for k in keys),
                                            self.known[keys[0]].stated, asked))
         self.last_single = None
-        return Round(_ask(question, position, rng, self.filler), reply)
+        return Round(_ask(question, position, self.small_talk), reply)
 
     def out_of_scope(self, i: int) -> Round:
         rng = self.rng
@@ -1374,7 +1387,7 @@ class _Writer:
         if self.noise and self.rng.random() < 0.15:  # a word the model never saw, said alone: not a fact
             words = [pseudo_word(self.rng) for _ in range(self.rng.choice((1, 1, 2)))]
             return Round(_cap(" ".join(words)) + self.rng.choice(("!", ".", "", " :)")), CHATTER_REPLY)
-        text = " ".join(self.rng.sample(self.filler, self.rng.choice((1, 2))))
+        text = " ".join(self.small_talk(self.rng.choice((1, 2))))
         return Round(self.with_unknown_words(text), CHATTER_REPLY)
 
     # -- the copy mix (issue 45) --
@@ -1608,10 +1621,11 @@ def _trailing_marks(word: str) -> str:
     return word[len(word.rstrip(".,?!:;")):]
 
 
-def _ask(question: str, position: str, rng: random.Random, filler: list[str] = _FILLER) -> str:
+def _ask(question: str, position: str, small_talk: Callable[[int], list[str]]) -> str:
+    """The question with small talk before, after or around it (`position`; two sentences a side)."""
     if position == "alone":
         return question
-    before, after = " ".join(rng.sample(filler, 2)), " ".join(rng.sample(filler, 2))
+    before, after = " ".join(small_talk(2)), " ".join(small_talk(2))
     if position == "begin":
         return f"{question} {before} {after}"
     if position == "end":
@@ -1621,7 +1635,7 @@ def _ask(question: str, position: str, rng: random.Random, filler: list[str] = _
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
                   phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
-                  mix: str | None = None, mix_share: float = COPY_SHARE) -> Dialogue:
+                  mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
@@ -1630,9 +1644,10 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     put in everyday ones (`odd_word`); 6 also ends four questions in ten in such words. `never_told` weighs
     questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35).
     `wide` (training only) adds every template group's `more` phrasings to the trained ones. `mix` "copy" makes a
-    `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was."""
+    `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was.
+    `talk` (training only) is the share of small-talk sentences written by engine/data/small_talk.py's grammar."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -1654,7 +1669,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
               phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
-              mix: str | None = None, mix_share: float = COPY_SHARE) -> list[Dialogue]:
+              mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any.
     `mix` (MIXES; None: none) adds a mix of other facts (`make_dialogue`), drawn from a stream of its own for each
@@ -1665,10 +1680,12 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         raise ValueError(f"unknown mix {mix!r} (accepted: {', '.join(MIXES)})")
     if mix is not None and not 0 <= mix_share <= 1:
         raise ValueError(f"mix_share must be within 0-1, not {mix_share}")
+    if not 0 <= talk <= 1:
+        raise ValueError(f"talk must be within 0-1, not {talk}")
     if mix is None:
         rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
     else:
         rng = random.Random(f"{split}:{phrasing}:{mix}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told, wide, mix, mix_share) for _ in range(count)]
+                          never_told, wide, mix, mix_share, talk) for _ in range(count)]

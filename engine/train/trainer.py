@@ -83,6 +83,11 @@ class TrainConfig:
     # told are the mix's. "" (no mix): the chats every earlier run trained on, byte for byte.
     mix: str = ""
     mix_share: float = 0.5
+    # The share of training chats' small-talk sentences written by a grammar (engine/data/small_talk.py) rather
+    # than drawn from the ten fixed ones: a model trained on ten skips those ten alone, and on held-out small talk
+    # answers questions with its words (docs/embedded-model.md, "The fourth run"). 0: the chats of every earlier
+    # run, byte for byte.
+    talk: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -142,16 +147,17 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
             for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide),
-                               mix=mix or None, mix_share=mix_share)]
+                               mix=mix or None, mix_share=mix_share, talk=talk)]
 
 
 def corpus_chunks(cfg: TrainConfig) -> list[tuple]:
     """The training chats as `_encode_chunk` arguments: 500 chats a chunk, each chunk its own seed."""
     return [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share) for i in range(math.ceil(cfg.n_dialogues / 500))]
+             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk)
+            for i in range(math.ceil(cfg.n_dialogues / 500))]
 
 
 def encode_corpus(gguf_path: Path, cfg: TrainConfig, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
