@@ -26,7 +26,8 @@ ACTIONS = ("cleaned the windows", "repainted the gate", "cooked a huge pot of so
            "walked for an hour", "queued for ages", "played cards", "swept the steps", "ironed a pile of shirts",
            "rearranged the furniture", "defrosted the freezer", "hung a few pictures", "mended a torn jacket",
            "baked muffins for the staff room", "jogged around the block", "tried a dance workout",
-           "sang far too loudly", "wrapped some presents", "raked the leaves", "filled in a long form", "changed a flat tyre",
+           "sang far too loudly", "wrapped some presents", "raked the leaves", "filled in a long form",
+           "changed a flat tyre",
            "unpacked the shopping", "waited for a delivery", "listened to the radio", "wrote some postcards",
            "dusted every shelf", "argued about the thermostat", "lost track of time")
 PLACES = ("in the kitchen", "at the market", "on the balcony", "downtown", "at the community hall",
