@@ -88,7 +88,7 @@ def small_run(tmp_path_factory) -> tuple[dict, str, Path]:
     folder = tmp_path_factory.mktemp("bench-resume")
     out = folder / "results.json"
     proc = kvchat("bench", "--models", "embedded", "--workloads", "2k,8k", "--repeats", "1", "--device", "cpu",
-                  "--methods", "prefill,kv-load,kv-split,llama.cpp,policy:round@2",
+                  "--methods", "prefill,kv-load,kv-split,llama.cpp,policy:round@2,policy:louiskv+lazy",
                   "--disk-probe-mib", "16", "--work-dir", str(folder / "work"), "--json", str(out),
                   # llama.cpp's 8k estimate is ~30 s on an idle machine; beside the suite's other worker it once came
                   # to 128 s for 2k, over the default budget: this test is about the figures, not the budget
@@ -104,7 +104,7 @@ def test_every_method_reports_every_figure(small_run):
     two_k, eight_k = entry["workloads"]
     assert 1800 <= two_k["tokens"] <= 2300 and two_k["floor"]["seconds"] > 0
     methods = {m["method"]: m for m in two_k["methods"]}
-    assert list(methods) == ["prefill", "kv-load", "kv-split", "llama.cpp", "policy:round@2"]
+    assert list(methods) == ["prefill", "kv-load", "kv-split", "llama.cpp", "policy:round@2", "policy:louiskv+lazy"]
     # The floor from its inputs (the probes' rates, the chat's K/V bytes and the model's recompute FLOPs), not the
     # figure the run stored: each ratio is then checked against what it claims to measure.
     probes = results["floor_probes"]
@@ -123,6 +123,9 @@ def test_every_method_reports_every_figure(small_run):
         assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m
         if name != "llama.cpp":
             assert 0 < m["message_ttft_warm_s"] < m["ttft_warm_s"]  # the message alone, restore excluded
+    lazy = methods["policy:louiskv+lazy"]  # opened lazily (its units stored by the untimed first resume)
+    assert lazy["lazy"] and 0 < lazy["lazy_rounds_before_first_token"] <= lazy["lazy_rounds"] == two_k["rounds"]
+    assert 0 < lazy["lazy_bytes_before_first_token"] <= lazy["lazy_chat_bytes"]
     tiered = methods["policy:round@2"]
     assert 0 < tiered["tiered_kv_fraction"] < 1 and tiered["tiered_rounds"] >= 10
     assert 0 < tiered["tiered_message_ttft_after_prefetch_s"]

@@ -137,3 +137,97 @@ def test_bad_prefill_is_one_line(engine):
     with pytest.raises(KvchatError, match="prefill reads the whole chat \\(full\\) or units \\(units\\), not 'abc'"):
         make_policy("louiskv", engine, tau=0.5, prefill="abc")
     assert math.isclose(make_policy("quest", engine, prefill="units").tokens, 1024)
+
+
+class RowsFromAFullCache:
+    """A LazyChat over a cache holding the whole chat (what the store would give): brings rows into the lazily
+    resumed cache as asked, and counts them."""
+
+    def __init__(self, full, cache, cfg):
+        self.full, self.cache = full, cache
+        self.held = torch.zeros(cfg.n_layers, cfg.n_kv_heads, full.length, dtype=torch.bool)
+        self.rows, self.spans, self.completed, self.rows_before_complete = 0, [], 0, None
+
+    def _bring(self, layer: int, head: int, slots: torch.Tensor) -> None:
+        slots = slots[~self.held[layer, head, slots]]
+        self.cache.layer(layer)[:, head, slots] = self.full.layer(layer)[:, head, slots]
+        self.held[layer, head, slots] = True
+        self.rows += len(slots)
+
+    def ensure(self, layer, slots):
+        for head in range(slots.shape[0]):
+            self._bring(layer, head, slots[head].long().cpu())
+
+    def ensure_span(self, start, end):
+        self.spans.append((start, end))
+        self._bring_span(start, end)
+
+    def _bring_span(self, start, end):
+        for layer in range(self.held.shape[0]):
+            for head in range(self.held.shape[1]):
+                self._bring(layer, head, torch.arange(start, end))
+
+    def complete(self):
+        self.completed += 1
+        self.rows_before_complete = self.rows
+        self._bring_span(0, self.full.length)
+
+
+def lazily_resumed(engine, policy, with_units: bool):
+    """The chat of `history_and_message` computed whole, and a cache of its length holding none of its K/V (the
+    rounds' units at hand where `with_units`), with a LazyChat over the first."""
+    m = engine.model
+    full = m.new_cache(1024)
+    starts, message = history_and_message(engine, full)
+    cache = m.new_cache(1024)
+    cache.length = full.length
+    if with_units:  # what a restore reads from the store: each round's units
+        policy._round_starts = [*starts, full.length]
+        for a, b in zip(policy._round_starts, policy._round_starts[1:]):
+            policy.units(full, list(range(engine.config.n_layers)), a, b)
+        cache.units.update(full.units)
+    return full, cache, starts, message, RowsFromAFullCache(full, cache, engine.config)
+
+
+@pytest.mark.parametrize("with_units", [True, False])
+def test_a_lazily_resumed_chat_brings_in_only_what_its_message_reads_then_answers_as_a_full_one(engine, with_units):
+    """The message's first token from the units its layers chose, brought in on demand (the same token as over the
+    whole chat); then the rest brought in and the message computed again, so that the reply and every slot's K/V
+    are the fully restored chat's, exactly."""
+    m, cfg = engine.model, engine.config
+    options = dict(tokens=24, sinks=4, buffer=12, unit_tokens=8)
+
+    def answer(cache, starts, message, policy, lazy=None):
+        policy.lazy = lazy
+        with policy.for_message(m, cache, starts, [], message):
+            return generate(m, cache, message, decoder=engine.tokenizer.stream_decoder(), max_tokens=8,
+                            policy=policy).tokens
+
+    policy = make_policy("louiskv", engine, tau=0.5, **options)
+    full, cache, starts, message, rows = lazily_resumed(engine, policy, with_units)
+    lazily = answer(cache, starts, message, policy, rows)
+    assert rows.completed == 1 and policy.lazy is None and m.sparse_prefill is None
+    # before the first token: the units' rows each layer read (and, without stored units, the rounds they are
+    # made from), not the chat
+    chat_rows = cfg.n_layers * cfg.n_kv_heads * full.length
+    if with_units:
+        assert not rows.spans and 0 < rows.rows_before_complete < 0.5 * chat_rows
+    else:  # both rounds' units made from their keys: both rounds brought in whole first
+        assert rows.spans == [(0, starts[1]), (starts[1], full.length)] or \
+            sorted(rows.spans) == [(0, starts[1]), (starts[1], full.length)]
+        assert rows.rows_before_complete == chat_rows
+    assert rows.rows == chat_rows  # then everything
+    # the same first token as the message reading units over the whole chat ...
+    whole = m.new_cache(1024)
+    starts_w, message_w = history_and_message(engine, whole)
+    units_policy = make_policy("louiskv", engine, tau=0.5, prefill="units", **options)
+    assert answer(whole, starts_w, message_w, units_policy)[0] == lazily[0]
+    # ... and from there on the fully restored chat's reply and K/V (its message read the whole chat)
+    restored = m.new_cache(1024)
+    starts_r, message_r = history_and_message(engine, restored)
+    full_reply = answer(restored, starts_r, message_r, make_policy("louiskv", engine, tau=0.5, **options))
+    assert full_reply[0] == lazily[0], "the chat's first token differs over units: pick a chat where it does not"
+    assert full_reply == lazily
+    assert cache.length == restored.length
+    for layer in range(cfg.n_layers):
+        assert torch.equal(cache.layer(layer)[:, :, : cache.length], restored.layer(layer)[:, :, : cache.length])

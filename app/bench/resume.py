@@ -16,6 +16,8 @@ model already loaded and warmed up:
               gets, so its results say `merge_checked: false` and the tables call it "kv-merge (unchecked, γ=0)";
 - policy:NAME restore as kv-load, then answer under the KV policy NAME (what the new message may attend to;
               krul is measured as kv-merge).
+- policy:louiskv+lazy  louiskv's lazy resume: the units read, the rounds the message's layers choose brought in
+              before its first token, the rest after it (app/session/lazy.py); only when named.
 
 The first timed run follows an untimed one (the process's first use of the chat's shapes, kept apart as
 `ttft_first_use_s`) and a page-cache drop of the chat's files (cold, where the OS allows it); the warm figure is the
@@ -63,13 +65,16 @@ def model_names() -> list[str]:
 def method_names() -> list[str]:
     from kvchat.engine.policies import POLICIES
 
-    return [*ENGINE_METHODS, LLAMA_CPP, *(f"policy:{name}" for name in POLICIES if name != "krul")]
+    # policy:louiskv+lazy: louiskv's lazy resume (app/session/lazy.py), run only when named
+    return [*ENGINE_METHODS, LLAMA_CPP, *(f"policy:{name}" for name in POLICIES if name != "krul"),
+            "policy:louiskv+lazy"]
 
 
 def default_methods() -> list[str]:
     """What runs when no method is named: every method but the round policies and kv-merge, which run when asked
     for (their quality is not at target yet, and each calibrates its model on first use)."""
-    return [m for m in method_names() if not m.startswith("policy:round") and m != "kv-merge"]
+    return [m for m in method_names() if not m.startswith("policy:round") and m not in ("kv-merge",
+                                                                                        "policy:louiskv+lazy")]
 
 
 def parse_names(text: str, accepted: list[str], what: str) -> list[str]:

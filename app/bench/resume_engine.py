@@ -138,7 +138,8 @@ def _run_engine(spec: dict) -> dict:
         engine = _engine(spec)
     except GPUMemoryError as exc:
         return {"status": f"skipped: {exc}", "memory_plan": {"kind": "refused", "message": str(exc)}}
-    policy = _policy(method, engine) if method.startswith("policy:") else None
+    lazy = method.endswith(LAZY_SUFFIX)  # louiskv's lazy resume (app/session/lazy.py)
+    policy = _policy(method.removesuffix(LAZY_SUFFIX), engine) if method.startswith("policy:") else None
     tiered = policy is not None and policy.tiered
     wl = load_workload(spec["workload"])
     chat, model = engine.chat, engine.model
@@ -154,7 +155,8 @@ def _run_engine(spec: dict) -> dict:
         tiered = policy is not None and policy.tiered
     sid, planner, split = wl["sid"], None, {}
     host_resident = getattr(policy, "host_resident", False)
-    if method == "kv-split" or (policy is not None and not tiered and not host_resident):
+    # (a lazy resume needs every round stored, so its chat is kv-load's, not compacted)
+    if method == "kv-split" or (policy is not None and not tiered and not host_resident and not lazy):
         # kv-split's chat and planner; a policy over the full cache is restored as the app restores its chats
         # (ChatService.wire: the machine's profile plans the restore, and the chat is compacted for it)
         sid, planner, split = _compacted_copy(store, engine, wl["sid"])
@@ -173,8 +175,10 @@ def _run_engine(spec: dict) -> dict:
             return cache, text, None
         # the session under the method's policy, as the app's: its own cache where it has one (tiered, host memory),
         # and what it keeps with the chat (louiskv's units, read at the restore)
-        session = ChatSession(store, engine, sid, policy=policy, planner=planner)
-        stats = session.restore()
+        session = ChatSession(store, engine, sid, policy=policy, planner=planner, lazy_resume=lazy)
+        # lazily: the units read, the rest when the message's layers ask (the bench's first, untimed resume is
+        # whole: it stores the units a chat kept under kv-load lacks)
+        stats = session.restored if lazy and session.restore_lazily() else session.restore()
         if stats.tokens_recomputed:
             raise KvchatError(f"restore recomputed {stats.tokens_recomputed} tokens: {'; '.join(stats.notes)}")
         restores.append(stats)
@@ -229,12 +233,15 @@ def _run_engine(spec: dict) -> dict:
                      **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
                      **(_host_figures(cache) if isinstance(cache, HostResidentKV) else {}),
                      **(_stream_figures(restores[-1]) if method == "kv-split" else {}),
-                     **(_retrieval_figures(policy, counted) if counted is not None else {})})
+                     **(_retrieval_figures(policy, counted) if counted is not None else {}),
+                     **(_lazy_figures(sessions[-1]) if lazy and sessions else {})})
         close_sessions()
         del cache
     result = summarize(runs, wl, engine.device)
     if "retrieval_choices" in runs[-1]:  # the last run's: the same chat and message each time
         result.update({k: v for k, v in runs[-1].items() if k.startswith("retrieval_")})
+    if "lazy" in runs[-1]:  # likewise
+        result.update({k: v for k, v in runs[-1].items() if k.startswith("lazy")})
     result["ttft_first_use_s"] = first_use_s
     result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
     if method == "kv-split":
@@ -293,6 +300,19 @@ def _budget(spec: dict):
     budget = memory_budget(spec["device"], spec["gpu_memory"])
     check_weights(spec["path"], budget)
     return budget
+
+
+LAZY_SUFFIX = "+lazy"
+
+
+def _lazy_figures(session) -> dict:
+    """What a lazy resume read before the message's first token: rounds and bytes (None where it was whole)."""
+    rows = session.lazy_rows
+    if rows is None:
+        return {"lazy": False}
+    return {"lazy": True, "lazy_rounds_before_first_token": len(rows.loaded), "lazy_rounds": len(rows.rounds),
+            "lazy_bytes_before_first_token": rows.bytes_read, "lazy_chat_bytes": rows.chat_bytes,
+            "lazy_read_s": rows.read_s}
 
 
 def _retrieval_counts(policy) -> tuple[int, int] | None:

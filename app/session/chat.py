@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kvchat.app.session.lazy import LazyResumeFailed, StoredRows, lazily_loadable
 from kvchat.app.session.layout import Planner, chat_groups
 from kvchat.app.session.merges import ChatMerges
 from kvchat.app.session.restore import RestoreCancelled, RestoreProgress, RestoreRun, RestoreStats
@@ -41,6 +43,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.engine.kv.tiered import TieredKV
 from kvchat.engine.policies import KVPolicy
+from kvchat.engine.policies.unit_retrieval import UnitRetrievalPolicy
 from kvchat.engine.reply_guard import ReplyGuard
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.text.chat_format import Conversation, Round
@@ -82,13 +85,15 @@ class ChatSession:
     def __init__(self, store: Store, engine: Engine, sid: str, writer: KVWriter | None = None,
                  policy: KVPolicy | None = None, planner: Planner | None = None,
                  compactor: Callable[[Store, str], object] | None = None, trim_windows: bool = True,
-                 merges: "ChatMerges | None" = None, ignore_merges: bool = False):
+                 merges: "ChatMerges | None" = None, ignore_merges: bool = False, lazy_resume: bool = False):
         """`policy`: a tiered KV policy (engine.policies, e.g. "round"), one over the full cache ("loopserve"), or
         None for the full cache.
         `planner`: chooses what a restore recomputes and what it loads (app.session.profile.profile_planner);
         None loads everything stored. `compactor`: run on the writer's thread after each round is saved
         (app.session.compaction), or None. `trim_windows`: store sliding-window layers only where a later round can
-        still read them (see `live_from`); off, every layer of every token is stored (the bench's comparison)."""
+        still read them (see `live_from`); off, every layer of every token is stored (the bench's comparison).
+        `lazy_resume`: a louiskv chat's first message after opening is answered before its K/V is in
+        (app/session/lazy.py), where the chat allows it."""
         self.store, self.engine, self.sid = store, engine, sid
         self.planner, self.compactor = planner, compactor
         self.info = store.session(sid)
@@ -103,6 +108,8 @@ class ChatSession:
         self.restored: RestoreStats | None = None
         self.merges = merges
         self.ignore_merges = ignore_merges
+        self.lazy_resume = lazy_resume
+        self.lazy_rows: StoredRows | None = None  # the latest lazy resume's reads (for the bench and tests)
         # One writer per chat across processes (storage.chat_lock): how long a send waits for another one's.
         self.lock_wait_s = 600.0
         self._writer_lock: ChatLock | None = None
@@ -195,6 +202,54 @@ class ChatSession:
             raise
         self._adopt(run)
         return stats
+
+    @torch.inference_mode()
+    def restore_lazily(self) -> bool:
+        """Open the chat for its next message without its K/V (app/session/lazy.py): its rounds' units read, an
+        empty cache of its length, and the message policy told to bring rows in as the message's layers choose them,
+        then the rest. False (nothing done, the reason in the next restore's notes) where the chat does not allow it."""
+        policy, model = self.message_policy, self.engine.model
+        if not isinstance(policy, UnitRetrievalPolicy) or not stores_units(policy) or not self.rounds:
+            return False
+        why = ("its model has sliding-window layers" if any(layer.window for layer in model.layers) else
+               lazily_loadable(self.store, self.sid, self.rounds, self.engine.config.n_layers))
+        started = time.perf_counter()
+        total = self.rounds[-1].token_end
+        cache = self._new_cache(total + self.room)
+        if why is None and not isinstance(cache, KVCache):
+            why = "its cache is not the device's full cache"
+        if why is None:
+            missing = self._units_of_policy().load_stored(cache, self.rounds)
+            if missing:
+                why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
+        if why is not None:
+            self.restore_notes = [*self.restore_notes, f"not opened lazily: {why}"]
+            return False
+        cache.length = total
+        stats = RestoreStats(notes=[*self.restore_notes])
+        stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
+                     "first token"
+        rows = StoredRows(self.store, self.sid, self.fingerprint, self.rounds, cache,
+                          complete=lambda: self._complete_lazy(cache, stats, rows))
+        policy.lazy = self.lazy_rows = rows
+        self.cache, self.restored = cache, stats
+        stats.restore_ms = 1000 * (time.perf_counter() - started)
+        return True
+
+    def _complete_lazy(self, cache: KVCache, stats: RestoreStats, rows: StoredRows) -> None:
+        """A lazily opened chat's whole restore, into the cache its first token was answered from."""
+        before = len(rows.loaded)
+        run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
+                         split=self.split, tiered=False, new_cache=lambda capacity: cache, planner=self.planner,
+                         windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
+                         upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
+                         ignore_merges=self.ignore_merges, room=self.room)
+        whole = run.run(None, None)
+        self.rounds = run.rounds
+        stats.tokens_loaded, stats.tokens_recomputed = whole.tokens_loaded, whole.tokens_recomputed
+        stats.tokens_planned, stats.compute_ms, stats.load_ms = whole.tokens_planned, whole.compute_ms, whole.load_ms
+        stats.notes += [f"opened lazily: {before} of {len(self.rounds)} rounds ({rows.bytes_read:,} bytes) read "
+                        f"before the first token, the rest restored after it", *whole.notes]
 
     def _adopt(self, run: RestoreRun) -> None:
         """Take what a restore made: its cache (once made), its stats (once done), the rounds as it read them."""
@@ -354,11 +409,7 @@ class ChatSession:
             if len(streamed) == 1:
                 crash_point("reply-token")
 
-        try:
-            self.sent_restore = None
-            self.room = max(self.room, len(empty) + max_tokens + 1)
-            if self.restored is None:
-                self.restore(cancel=cancel)
+        def answer() -> tuple[int, list[int], GenerationResult]:
             start = self.cache.length
             prompt = self.engine.chat.open_round_tokens(self.conversation(), text)
             self._make_room(start + len(prompt) + max_tokens + 1)
@@ -367,12 +418,24 @@ class ChatSession:
             view = mp.for_message(self.engine.model, self.cache, starts, [], prompt) if mp is not None else \
                 contextlib.nullcontext()
             with view as attend, self.answering():
-                result = generate(self.engine.model, self.cache, prompt,
-                                  decoder=self.engine.tokenizer.stream_decoder(), max_tokens=max_tokens,
-                                  sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
-                                  stop_strings=self.engine.chat.stop_strings, on_token=collect, cancel=cancel,
-                                  attend=attend, policy=mp, strip=self.engine.chat.transcript,
-                                  **self.engine.guarding(guard))
+                return start, prompt, generate(
+                    self.engine.model, self.cache, prompt, decoder=self.engine.tokenizer.stream_decoder(),
+                    max_tokens=max_tokens, sampling=sampling, stop_tokens=self.engine.tokenizer.eog_ids,
+                    stop_strings=self.engine.chat.stop_strings, on_token=collect, cancel=cancel, attend=attend,
+                    policy=mp, strip=self.engine.chat.transcript, **self.engine.guarding(guard))
+
+        try:
+            self.sent_restore = None
+            self.room = max(self.room, len(empty) + max_tokens + 1)
+            if self.restored is None and not (self.lazy_resume and self.restore_lazily()):
+                self.restore(cancel=cancel)
+            try:
+                start, prompt, result = answer()
+            except LazyResumeFailed as exc:  # raised in the message's prefill: no token is out yet
+                self.message_policy.lazy = None
+                self.cache, self.restored = self._new_cache(256), None
+                self.restore(cancel=cancel).notes.append(f"the lazy resume stopped ({exc}): restored whole")
+                start, prompt, result = answer()
         except ContextOverflowError:
             self.store.drop_pending_round(self.sid, pending)  # refused: as if never sent
             self._stale = True
@@ -397,7 +460,7 @@ class ChatSession:
             raise
         crash_point("round-committed")
         self.rounds.append(row)
-        self._save_budgets(mp, idx)
+        self._save_budgets(self.message_policy, idx)
         if not self._settle_cache(start, prompt + result.tokens[:-1], closed):
             return result  # its K/V are computed again (and stored) when the chat is next restored
         if self.merges is not None and self.policy is None and not self.host_resident:

@@ -146,6 +146,21 @@ class ChatUnits:
                          f"stored with the chat")
         return notes
 
+    def load_stored(self, cache, rounds: list[RoundRow]) -> list[int]:
+        """Hand the cache the units stored for the rounds, building none (a lazily opened chat has no K/V to build
+        them from yet); the rounds whose units could not be read, none handed over then."""
+        rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
+            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), rounds))
+        missing = [row.idx for row, (units, _) in zip(rounds, read) if units is None]
+        if missing:
+            return missing
+        device = cache.kv.device
+        for row, (units, _) in zip(rounds, read):
+            cache.units[(row.token_start, row.token_end)] = Units(units.start, units.end, units.member.to(device),
+                                                                  units.summary.to(device))
+        return []
+
     def _read(self, seg: dict | None, row: RoundRow) -> tuple[Units | None, str]:
         """A round's units on the CPU, read from its segment (on a reader thread), or None and why not ('' where
         it has none)."""

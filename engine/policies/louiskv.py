@@ -72,8 +72,7 @@ class LouisKV(UnitRetrievalPolicy):
         # A closed round's units are its whole round's (those stored with the chat, or those its save built), kept
         # in the cache (KVCache.units) and sliced to the span; a round without them (a chat from before, or saved
         # under another policy) is clustered whole, once. A span of the new message itself is clustered alone.
-        rounds = self._round_starts
-        closed = next(((a, b) for a, b in itertools.pairwise(rounds) if a <= start and end <= b), None)
+        closed = self._closed_round(start, end)
         if closed is None:
             return cluster_units(span_keys(cache, layers, start, end), start, self.unit_tokens, self.iterations)
         got = cache.units.get(closed)
@@ -81,6 +80,16 @@ class LouisKV(UnitRetrievalPolicy):
             got = cluster_units(span_keys(cache, layers, *closed), closed[0], self.unit_tokens, self.iterations)
             cache.units[closed] = got
         return sliced(got, start, end)
+
+    def keys_for_units(self, cache: KVCache, start: int, end: int) -> tuple[int, int] | None:
+        closed = self._closed_round(start, end)
+        if closed is None:
+            return start, end
+        return None if closed in cache.units else closed
+
+    def _closed_round(self, start: int, end: int) -> tuple[int, int] | None:
+        """The closed round [a, b) that slots [start, end) lie in, or None (the new message's own span)."""
+        return next(((a, b) for a, b in itertools.pairwise(self._round_starts) if a <= start and end <= b), None)
 
     def round_units(self, cache: KVCache, layers: list[int], start: int, reply_at: int, end: int) -> Units:
         """The units a round [start, end) is stored with: its message (up to `reply_at`) in clusters, its reply in

@@ -43,7 +43,7 @@ from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.engine.policies.base import KVPolicy
 from kvchat.engine.policies.budgets import prefill_queries
 from kvchat.engine.policies.slot_lists import SlotListDecode
-from kvchat.engine.policies.units_prefill import UnitsPrefill
+from kvchat.engine.policies.units_prefill import LazyChat, UnitsPrefill
 from kvchat.errors import KvchatError
 
 
@@ -77,6 +77,12 @@ class UnitRetrievalPolicy(KVPolicy):
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
     # the latest message's prefill over units (prefill="units"), what it read: UnitsPrefill.reads
     last_prefill: UnitsPrefill | None = field(default=None, init=False, repr=False)
+    # A lazily resumed chat (engine.policies.units_prefill.LazyChat), set by whoever restored it for its next
+    # message: that message reads units (whatever `prefill` says), brought in as each layer chooses them; after its
+    # first token the rest of the chat is brought in and the message computed again over all of it, so its reply
+    # and the K/V stored are a fully restored chat's. Cleared once used.
+    lazy: LazyChat | None = field(default=None, init=False, repr=False)
+    _message: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         if self.tokens < 1 or self.sinks < 0 or self.buffer < 1 or self.unit_tokens < 1 or self.pool % 2 == 0:
@@ -106,15 +112,18 @@ class UnitRetrievalPolicy(KVPolicy):
         if model is not None:  # the prefill keeps its last tokens' queries, which choose first
             model.query_tap = QueryTap(self.window)
         self.last_prefill = None
-        if self.prefill == "units" and model is not None:  # the message reads units as well, layer by layer
+        self._message = list(new_tokens)
+        if (self.prefill == "units" or self.lazy is not None) and model is not None:
+            # the message reads units as well, layer by layer (and, lazily resumed, brings them in)
             layers = [i for i, layer in enumerate(model.layers) if not layer.window]
-            self.last_prefill = UnitsPrefill(self, cache, layers, cache.length, cache.length + len(new_tokens))
+            self.last_prefill = UnitsPrefill(self, cache, layers, cache.length, cache.length + len(new_tokens),
+                                             self.lazy)
             model.sparse_prefill = self.last_prefill
         return None  # the message reads the whole chat (or, above, units of it); the reply reads units of it
 
     def prepare(self, model: Transformer, cache: KVCache, round_starts: list[int],
                 history: list[int]):
-        if self.prefill != "units":
+        if self.prefill != "units" and self.lazy is None:
             return None
         before = model.sparse_prefill  # visible_slots puts the message's UnitsPrefill there: taken off after it
 
@@ -142,14 +151,40 @@ class UnitRetrievalPolicy(KVPolicy):
         return torch.cat([torch.arange(lo, device=device), torch.arange(max(first - self.buffer, lo), first,
                                                                           device=device)])
 
+    def keys_for_units(self, cache: KVCache, start: int, end: int) -> tuple[int, int] | None:
+        """The slots whose keys the units of [start, end) are made from, or None where they are at hand without
+        keys (a lazy resume brings those slots in first). Quest's pages are made from keys every time."""
+        return start, end
+
     def decode_step(self, model: Transformer, cache: KVCache, prompt_start: int, attend: Attend, capacity: int,
                     cuda_graph: bool | None):
         if attend is not None or cache.slot_positions is not None:
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
+        if self.lazy is not None:
+            self._complete_lazily_resumed(model, cache, prompt_start)
         spans = self.spans(cache.length)
         if sum(b - a for a, b in spans) <= self.tokens or not self._window_tokens:
             return None  # every input slot is read anyway: the engine's own step, the full cache's tokens exactly
         return UnitRetrievalDecode(model, cache, prompt_start, capacity, self, spans, cuda_graph)
+
+
+    @torch.inference_mode()
+    def _complete_lazily_resumed(self, model: Transformer, cache: KVCache, prompt_start: int) -> None:
+        """After a lazily resumed chat's first token: the rest of its K/V brought in, and the message's computed
+        again over all of it (its first pass read units), with its queries kept for the reply's first choice, as
+        a fully restored chat's message would have left them."""
+        lazy, self.lazy = self.lazy, None
+        end = cache.length
+        before, model.sparse_prefill, model.query_tap = model.sparse_prefill, None, None
+        try:
+            lazy.complete()  # (a restore, which may recompute rounds and leave the length at the chat's end)
+            cache.truncate(prompt_start)
+            model.query_tap = QueryTap(self.window)
+            model(torch.tensor(self._message), cache)
+        finally:
+            model.sparse_prefill = before
+        if cache.length != end:
+            raise KvchatError(f"the message was computed again to slot {cache.length}, not {end}")
 
 
 def span_keys(cache: KVCache, layers: list[int], start: int, end: int) -> Tensor:

@@ -18,7 +18,7 @@ Shapes: T new tokens, H / Hkv query / KV heads, D head size, C cache slots, n sl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -31,13 +31,31 @@ if TYPE_CHECKING:
     from kvchat.engine.policies.unit_retrieval import UnitRetrievalPolicy
 
 
+class LazyChat(Protocol):
+    """A chat whose K/V are not all in the cache yet (a lazy resume): whoever restored it brings rows in on demand.
+    The sinks and the buffer's rounds are in the cache from the start; each round's stored units are in
+    `KVCache.units`."""
+
+    def ensure(self, layer: int, slots: Tensor) -> None:
+        """Make the cache hold global `layer`'s K/V of `slots` ([Hkv, n]: each KV head's own; a row already held is
+        not brought again)."""
+
+    def ensure_span(self, start: int, end: int) -> None:
+        """Make the cache hold every layer's K/V of slots [start, end) (a round whose units must be made from its
+        keys)."""
+
+    def complete(self) -> None:
+        """Bring in everything not held yet: after the message's first token, so that its reply runs on the chat's
+        whole K/V."""
+
+
 class UnitsPrefill:
     """The prefill attention of one message (slots [message_start, end)) under a unit-retrieval policy; installed as
     the model's prefill override (Transformer.sparse_prefill) for that message only."""
 
     def __init__(self, policy: UnitRetrievalPolicy, cache: KVCache, layers: list[int], message_start: int,
-                 end: int):
-        self.policy, self.cache, self.layers = policy, cache, layers
+                 end: int, lazy: LazyChat | None = None):
+        self.policy, self.cache, self.layers, self.lazy = policy, cache, layers, lazy
         self.message_start, self.end = message_start, end
         # the retrievable region: the policy's (sinks to the buffer, cut at round starts), never into the message,
         # whose tokens are not all in the cache yet when its first layers run
@@ -59,6 +77,9 @@ class UnitsPrefill:
         """(summaries, members, slots) of the region, every global layer's: made at the first global layer, when
         the closed rounds' keys of every layer are in the cache already (a round's units are its stored ones)."""
         if self._units is None:
+            if self.lazy is not None:  # a round without stored units is clustered from its keys: brought in first
+                for need in {self.policy.keys_for_units(self.cache, a, b) for a, b in self.spans} - {None}:
+                    self.lazy.ensure_span(*need)
             self._units = joined([self.policy.units(self.cache, self.layers, a, b) for a, b in self.spans])
         return self._units
 
@@ -79,6 +100,8 @@ class UnitsPrefill:
         tail = torch.arange(self.region_end, start, device=device).expand(n_kv, -1)  # the buffer, earlier chunks
         chat = torch.cat([sinks, best.long().to(device), tail], 1)  # [Hkv, n]
         self.reads[layer] = chat[:, : chat.shape[1] - (start - self.message_start)]
+        if self.lazy is not None:  # the rows this layer reads that a lazy resume has not brought in yet
+            self.lazy.ensure(layer, self.reads[layer])
         index = torch.cat([chat, torch.arange(start, start + n_new, device=device).expand(n_kv, -1)], 1)
         gather = index[:, :, None].expand(-1, -1, head_dim)
         keys, values = kv[0].gather(1, gather), kv[1].gather(1, gather)  # [Hkv, S, D]

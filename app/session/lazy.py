@@ -1,0 +1,132 @@
+"""A lazy resume (LouisKV, issue 44): a reopened louiskv chat answers its next message before its K/V is in.
+
+Opening reads the rounds' stored units (centroids and members, app/session/units.py) and nothing of the K/V: the
+cache is as long as the chat and empty. The message's prefill reads units (engine.policies.units_prefill): each
+global layer chooses from its queries, and `StoredRows.ensure` brings in, from the store, the rounds holding the
+rows it chose (the sinks and the buffer are rows it reads too). After the first token, `complete` restores the
+whole chat into the same cache as any restore does (the planner, damaged segments recomputed), and the engine
+computes the message again over all of it: the reply and every K/V stored are those of a fully restored chat.
+
+What this does not do yet: read less than a round. The store keeps a round's K/V as one compressed segment per
+group of layers, so a round is brought in whole for any row of it; on a long chat the first choice alone touches
+42–96% of the rounds (docs/benchmarks.md, "What a lazy resume would have to read"). A layout in units' order is the
+step that makes the first token cheap; this is the path it plugs into.
+
+Only chats whose every round has its units stored and its K/V in plain segments (no merged pairs), on a cache
+without sliding-window rings, are opened lazily; any other is restored whole, said in the restore's notes. A round
+that cannot be read when it is asked for stops the lazy answer (`LazyResumeFailed`, before any token is out): the
+session restores the chat whole and answers again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvchat.errors import KvchatError
+from kvchat.storage.codec import StorageError
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
+from kvchat.storage.segments import read_segment
+
+
+class LazyResumeFailed(KvchatError):
+    """A round a lazily resumed chat's message needed could not be read: restore the chat whole and answer again."""
+
+
+def lazily_loadable(store: Store, sid: str, rounds: list[RoundRow], n_layers: int) -> str | None:
+    """None where every round can be brought in alone (its K/V in plain segments covering every layer, its span as
+    stored); else why not, for the restore's notes."""
+    by_round: dict[int, list[dict]] = {}
+    for seg in store.segments(sid):
+        if seg["kind"] in (SEGMENT_KV, SEGMENT_MERGED):  # (key bounds, units: indexes of the K/V, not K/V)
+            by_round.setdefault(seg["round_idx"], []).append(seg)
+    for row in rounds:
+        segs = by_round.get(row.idx, [])
+        if not segs or any(s["kind"] != SEGMENT_KV for s in segs):
+            return f"round {row.idx} is not stored as plain K/V segments"
+        if sorted((s["layer_start"], s["layer_end"]) for s in segs) != _tiling(segs, n_layers):
+            return f"round {row.idx} does not hold every layer"
+        if any((s["token_start"], s["token_end"]) != (row.token_start, row.token_end) for s in segs):
+            return f"round {row.idx}'s segments hold other tokens"
+    return None
+
+
+def _tiling(segs: list[dict], n_layers: int) -> list[tuple[int, int]]:
+    """The segments' layer ranges if they tile [0, n_layers) end to end, else an impossible list."""
+    spans = sorted((s["layer_start"], s["layer_end"]) for s in segs)
+    at = 0
+    for a, b in spans:
+        if a != at:
+            return []
+        at = b
+    return spans if at == n_layers else []
+
+
+class StoredRows:
+    """engine.policies.units_prefill.LazyChat over a chat's store: a round is brought in whole (every layer) the
+    first time any row of it is asked for. `complete` is the session's whole restore into the same cache."""
+
+    def __init__(self, store: Store, sid: str, fingerprint: str, rounds: list[RoundRow], cache,
+                 complete: Callable[[], None]):
+        self.store, self.fingerprint, self.cache = store, fingerprint, cache
+        self.rounds = rounds
+        self.starts = [r.token_start for r in rounds]
+        self.segments: dict[int, list[dict]] = {}
+        for seg in store.segments(sid):
+            if seg["kind"] == SEGMENT_KV:
+                self.segments.setdefault(seg["round_idx"], []).append(seg)
+        self._complete = complete
+        # the chat's K/V on disk: what a whole restore reads (the share read before the first token is the figure)
+        self.chat_bytes = sum((store.kv_dir / seg["file"]).stat().st_size
+                              for segs in self.segments.values() for seg in segs)
+        self.loaded: set[int] = set()
+        self.bytes_read = 0  # compressed bytes read from the store before the chat was completed
+        self.read_s = 0.0
+        self.completed = False
+
+    def _round_of(self, slot: int) -> int:
+        return bisect.bisect_right(self.starts, slot) - 1
+
+    def ensure(self, layer: int, slots: Tensor) -> None:
+        if self.completed:
+            return
+        wanted = {self._round_of(s) for s in slots.flatten().unique().tolist()}
+        for i in sorted(wanted - self.loaded):
+            self._load(i)
+
+    def ensure_span(self, start: int, end: int) -> None:
+        if self.completed:
+            return
+        first, last = self._round_of(start), self._round_of(end - 1)
+        for i in range(first, last + 1):
+            if i not in self.loaded:
+                self._load(i)
+
+    def complete(self) -> None:
+        self.completed = True
+        self._complete()
+
+    @torch.inference_mode()
+    def _load(self, i: int) -> None:
+        if not 0 <= i < len(self.rounds):
+            raise LazyResumeFailed(f"slot outside the chat's rounds (round {i})")
+        row = self.rounds[i]
+        t0 = time.perf_counter()
+        for seg in sorted(self.segments.get(i, []), key=lambda s: s["layer_start"]):
+            path = self.store.kv_dir / seg["file"]
+            try:
+                header, kv = read_segment(Path(path), fingerprint=self.fingerprint)
+            except StorageError as exc:
+                raise LazyResumeFailed(f"round {i}: {exc}") from None
+            if kv.shape[3] != row.token_end - row.token_start:
+                raise LazyResumeFailed(f"round {i}: its segment holds {kv.shape[3]} tokens, not "
+                                       f"{row.token_end - row.token_start}")
+            self.cache.write(range(seg["layer_start"], seg["layer_end"]), row.token_start, kv)
+            self.bytes_read += path.stat().st_size
+        self.read_s += time.perf_counter() - t0
+        self.loaded.add(i)

@@ -1,0 +1,104 @@
+"""A lazy resume (issue 44, app/session/lazy.py): a reopened louiskv chat answers its first message from its units
+and the rounds its layers choose, brought in on demand, then restores the rest; it stores exactly what a fully
+restored chat stores, over 20 rounds; a chat that does not allow it, or a round that cannot be read, is restored
+whole, and said so."""
+
+from __future__ import annotations
+
+from kvchat.app.session.chat import ChatSession
+from kvchat.app.session.service import ChatService
+from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.policies import make_policy
+from kvchat.engine.sampling import SamplingParams
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_UNITS, Store
+from tui_support import shared_engine
+
+SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
+FACTS = ["My dog is called Rex.", "Our canoe is called Blue Heron.", "My sister lives in Lisbon.",
+         "I was born in Porto.", "The cat is called Miso.", "My locker number is 417.", "My boss's name is Edith.",
+         "The boat is called Kestrel.", "My favorite color is teal.", "I love dumplings.", "My brother lives in Oslo.",
+         "The garden gnome is called Bert."]
+# The first is answered lazily: its first token comes from the units its layers chose (a reply that may differ from a
+# fully restored chat's, as any louiskv reply may from the full cache's); a greeting, whose reply does not, so that
+# the two chats go on with the same text and their K/V can be compared byte for byte.
+LATER = ["Hello!", "Where does my sister live?", "Thanks!", "What is the boat called?",
+         "My cousin's name is Ivo.", "Where was I born?", "What is my locker number?", "What is my dog called?",
+         "What is the cat called?", "What is my boss's name?", "Remember that the kettle is called Zed.",
+         "What is my favorite color?", "What do I love?", "Where does my brother live?", "What is my cousin's name?",
+         "What is the kettle called?", "What is the canoe called?", "Thank you.", "What is the gnome called?",
+         "Good night."]
+
+
+def louiskv():
+    return make_policy("louiskv", shared_engine(), tau=0.5, tokens=8, buffer=8, unit_tokens=8)
+
+
+def stored_chat(store: Store) -> str:
+    sid = ChatService(device="cpu").create_chat(DEFAULT_MODEL, SYSTEM)
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv())
+    for text in FACTS:
+        session.send(text, max_tokens=12, sampling=SamplingParams())
+    session.close()
+    return sid
+
+
+def continued(store: Store, sid: str, messages: list[str], lazy: bool) -> ChatSession:
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=lazy)
+    for text in messages:
+        session.send(text, max_tokens=12, sampling=SamplingParams())
+    session.writer.drain()
+    return session
+
+
+def stored_kv(store: Store, sid: str, first: int) -> dict[int, list[str]]:
+    """Each round from `first` on: its K/V segments' files (content-addressed: the same file is the same bytes)."""
+    out: dict[int, list[str]] = {}
+    for seg in sorted(store.segments(sid), key=lambda s: (s["round_idx"], s["layer_start"])):
+        if seg["kind"] == SEGMENT_KV and seg["round_idx"] >= first:
+            out.setdefault(seg["round_idx"], []).append(seg["file"])
+    return out
+
+
+def test_a_chat_reopened_lazily_and_continued_for_20_rounds_stores_what_a_fully_restored_one_does(kvchat_home):
+    store = Store()
+    sid = stored_chat(store)
+    fork = store.fork_session(sid, len(FACTS), "restored whole")
+    lazily = continued(store, sid, LATER[:1], lazy=True)
+    restore = lazily.sent_restore  # what the first message after opening recorded
+    for text in LATER[1:]:
+        lazily.send(text, max_tokens=12, sampling=SamplingParams())
+    lazily.writer.drain()
+    whole = continued(store, fork, LATER, lazy=False)
+    rows = lazily.lazy_rows
+    assert rows is not None and rows.completed
+    # before the first token: the rounds its layers' choices (and its sinks and buffer) lie in, not all 12
+    assert 0 < len(rows.loaded) < len(FACTS) and 0 < rows.bytes_read
+    assert [r.assistant_text for r in lazily.rounds] == [r.assistant_text for r in whole.rounds]
+    lazy_kv, whole_kv = stored_kv(store, sid, len(FACTS)), stored_kv(store, fork, len(FACTS))
+    assert len(lazy_kv) == len(LATER) and lazy_kv == whole_kv  # the same bytes, round by round
+    assert restore.plan.startswith("lazy:") and restore.tokens_loaded > 0
+    assert any(n.startswith(f"opened lazily: {len(rows.loaded)} of {len(FACTS)} rounds") for n in restore.notes)
+
+
+def test_a_chat_without_stored_units_or_with_a_damaged_round_is_restored_whole_and_says_so(kvchat_home):
+    store = Store()
+    sid = stored_chat(store)
+    # one round's units gone: not opened lazily, said in the restore's notes
+    fork = store.fork_session(sid, len(FACTS), "no units")
+    store.drop_segment_rows(fork, [(3, SEGMENT_UNITS, 0)])
+    session = continued(store, fork, LATER[:1], lazy=True)
+    assert session.lazy_rows is None
+    assert "not opened lazily: 1 of 12 rounds have no stored retrieval units" in session.sent_restore.notes
+    # the first round's K/V damaged: the lazy answer stops before its first token, the chat is restored whole (the
+    # round recomputed) and the message answered
+    damaged = store.fork_session(sid, len(FACTS), "damaged")
+    seg = next(s for s in store.segments(damaged) if s["kind"] == SEGMENT_KV and s["round_idx"] == 0)
+    path = store.kv_dir / seg["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    session = continued(store, damaged, LATER[:1], lazy=True)
+    notes = " ".join(session.sent_restore.notes)
+    assert "the lazy resume stopped (round 0:" in notes and "restored whole" in notes
+    assert session.rounds[-1].assistant_text
