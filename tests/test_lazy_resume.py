@@ -72,12 +72,14 @@ def test_a_chat_reopened_lazily_and_continued_for_20_rounds_stores_what_a_fully_
     rows = lazily.lazy_rows
     assert rows is not None and rows.completed
     # before the first token: the rounds its layers' choices (and its sinks and buffer) lie in, not all 12
-    assert 0 < len(rows.loaded) < len(FACTS) and 0 < rows.bytes_read
+    assert 0 < rows.rounds_before_first_token < len(FACTS) and 0 < rows.bytes_before_first_token < rows.chat_bytes
+    assert len(rows.loaded) == len(FACTS) and rows.whole_restore_because is None  # the rest read after it
     assert [r.assistant_text for r in lazily.rounds] == [r.assistant_text for r in whole.rounds]
     lazy_kv, whole_kv = stored_kv(store, sid, len(FACTS)), stored_kv(store, fork, len(FACTS))
     assert len(lazy_kv) == len(LATER) and lazy_kv == whole_kv  # the same bytes, round by round
     assert restore.plan.startswith("lazy:") and restore.tokens_loaded > 0
-    assert any(n.startswith(f"opened lazily: {len(rows.loaded)} of {len(FACTS)} rounds") for n in restore.notes)
+    assert any(n.startswith(f"opened lazily: {rows.rounds_before_first_token} of {len(FACTS)} rounds")
+               for n in restore.notes)
 
 
 def test_a_chat_without_stored_units_or_with_a_damaged_round_is_restored_whole_and_says_so(kvchat_home):
@@ -102,3 +104,26 @@ def test_a_chat_without_stored_units_or_with_a_damaged_round_is_restored_whole_a
     notes = " ".join(session.sent_restore.notes)
     assert "the lazy resume stopped (round 0:" in notes and "restored whole" in notes
     assert session.rounds[-1].assistant_text
+
+
+def test_a_round_that_cannot_be_read_after_the_first_token_makes_the_rest_a_whole_restore(kvchat_home):
+    store = Store()
+    sid = stored_chat(store)
+    probe_session = continued(store, store.fork_session(sid, len(FACTS), "probe"), LATER[:1], lazy=True)
+    probe = probe_session.lazy_rows
+    untouched = sorted(set(range(len(FACTS))) - probe.read_before_first_token)
+    assert untouched  # the message's layers read some rounds, not all
+    damaged = store.fork_session(sid, len(FACTS), "damaged later")
+    seg = next(s for s in store.segments(damaged) if s["kind"] == SEGMENT_KV and s["round_idx"] == untouched[0])
+    path = store.kv_dir / seg["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    session = continued(store, damaged, LATER[:1], lazy=True)
+    rows = session.lazy_rows
+    assert rows.read_before_first_token == probe.read_before_first_token  # the same reads up to the first token
+    assert rows.whole_restore_because.startswith(f"round {untouched[0]}:")
+    notes = " ".join(session.sent_restore.notes)
+    assert f"then restored whole (round {untouched[0]}:" in notes and session.sent_restore.tokens_recomputed > 0
+    assert session.rounds[-1].assistant_text == probe_session.rounds[-1].assistant_text

@@ -310,9 +310,10 @@ def _lazy_figures(session) -> dict:
     rows = session.lazy_rows
     if rows is None:
         return {"lazy": False}
-    return {"lazy": True, "lazy_rounds_before_first_token": len(rows.loaded), "lazy_rounds": len(rows.rounds),
-            "lazy_bytes_before_first_token": rows.bytes_read, "lazy_chat_bytes": rows.chat_bytes,
-            "lazy_read_s": rows.read_s}
+    return {"lazy": True, "lazy_rounds_before_first_token": rows.rounds_before_first_token,
+            "lazy_rounds": len(rows.rounds), "lazy_bytes_before_first_token": rows.bytes_before_first_token,
+            "lazy_chat_bytes": rows.chat_bytes, "lazy_read_s": rows.read_s, "lazy_complete_s": rows.complete_s,
+            "lazy_whole_restore": rows.whole_restore_because}
 
 
 def _retrieval_counts(policy) -> tuple[int, int] | None:

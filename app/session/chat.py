@@ -229,16 +229,16 @@ class ChatSession:
         stats = RestoreStats(notes=[*self.restore_notes])
         stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
                      "first token"
-        rows = StoredRows(self.store, self.sid, self.fingerprint, self.rounds, cache,
-                          complete=lambda: self._complete_lazy(cache, stats, rows))
+        rows = StoredRows(self.store, self.sid, self.fingerprint, self.rounds, cache, stats,
+                          restore_whole=lambda: self._restore_whole_into(cache, stats))
         policy.lazy = self.lazy_rows = rows
         self.cache, self.restored = cache, stats
         stats.restore_ms = 1000 * (time.perf_counter() - started)
         return True
 
-    def _complete_lazy(self, cache: KVCache, stats: RestoreStats, rows: StoredRows) -> None:
-        """A lazily opened chat's whole restore, into the cache its first token was answered from."""
-        before = len(rows.loaded)
+    def _restore_whole_into(self, cache: KVCache, stats: RestoreStats) -> None:
+        """A lazily opened chat's whole restore, into the cache its first token was answered from (where a round
+        could not be read as it was brought in: the restore recomputes it)."""
         run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
                          split=self.split, tiered=False, new_cache=lambda capacity: cache, planner=self.planner,
                          windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
@@ -248,8 +248,7 @@ class ChatSession:
         self.rounds = run.rounds
         stats.tokens_loaded, stats.tokens_recomputed = whole.tokens_loaded, whole.tokens_recomputed
         stats.tokens_planned, stats.compute_ms, stats.load_ms = whole.tokens_planned, whole.compute_ms, whole.load_ms
-        stats.notes += [f"opened lazily: {before} of {len(self.rounds)} rounds ({rows.bytes_read:,} bytes) read "
-                        f"before the first token, the rest restored after it", *whole.notes]
+        stats.notes += whole.notes
 
     def _adopt(self, run: RestoreRun) -> None:
         """Take what a restore made: its cache (once made), its stats (once done), the rounds as it read them."""

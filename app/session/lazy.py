@@ -3,9 +3,10 @@
 Opening reads the rounds' stored units (centroids and members, app/session/units.py) and nothing of the K/V: the
 cache is as long as the chat and empty. The message's prefill reads units (engine.policies.units_prefill): each
 global layer chooses from its queries, and `StoredRows.ensure` brings in, from the store, the rounds holding the
-rows it chose (the sinks and the buffer are rows it reads too). After the first token, `complete` restores the
-whole chat into the same cache as any restore does (the planner, damaged segments recomputed), and the engine
-computes the message again over all of it: the reply and every K/V stored are those of a fully restored chat.
+rows it chose (the sinks and the buffer are rows it reads too). After the first token, `complete` reads the rounds
+not brought in yet (or, where one cannot be read, runs the session's whole restore into the same cache, which
+recomputes it), and the engine computes the message again over all of it: the reply and every K/V stored are those
+of a fully restored chat.
 
 What this does not do yet: read less than a round. The store keeps a round's K/V as one compressed segment per
 group of layers, so a round is brought in whole for any row of it; on a long chat the first choice alone touches
@@ -23,11 +24,13 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kvchat.app.session.units import READ_THREADS
 from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
@@ -69,25 +72,31 @@ def _tiling(segs: list[dict], n_layers: int) -> list[tuple[int, int]]:
 
 class StoredRows:
     """engine.policies.units_prefill.LazyChat over a chat's store: a round is brought in whole (every layer) the
-    first time any row of it is asked for. `complete` is the session's whole restore into the same cache."""
+    first time any row of it is asked for; `complete` brings in the rest, or runs `restore_whole` (the session's
+    whole restore into the same cache) where a round cannot be read."""
 
-    def __init__(self, store: Store, sid: str, fingerprint: str, rounds: list[RoundRow], cache,
-                 complete: Callable[[], None]):
-        self.store, self.fingerprint, self.cache = store, fingerprint, cache
+    def __init__(self, store: Store, sid: str, fingerprint: str, rounds: list[RoundRow], cache, stats,
+                 restore_whole: Callable[[], None]):
+        """`stats`: the session's RestoreStats of this open, which the completion fills in."""
+        self.store, self.fingerprint, self.cache, self.stats = store, fingerprint, cache, stats
         self.rounds = rounds
         self.starts = [r.token_start for r in rounds]
         self.segments: dict[int, list[dict]] = {}
         for seg in store.segments(sid):
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-        self._complete = complete
+        self._complete = restore_whole
         # the chat's K/V on disk: what a whole restore reads (the share read before the first token is the figure)
         self.chat_bytes = sum((store.kv_dir / seg["file"]).stat().st_size
                               for segs in self.segments.values() for seg in segs)
         self.loaded: set[int] = set()
-        self.bytes_read = 0  # compressed bytes read from the store before the chat was completed
+        self.bytes_read = 0  # compressed bytes read from the store, one round at a time
         self.read_s = 0.0
         self.completed = False
+        self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
+        self.complete_s = 0.0
+        self.rounds_before_first_token, self.bytes_before_first_token = 0, 0  # what the message's layers read
+        self.read_before_first_token: set[int] = set()
 
     def _round_of(self, slot: int) -> int:
         return bisect.bisect_right(self.starts, slot) - 1
@@ -108,25 +117,55 @@ class StoredRows:
                 self._load(i)
 
     def complete(self) -> None:
+        """The rounds not brought in yet, read on several threads (hashing and zstd release the GIL) and placed in
+        order; a round that cannot be read makes it the session's whole restore instead (which recomputes it)."""
         self.completed = True
-        self._complete()
+        before, before_bytes = len(self.loaded), self.bytes_read
+        self.rounds_before_first_token, self.bytes_before_first_token = before, before_bytes
+        self.read_before_first_token = set(self.loaded)
+        rest = [i for i in range(len(self.rounds)) if i not in self.loaded]
+        t0 = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rest)))) as pool:
+                reads = [(i, pool.submit(self._read, i)) for i in rest]
+                for i, read in reads:
+                    self._place(i, read.result())
+        except LazyResumeFailed as exc:
+            self.whole_restore_because = str(exc)
+            self._complete()
+        self.complete_s = time.perf_counter() - t0
+        after = (f"the rest read after it ({self.complete_s * 1000:.0f} ms)" if self.whole_restore_because is None
+                 else f"then restored whole ({self.whole_restore_because})")
+        self.stats.notes.append(f"opened lazily: {before} of {len(self.rounds)} rounds ({before_bytes:,} bytes) read "
+                                f"before the first token, {after}")
+        if self.whole_restore_because is None:
+            self.stats.tokens_loaded = self.rounds[-1].token_end if self.rounds else 0
 
-    @torch.inference_mode()
     def _load(self, i: int) -> None:
+        t0 = time.perf_counter()
+        self._place(i, self._read(i))
+        self.read_s += time.perf_counter() - t0
+        self.bytes_read += sum((self.store.kv_dir / seg["file"]).stat().st_size for seg in self.segments.get(i, []))
+
+    def _read(self, i: int) -> list[tuple[range, Tensor]]:
+        """Round i's K/V from its segments, verified: [(layers, K/V [layers, 2, Hkv, tokens, D])]."""
         if not 0 <= i < len(self.rounds):
             raise LazyResumeFailed(f"slot outside the chat's rounds (round {i})")
         row = self.rounds[i]
-        t0 = time.perf_counter()
+        out = []
         for seg in sorted(self.segments.get(i, []), key=lambda s: s["layer_start"]):
-            path = self.store.kv_dir / seg["file"]
             try:
-                header, kv = read_segment(Path(path), fingerprint=self.fingerprint)
+                _, kv = read_segment(Path(self.store.kv_dir / seg["file"]), fingerprint=self.fingerprint)
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {i}: {exc}") from None
             if kv.shape[3] != row.token_end - row.token_start:
                 raise LazyResumeFailed(f"round {i}: its segment holds {kv.shape[3]} tokens, not "
                                        f"{row.token_end - row.token_start}")
-            self.cache.write(range(seg["layer_start"], seg["layer_end"]), row.token_start, kv)
-            self.bytes_read += path.stat().st_size
-        self.read_s += time.perf_counter() - t0
+            out.append((range(seg["layer_start"], seg["layer_end"]), kv))
+        return out
+
+    @torch.inference_mode()
+    def _place(self, i: int, parts: list[tuple[range, Tensor]]) -> None:
+        for layers, kv in parts:
+            self.cache.write(layers, self.rounds[i].token_start, kv)
         self.loaded.add(i)
