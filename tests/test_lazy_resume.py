@@ -50,6 +50,16 @@ def continued(store: Store, sid: str, messages: list[str], lazy: bool) -> ChatSe
     return session
 
 
+def damage_round(store: Store, sid: str, idx: int) -> None:
+    """Flip a byte in the middle of round idx's first K/V segment file (shared with every fork of the chat)."""
+    seg = next(s for s in store.segments(sid) if s["kind"] == SEGMENT_KV and s["round_idx"] == idx)
+    path = store.kv_dir / seg["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
 def stored_kv(store: Store, sid: str, first: int) -> dict[int, list[str]]:
     """Each round from `first` on: its K/V segments' files (content-addressed: the same file is the same bytes)."""
     out: dict[int, list[str]] = {}
@@ -94,12 +104,7 @@ def test_a_chat_without_stored_units_or_with_a_damaged_round_is_restored_whole_a
     # the first round's K/V damaged: the lazy answer stops before its first token, the chat is restored whole (the
     # round recomputed) and the message answered
     damaged = store.fork_session(sid, len(FACTS), "damaged")
-    seg = next(s for s in store.segments(damaged) if s["kind"] == SEGMENT_KV and s["round_idx"] == 0)
-    path = store.kv_dir / seg["file"]
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.chmod(0o644)
-    path.write_bytes(bytes(data))
+    damage_round(store, damaged, 0)
     session = continued(store, damaged, LATER[:1], lazy=True)
     notes = " ".join(session.sent_restore.notes)
     assert "the lazy resume stopped (round 0:" in notes and "restored whole" in notes
@@ -114,12 +119,7 @@ def test_a_round_that_cannot_be_read_after_the_first_token_makes_the_rest_a_whol
     untouched = sorted(set(range(len(FACTS))) - probe.read_before_first_token)
     assert untouched  # the message's layers read some rounds, not all
     damaged = store.fork_session(sid, len(FACTS), "damaged later")
-    seg = next(s for s in store.segments(damaged) if s["kind"] == SEGMENT_KV and s["round_idx"] == untouched[0])
-    path = store.kv_dir / seg["file"]
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.chmod(0o644)
-    path.write_bytes(bytes(data))
+    damage_round(store, damaged, untouched[0])
     session = continued(store, damaged, LATER[:1], lazy=True)
     rows = session.lazy_rows
     assert rows.read_before_first_token == probe.read_before_first_token  # the same reads up to the first token
