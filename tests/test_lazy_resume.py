@@ -42,10 +42,10 @@ def stored_chat(store: Store) -> str:
     return sid
 
 
-def continued(store: Store, sid: str, messages: list[str], lazy: bool) -> ChatSession:
+def continued(store: Store, sid: str, messages: list[str], lazy: bool, max_tokens: int = 12) -> ChatSession:
     session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=lazy)
     for text in messages:
-        session.send(text, max_tokens=12, sampling=SamplingParams())
+        session.send(text, max_tokens=max_tokens, sampling=SamplingParams())
     session.writer.drain()
     return session
 
@@ -90,6 +90,19 @@ def test_a_chat_reopened_lazily_and_continued_for_20_rounds_stores_what_a_fully_
     assert restore.plan.startswith("lazy:") and restore.tokens_loaded > 0
     assert any(n.startswith(f"opened lazily: {rows.rounds_before_first_token} of {len(FACTS)} rounds")
                for n in restore.notes)
+
+
+def test_a_lazily_answered_reply_of_one_token_still_leaves_the_store_exact(kvchat_home):
+    """A reply that ends at its first token makes no decode step, which is where a lazy resume finishes: the session
+    finishes it, so the round is stored as a fully restored chat stores it."""
+    store = Store()
+    sid = stored_chat(store)
+    fork = store.fork_session(sid, len(FACTS), "restored whole")
+    lazily = continued(store, sid, LATER[:1], lazy=True, max_tokens=1)
+    whole = continued(store, fork, LATER[:1], lazy=False, max_tokens=1)
+    assert lazily.lazy_rows.completed and lazily.message_policy.lazy is None
+    assert lazily.rounds[-1].assistant_text == whole.rounds[-1].assistant_text
+    assert stored_kv(store, sid, len(FACTS)) == stored_kv(store, fork, len(FACTS))
 
 
 def test_a_chat_without_stored_units_or_with_a_damaged_round_is_restored_whole_and_says_so(kvchat_home):

@@ -231,3 +231,18 @@ def test_a_lazily_resumed_chat_brings_in_only_what_its_message_reads_then_answer
     assert cache.length == restored.length
     for layer in range(cfg.n_layers):
         assert torch.equal(cache.layer(layer)[:, :, : cache.length], restored.layer(layer)[:, :, : cache.length])
+
+
+def test_a_lazily_resumed_chat_whose_region_fits_the_budget_is_brought_in_whole_before_the_message(engine):
+    """A budget that covers the region: the message reads the whole chat densely, so all of it comes in first."""
+    m, cfg = engine.model, engine.config
+    policy = make_policy("louiskv", engine, tau=0.5, tokens=4096)
+    full, cache, starts, message, rows = lazily_resumed(engine, policy, with_units=True)
+    policy.lazy = rows
+    with policy.for_message(m, cache, starts, [], message):
+        lazily = generate(m, cache, message, decoder=engine.tokenizer.stream_decoder(), max_tokens=4,
+                          policy=policy).tokens
+    assert rows.spans == [(0, full.length)] and rows.rows_before_complete == cfg.n_layers * cfg.n_kv_heads * full.length
+    whole = m.new_cache(1024)
+    starts_w, message_w = history_and_message(engine, whole)
+    assert generate(m, whole, message_w, decoder=engine.tokenizer.stream_decoder(), max_tokens=4).tokens == lazily

@@ -180,6 +180,7 @@ class ChatSession:
         # A host-resident chat loads what is stored into host memory; recomputing a front of it on the device while
         # the rest loads (the planner's split) would need its K/V there.
         planner = None if self.host_resident else self.planner
+        self._drop_lazy_resume()  # a whole restore: no message of this cache brings rows in
         run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
                          split=self.split, tiered=self.policy is not None, new_cache=self._new_cache,
                          planner=planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
@@ -235,6 +236,10 @@ class ChatSession:
         self.cache, self.restored = cache, stats
         stats.restore_ms = 1000 * (time.perf_counter() - started)
         return True
+
+    def _drop_lazy_resume(self) -> None:
+        if isinstance(self.message_policy, UnitRetrievalPolicy):
+            self.message_policy.lazy = None
 
     def _restore_whole_into(self, cache: KVCache, stats: RestoreStats) -> None:
         """A lazily opened chat's whole restore, into the cache its first token was answered from (where a round
@@ -431,18 +436,21 @@ class ChatSession:
             try:
                 start, prompt, result = answer()
             except LazyResumeFailed as exc:  # raised in the message's prefill: no token is out yet
-                self.message_policy.lazy = None
                 self.cache, self.restored = self._new_cache(256), None
                 self.restore(cancel=cancel).notes.append(f"the lazy resume stopped ({exc}): restored whole")
                 start, prompt, result = answer()
+            if getattr(self.message_policy, "lazy", None) is not None:
+                # a lazily answered reply that ended at its first token (no decode step finished the resume)
+                self.message_policy.finish_lazy_resume(self.engine.model, self.cache, start)
         except ContextOverflowError:
             self.store.drop_pending_round(self.sid, pending)  # refused: as if never sent
             self._stale = True
             raise
         except BaseException:
             # Stopped in the middle (a second Ctrl-C, a failure): what had streamed is kept as a partial reply; the
-            # cache is let go (the next message restores the chat).
+            # cache is let go (the next message restores the chat, whole).
             self._stale = True
+            self._drop_lazy_resume()
             self._keep_partial(pending, "".join(streamed))
             raise
         state = REPLY_PARTIAL if result.stop_reason == "cancelled" else REPLY_DONE

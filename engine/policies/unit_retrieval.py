@@ -161,18 +161,18 @@ class UnitRetrievalPolicy(KVPolicy):
         if attend is not None or cache.slot_positions is not None:
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
         if self.lazy is not None:
-            self._complete_lazily_resumed(model, cache, prompt_start)
+            self.finish_lazy_resume(model, cache, prompt_start)
         spans = self.spans(cache.length)
         if sum(b - a for a, b in spans) <= self.tokens or not self._window_tokens:
             return None  # every input slot is read anyway: the engine's own step, the full cache's tokens exactly
         return UnitRetrievalDecode(model, cache, prompt_start, capacity, self, spans, cuda_graph)
 
-
     @torch.inference_mode()
-    def _complete_lazily_resumed(self, model: Transformer, cache: KVCache, prompt_start: int) -> None:
+    def finish_lazy_resume(self, model: Transformer, cache: KVCache, prompt_start: int) -> None:
         """After a lazily resumed chat's first token: the rest of its K/V brought in, and the message's computed
         again over all of it (its first pass read units), with its queries kept for the reply's first choice, as
-        a fully restored chat's message would have left them."""
+        a fully restored chat's message would have left them. The decode step does it; whoever ran a reply that
+        ended at its first token (no step was made) does it after."""
         lazy, self.lazy = self.lazy, None
         end = cache.length
         before, model.sparse_prefill, model.query_tap = model.sparse_prefill, None, None

@@ -32,9 +32,8 @@ if TYPE_CHECKING:
 
 
 class LazyChat(Protocol):
-    """A chat whose K/V are not all in the cache yet (a lazy resume): whoever restored it brings rows in on demand.
-    The sinks and the buffer's rounds are in the cache from the start; each round's stored units are in
-    `KVCache.units`."""
+    """A chat whose K/V are not all in the cache yet (a lazy resume): whoever restored it brings rows in on demand
+    (the sinks and the buffer too, as rows the message reads); each round's stored units are in `KVCache.units`."""
 
     def ensure(self, layer: int, slots: Tensor) -> None:
         """Make the cache hold global `layer`'s K/V of `slots` ([Hkv, n]: each KV head's own; a row already held is
@@ -64,6 +63,8 @@ class UnitsPrefill:
         self.n_sinks = min(policy.sinks, message_start)
         self.reads: dict[int, Tensor] = {}  # global layer -> [Hkv, n] the chat's slots its message read
         self._units: tuple[Tensor, Tensor, Tensor] | None = None
+        if lazy is not None and self.everything_read:  # the message reads the whole chat: all of it brought in
+            lazy.ensure_span(0, message_start)
 
     @property
     def everything_read(self) -> bool:
