@@ -445,6 +445,7 @@ class ChatSession:
         except ContextOverflowError:
             self.store.drop_pending_round(self.sid, pending)  # refused: as if never sent
             self._stale = True
+            self._drop_lazy_resume()
             raise
         except BaseException:
             # Stopped in the middle (a second Ctrl-C, a failure): what had streamed is kept as a partial reply; the
