@@ -181,11 +181,7 @@ class ChatSession:
         # the rest loads (the planner's split) would need its K/V there.
         planner = None if self.host_resident else self.planner
         self._drop_lazy_resume()  # a whole restore: no message of this cache brings rows in
-        run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
-                         split=self.split, tiered=self.policy is not None, new_cache=self._new_cache,
-                         planner=planner, windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
-                         upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
-                         ignore_merges=self.ignore_merges, room=self.room)
+        run = self._restore_run(self._new_cache, planner)
         # the rounds' retrieval units (louiskv): their files read beside the K/V, handed over after it
         stored_units = self._units_of_policy()
         ahead = stored_units.read_ahead(self.rounds) if stored_units is not None else None
@@ -204,6 +200,13 @@ class ChatSession:
         self._adopt(run)
         return stats
 
+    def _restore_run(self, new_cache: Callable[[int], object], planner: Planner | None) -> RestoreRun:
+        return RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
+                          split=self.split, tiered=self.policy is not None, new_cache=new_cache, planner=planner,
+                          windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
+                          upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
+                          ignore_merges=self.ignore_merges, room=self.room)
+
     @torch.inference_mode()
     def restore_lazily(self) -> bool:
         """Open the chat for its next message without its K/V (app/session/lazy.py): its rounds' units read, an
@@ -212,14 +215,14 @@ class ChatSession:
         policy, model = self.message_policy, self.engine.model
         if not isinstance(policy, UnitRetrievalPolicy) or not stores_units(policy) or not self.rounds:
             return False
-        why = ("its model has sliding-window layers" if any(layer.window for layer in model.layers) else
-               lazily_loadable(self.store, self.sid, self.rounds, self.engine.config.n_layers))
         started = time.perf_counter()
+        segments = self.store.segments(self.sid)
+        why = ("its model has sliding-window layers" if any(layer.window for layer in model.layers) else
+               lazily_loadable(segments, self.rounds, self.engine.config.n_layers))
         total = self.rounds[-1].token_end
-        cache = self._new_cache(total + self.room)
-        if why is None and not isinstance(cache, KVCache):
-            why = "its cache is not the device's full cache"
-        if why is None:
+        cache = None
+        if why is None:  # (the device's full cache: a policy over it makes no cache of its own)
+            cache = self._new_cache(total + self.room)
             missing = self._units_of_policy().load_stored(cache, self.rounds)
             if missing:
                 why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
@@ -230,7 +233,7 @@ class ChatSession:
         stats = RestoreStats(notes=[*self.restore_notes])
         stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
                      "first token"
-        rows = StoredRows(self.store, self.sid, self.fingerprint, self.rounds, cache, stats,
+        rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
                           restore_whole=lambda: self._restore_whole_into(cache, stats))
         policy.lazy = self.lazy_rows = rows
         self.cache, self.restored = cache, stats
@@ -244,13 +247,9 @@ class ChatSession:
     def _restore_whole_into(self, cache: KVCache, stats: RestoreStats) -> None:
         """A lazily opened chat's whole restore, into the cache its first token was answered from (where a round
         could not be read as it was brought in: the restore recomputes it)."""
-        run = RestoreRun(self.store, self.engine, self.sid, self.rounds, self.system, fingerprint=self.fingerprint,
-                         split=self.split, tiered=False, new_cache=lambda capacity: cache, planner=self.planner,
-                         windows=self.windows, saver=self.saver, upper_reads=self.upper_reads,
-                         upper_source=held_weakly(self._fetch_upper), token_source=held_weakly(self._round_tokens),
-                         ignore_merges=self.ignore_merges, room=self.room)
-        whole = run.run(None, None)
-        self.rounds = run.rounds
+        whole_run = self._restore_run(lambda capacity: cache, self.planner)
+        whole = whole_run.run(None, None)
+        self.rounds = whole_run.rounds
         stats.tokens_loaded, stats.tokens_recomputed = whole.tokens_loaded, whole.tokens_recomputed
         stats.tokens_planned, stats.compute_ms, stats.load_ms = whole.tokens_planned, whole.compute_ms, whole.load_ms
         stats.notes += whole.notes

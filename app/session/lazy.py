@@ -41,33 +41,32 @@ class LazyResumeFailed(KvchatError):
     """A round a lazily resumed chat's message needed could not be read: restore the chat whole and answer again."""
 
 
-def lazily_loadable(store: Store, sid: str, rounds: list[RoundRow], n_layers: int) -> str | None:
+def lazily_loadable(segments: list[dict], rounds: list[RoundRow], n_layers: int) -> str | None:
     """None where every round can be brought in alone (its K/V in plain segments covering every layer, its span as
-    stored); else why not, for the restore's notes."""
+    stored), given the chat's segment rows; else why not, for the restore's notes."""
     by_round: dict[int, list[dict]] = {}
-    for seg in store.segments(sid):
+    for seg in segments:
         if seg["kind"] in (SEGMENT_KV, SEGMENT_MERGED):  # (key bounds, units: indexes of the K/V, not K/V)
             by_round.setdefault(seg["round_idx"], []).append(seg)
     for row in rounds:
         segs = by_round.get(row.idx, [])
         if not segs or any(s["kind"] != SEGMENT_KV for s in segs):
             return f"round {row.idx} is not stored as plain K/V segments"
-        if sorted((s["layer_start"], s["layer_end"]) for s in segs) != _tiling(segs, n_layers):
+        if not _tiles(segs, n_layers):
             return f"round {row.idx} does not hold every layer"
         if any((s["token_start"], s["token_end"]) != (row.token_start, row.token_end) for s in segs):
             return f"round {row.idx}'s segments hold other tokens"
     return None
 
 
-def _tiling(segs: list[dict], n_layers: int) -> list[tuple[int, int]]:
-    """The segments' layer ranges if they tile [0, n_layers) end to end, else an impossible list."""
-    spans = sorted((s["layer_start"], s["layer_end"]) for s in segs)
+def _tiles(segs: list[dict], n_layers: int) -> bool:
+    """Whether the segments' layer ranges tile [0, n_layers) end to end."""
     at = 0
-    for a, b in spans:
+    for a, b in sorted((s["layer_start"], s["layer_end"]) for s in segs):
         if a != at:
-            return []
+            return False
         at = b
-    return spans if at == n_layers else []
+    return at == n_layers
 
 
 class StoredRows:
@@ -75,28 +74,28 @@ class StoredRows:
     first time any row of it is asked for; `complete` brings in the rest, or runs `restore_whole` (the session's
     whole restore into the same cache) where a round cannot be read."""
 
-    def __init__(self, store: Store, sid: str, fingerprint: str, rounds: list[RoundRow], cache, stats,
+    def __init__(self, store: Store, segments: list[dict], fingerprint: str, rounds: list[RoundRow], cache, stats,
                  restore_whole: Callable[[], None]):
-        """`stats`: the session's RestoreStats of this open, which the completion fills in."""
+        """`segments`: the chat's segment rows; `stats`: the session's RestoreStats of this open, which the
+        completion fills in."""
         self.store, self.fingerprint, self.cache, self.stats = store, fingerprint, cache, stats
         self.rounds = rounds
         self.starts = [r.token_start for r in rounds]
         self.segments: dict[int, list[dict]] = {}
-        for seg in store.segments(sid):
+        for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
         self._complete = restore_whole
         # the chat's K/V on disk: what a whole restore reads (the share read before the first token is the figure)
-        self.chat_bytes = sum((store.kv_dir / seg["file"]).stat().st_size
-                              for segs in self.segments.values() for seg in segs)
+        self.chat_bytes = sum(seg["byte_size"] for segs in self.segments.values() for seg in segs)
         self.loaded: set[int] = set()
         self.bytes_read = 0  # compressed bytes read from the store, one round at a time
         self.read_s = 0.0
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
-        self.rounds_before_first_token, self.bytes_before_first_token = 0, 0  # what the message's layers read
-        self.read_before_first_token: set[int] = set()
+        self.read_before_first_token: set[int] = set()  # the rounds the message's layers brought in
+        self.bytes_before_first_token = 0
 
     def _round_of(self, slot: int) -> int:
         return bisect.bisect_right(self.starts, slot) - 1
@@ -120,9 +119,7 @@ class StoredRows:
         """The rounds not brought in yet, read on several threads (hashing and zstd release the GIL) and placed in
         order; a round that cannot be read makes it the session's whole restore instead (which recomputes it)."""
         self.completed = True
-        before, before_bytes = len(self.loaded), self.bytes_read
-        self.rounds_before_first_token, self.bytes_before_first_token = before, before_bytes
-        self.read_before_first_token = set(self.loaded)
+        self.read_before_first_token, self.bytes_before_first_token = set(self.loaded), self.bytes_read
         rest = [i for i in range(len(self.rounds)) if i not in self.loaded]
         t0 = time.perf_counter()
         try:
@@ -136,16 +133,20 @@ class StoredRows:
         self.complete_s = time.perf_counter() - t0
         after = (f"the rest read after it ({self.complete_s * 1000:.0f} ms)" if self.whole_restore_because is None
                  else f"then restored whole ({self.whole_restore_because})")
-        self.stats.notes.append(f"opened lazily: {before} of {len(self.rounds)} rounds ({before_bytes:,} bytes) read "
-                                f"before the first token, {after}")
+        self.stats.notes.append(f"opened lazily: {self.rounds_before_first_token} of {len(self.rounds)} rounds "
+                                f"({self.bytes_before_first_token:,} bytes) read before the first token, {after}")
         if self.whole_restore_because is None:
             self.stats.tokens_loaded = self.rounds[-1].token_end if self.rounds else 0
+
+    @property
+    def rounds_before_first_token(self) -> int:
+        return len(self.read_before_first_token)
 
     def _load(self, i: int) -> None:
         t0 = time.perf_counter()
         self._place(i, self._read(i))
         self.read_s += time.perf_counter() - t0
-        self.bytes_read += sum((self.store.kv_dir / seg["file"]).stat().st_size for seg in self.segments.get(i, []))
+        self.bytes_read += sum(seg["byte_size"] for seg in self.segments.get(i, []))
 
     def _read(self, i: int) -> list[tuple[range, Tensor]]:
         """Round i's K/V from its segments, verified: [(layers, K/V [layers, 2, Hkv, tokens, D])]."""

@@ -25,10 +25,10 @@ dev_evals() {  # MODEL NAME: the two development evals, in the background
       --mode app --chats 20 --device cpu --json > "$OUT/$2-dev-$set.json" 2> "$OUT/$2-dev-$set.log" &
   done
 }
-summary() {
-  python3 - "$OUT" <<'PY'
+summary() {  # [DIR [PATTERN]]: one line per eval's JSON (default: $OUT's development evals)
+  python3 - "${1:-$OUT}" "${2:-*-dev-*.json}" <<'PY'
 import json, pathlib, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*-dev-*.json")):
+for f in sorted(pathlib.Path(sys.argv[1]).glob(sys.argv[2])):
     try:
         d = json.loads(f.read_text())
     except ValueError:
@@ -70,16 +70,7 @@ case "${1:-train}" in
     one model-written --model "$model" --phrasing written
     wait
     tar czf "$OUT/report.tgz" -C $dir .
-    python3 - $dir <<'PY'
-import json, pathlib, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    try:
-        d = json.loads(f.read_text())
-    except ValueError:
-        print(f.stem, "no result"); continue
-    print(f.stem, f"recall {d['correct']}/{d['questions']}", f"exact copy {d['exact_copy']['correct']}",
-          f"polite {d['out_of_scope']['polite_rate']:.3f}", f"longest reply {d['longest_reply']}")
-PY
+    summary $dir "*.json"
     ;;
   blends)
     shift; read -ra models <<< "${BLEND_MODELS:?the models to average, in the order of the counts}"
