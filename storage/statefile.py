@@ -18,7 +18,7 @@ from pathlib import Path
 from kvchat.paths import replace_atomically
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import (CHAT_PARAMETERS, REPLY_DONE, REPLY_STATES, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED,
-                              SEGMENT_UNITS, RoundRow, Store, chat_parameters, now)
+                              SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store, chat_parameters, now)
 from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store_segment_bytes, token_rows_fit
 
 FORMAT = "kvchat-state"
@@ -50,7 +50,9 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
     """Write the chat to `out` atomically (temp file, fsync, rename): a reader never sees half a state file."""
     info = store.session(sid)
     rounds = store.rounds(sid)
-    segments = [] if text_only else store.segments(sid)
+    # (a round's unit rows are a copy of its K/V in another order, for a lazy resume: left out, as any cache the
+    # importer can rebuild)
+    segments = [] if text_only else [s for s in store.segments(sid) if s["kind"] != SEGMENT_UNIT_ROWS]
     manifest = {
         "format": FORMAT, "version": state_version(segments), "exported": now(),
         "model": {"fingerprint": info["model_fingerprint"], "name": model_name,
@@ -245,7 +247,7 @@ def _validate_manifest(m, bad) -> dict:
     for j, s in enumerate(segments):
         if isinstance(s, dict):
             kind = s.setdefault("kind", SEGMENT_KV)  # files exported before segments had kinds hold only K/V
-            if not (isinstance(kind, str) and kind in SEGMENT_KINDS):
+            if not (isinstance(kind, str) and kind in SEGMENT_KINDS and kind != SEGMENT_UNIT_ROWS):
                 raise bad(f"segment {j} is of an unknown kind {str(kind)[:40]!r}")
             s.setdefault("live_from", 0)  # and before sliding windows were trimmed, every token
             s.setdefault("merged", "")  # and before cross-layer merging, no layer pairs

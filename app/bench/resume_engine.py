@@ -312,7 +312,9 @@ def _lazy_figures(session) -> dict:
         return {"lazy": False}
     return {"lazy": True, "lazy_rounds_before_first_token": rows.rounds_before_first_token,
             "lazy_rounds": len(rows.rounds), "lazy_bytes_before_first_token": rows.bytes_before_first_token,
-            "lazy_chat_bytes": rows.chat_bytes, "lazy_read_s": rows.read_s, "lazy_complete_s": rows.complete_s,
+            "lazy_chat_bytes": rows.chat_bytes, "lazy_units_bytes": rows.units_bytes,
+            "lazy_frames_before_first_token": rows.frames_read, "lazy_read_s": rows.read_s,
+            "lazy_complete_s": rows.complete_s,
             "lazy_whole_restore": rows.whole_restore_because}
 
 

@@ -223,7 +223,8 @@ class ChatSession:
         cache = None
         if why is None:  # (the device's full cache: a policy over it makes no cache of its own)
             cache = self._new_cache(total + self.room)
-            missing = self._units_of_policy().load_stored(cache, self.rounds)
+            stored_units = self._units_of_policy()
+            missing = stored_units.load_stored(cache, self.rounds)
             if missing:
                 why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
         if why is not None:
@@ -234,7 +235,9 @@ class ChatSession:
         stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
                      "first token"
         rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
-                          restore_whole=lambda: self._restore_whole_into(cache, stats))
+                          restore_whole=lambda: self._restore_whole_into(cache, stats),
+                          members=stored_units.read_members, global_layers=model.cfg.global_layers,
+                          after_complete=lambda: stored_units.load(cache, self.rounds))
         policy.lazy = self.lazy_rows = rows
         self.cache, self.restored = cache, stats
         stats.restore_ms = 1000 * (time.perf_counter() - started)
@@ -273,7 +276,8 @@ class ChatSession:
         """The chat's stored retrieval units where its message policy keeps them (louiskv), whatever the cache."""
         if not stores_units(self.message_policy):
             return None
-        return ChatUnits(self.store, self.writer, self.sid, self.fingerprint, self.engine.model, self.message_policy)
+        return ChatUnits(self.store, self.writer, self.sid, self.fingerprint, self.engine.model, self.message_policy,
+                         unit_rows=self.lazy_resume)
 
     def _fetch_upper(self, i: int) -> torch.Tensor | None:
         """TieredKV's upper_source: round i's upper layers from the store, or None to recompute them."""

@@ -8,10 +8,12 @@ not brought in yet (or, where one cannot be read, runs the session's whole resto
 recomputes it), and the engine computes the message again over all of it: the reply and every K/V stored are those
 of a fully restored chat.
 
-What this does not do yet: read less than a round. The store keeps a round's K/V as one compressed segment per
-group of layers, so a round is brought in whole for any row of it; on a long chat the first choice alone touches
-42–96% of the rounds (docs/benchmarks.md, "What a lazy resume would have to read"). A layout in units' order is the
-step that makes the first token cheap; this is the path it plugs into.
+Reading less than a round: the store keeps a round's K/V as one compressed segment per group of layers, so any row
+of it costs the whole round, and on a long chat the first choice alone touches 42–100% of the rounds (docs/
+benchmarks.md, "What a lazy resume would have to read"). A chat opened with lazy resumes on stores each round a second
+time in its units' order (storage.unit_frames, app/session/units.py `unit_rows`): each unit of each layer and KV
+head a zstd frame of its own. `ensure` reads only the frames of the units a layer's heads chose (the sinks' and the
+buffer's rows are units too, read the same way), and a round without unit frames whole.
 
 Only chats whose every round has its units stored and its K/V in plain segments (no merged pairs), on a cache
 without sliding-window rings, are opened lazily; any other is restored whole, said in the restore's notes. A round
@@ -30,11 +32,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvchat.app.session.units import READ_THREADS
+from kvchat.app.session.units import READ_THREADS, unit_order
 from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, RoundRow, Store
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
+from kvchat.storage.unit_frames import UnitFramesFile, merge_planes
 
 
 class LazyResumeFailed(KvchatError):
@@ -70,32 +73,57 @@ def _tiles(segs: list[dict], n_layers: int) -> bool:
 
 
 class StoredRows:
-    """engine.policies.units_prefill.LazyChat over a chat's store: a round is brought in whole (every layer) the
-    first time any row of it is asked for; `complete` brings in the rest, or runs `restore_whole` (the session's
-    whole restore into the same cache) where a round cannot be read."""
+    """engine.policies.units_prefill.LazyChat over a chat's store: the rows a layer's heads choose brought in by their
+    units' frames where the round has unit frames, else the round whole (every layer) the first time any row of it
+    is asked for; `complete` brings in the rest, or runs `restore_whole` (the session's whole restore into the same
+    cache) where a round cannot be read."""
 
     def __init__(self, store: Store, segments: list[dict], fingerprint: str, rounds: list[RoundRow], cache, stats,
-                 restore_whole: Callable[[], None]):
+                 restore_whole: Callable[[], None], members: dict[int, Tensor] | None = None,
+                 global_layers: list[int] | None = None, after_complete: Callable[[], None] | None = None):
         """`segments`: the chat's segment rows; `stats`: the session's RestoreStats of this open, which the
-        completion fills in."""
+        completion fills in; `members`: each round's units' members [G, Hkv, n] on the CPU, as read from its units
+        segment (without them, or without `global_layers`, every round is read whole); `after_complete`: run once
+        the cache holds the whole chat (the session stores the unit frames of rounds saved without them)."""
         self.store, self.fingerprint, self.cache, self.stats = store, fingerprint, cache, stats
         self.rounds = rounds
         self.starts = [r.token_start for r in rounds]
         self.segments: dict[int, list[dict]] = {}
+        self.frames: dict[int, dict] = {}  # round -> its unit-rows segment
+        units_bytes = 0
         for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-        self._complete = restore_whole
+            elif seg["kind"] == SEGMENT_UNIT_ROWS:
+                self.frames[seg["round_idx"]] = seg
+            elif seg["kind"] == SEGMENT_UNITS:
+                units_bytes += seg["byte_size"]
+        self._complete, self._after_complete = restore_whole, after_complete
         # the chat's K/V on disk: what a whole restore reads (the share read before the first token is the figure)
         self.chat_bytes = sum(seg["byte_size"] for segs in self.segments.values() for seg in segs)
-        self.loaded: set[int] = set()
-        self.bytes_read = 0  # compressed bytes read from the store, one round at a time
+        self.units_bytes = units_bytes  # the units (centroids and members), read when the chat was opened
+        self.loaded: set[int] = set()  # rounds brought in whole
+        self.bytes_read = 0  # compressed bytes of K/V read from the store so far (whole rounds and unit frames)
+        self.frames_read = 0
         self.read_s = 0.0
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
-        self.read_before_first_token: set[int] = set()  # the rounds the message's layers brought in
-        self.bytes_before_first_token = 0
+        self.read_before_first_token: set[int] = set()  # the rounds the message's layers read (whole or in part)
+        self.bytes_before_first_token = 0  # K/V read before the first token, units not included
+        self._touched: set[int] = set()  # rounds read in part (their unit frames)
+        self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
+        self._members = members or {}
+        self._files: dict[int, UnitFramesFile] = {}
+        self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
+        tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
+            rounds[0].token_start == 0
+        if tiled and all(r.idx in self._members for r in rounds):
+            self._chat_member = torch.cat([self._members[r.idx] for r in rounds], 2).to(torch.int32)  # [G, Hkv, T]
+            self._most_units = int(self._chat_member.max()) + 1 if self._chat_member.numel() else 1
+            self._chat_units()
+        else:
+            self._chat_member = None
 
     def _round_of(self, slot: int) -> int:
         return bisect.bisect_right(self.starts, slot) - 1
@@ -103,9 +131,93 @@ class StoredRows:
     def ensure(self, layer: int, slots: Tensor) -> None:
         if self.completed:
             return
-        wanted = {self._round_of(s) for s in slots.flatten().unique().tolist()}
-        for i in sorted(wanted - self.loaded):
-            self._load(i)
+        wanted = slots.cpu().long()  # [Hkv, n]
+        rounds = torch.bucketize(wanted, torch.tensor(self.starts), right=True) - 1
+        if rounds.numel() and (int(rounds.min()) < 0 or int(rounds.max()) >= len(self.rounds)):
+            raise LazyResumeFailed("slot outside the chat's rounds")
+        touched = rounds.unique().tolist()
+        by_frames = self._chat_member is not None and layer in self._globals
+        for i in touched:  # rounds without unit frames: whole
+            if i not in self.loaded and not (by_frames and self.rounds[i].idx in self.frames):
+                self._load(i)
+        if by_frames:
+            self._ensure_units(layer, wanted, rounds)
+
+    @torch.inference_mode()
+    def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
+        """The unit frames of `wanted` [Hkv, n] (in `rounds`) that no earlier read brought in, written into the
+        cache's rows of their members: per round one batch of reads and one decompression (zstd's threads), then
+        for the whole layer one copy to the device, where the byte planes are merged and the rows placed."""
+        g = self._globals[layer]
+        n_heads, most = wanted.shape[0], self._most_units
+        heads = torch.arange(n_heads)[:, None].expand_as(wanted)
+        units = self._chat_member[g][heads, wanted].long()  # [Hkv, n]
+        keys = ((rounds * n_heads + heads) * most + units).unique()  # ascending: by round, head, unit
+        held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool))
+        whole = torch.tensor([i in self.loaded for i in range(len(self.rounds))])
+        keys = keys[~held[keys] & ~whole[keys // (n_heads * most)]]
+        if not keys.numel():
+            return
+        held[keys] = True
+        t0 = time.perf_counter()
+        key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
+        begin = self._unit_begin[g][key_rounds, key_heads, key_units]
+        counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
+        planes = []
+        for i in key_rounds.unique().tolist():
+            mine = key_rounds == i
+            file = self._file(i)
+            try:
+                file.frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
+                frames = ((g * n_heads + key_heads[mine]) * self._n_units[i] + key_units[mine]).tolist()
+                before = file.bytes_read
+                planes.append(file.read_planes(frames, counts[mine].tolist(), threads=READ_THREADS))
+                self.bytes_read += file.bytes_read - before
+            except StorageError as exc:
+                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+            self.frames_read += len(frames)
+            self._touched.add(i)
+        device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
+        stored = self._file(int(key_rounds[0])).header.dtype
+        flat = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8).to(device)
+        counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
+        # every frame's values (its K rows, then its V rows), their byte planes merged on the device
+        merged = merge_planes(flat, counts * 2 * head_dim, stored.itemsize).view(stored).view(-1)
+        frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)  # each row's frame
+        first_row = torch.cumsum(counts, 0) - counts
+        row = torch.arange(len(frame), device=device) - first_row[frame]  # its row within the frame
+        k_at = (first_row[frame] * 2 + row)[:, None] * head_dim + torch.arange(head_dim, device=device)
+        kv = torch.stack([merged[k_at], merged[k_at + counts[frame, None] * head_dim]])  # [2, R, D]
+        slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]
+        self.cache.write_rows(layer, key_heads[frame], slots, kv)
+        self.read_s += time.perf_counter() - t0
+
+    def _chat_units(self) -> None:
+        """Each global layer's slots in unit-frame order, the chat's rounds side by side ([G, Hkv, T]), where each
+        unit of each round begins in it ([G, rounds, Hkv, most units + 1]), and each round's count of units."""
+        sorted_slots, begins, self._n_units = [], [], []
+        at = 0
+        for r in self.rounds:
+            order, bounds = unit_order(self._members[r.idx])  # [G, Hkv, n], [G, Hkv, U + 1]
+            sorted_slots.append(order + r.token_start)
+            pad = bounds[:, :, -1:].expand(-1, -1, self._most_units + 1 - bounds.shape[2])
+            begins.append(torch.cat([bounds, pad], 2) + at)
+            self._n_units.append(bounds.shape[2] - 1)
+            at += order.shape[2]
+        self._sorted_slots = torch.cat(sorted_slots, 2)  # [G, Hkv, T]
+        self._unit_begin = torch.stack(begins, 1)  # [G, rounds, Hkv, most + 1]
+
+    def _file(self, i: int) -> UnitFramesFile:
+        """Round i's unit frames, opened once (its header and index read and checked, counted as bytes read)."""
+        if i not in self._files:
+            try:
+                file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
+                                      fingerprint=self.fingerprint)
+            except StorageError as exc:
+                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+            self._files[i] = file
+            self.bytes_read += file.header.size
+        return self._files[i]
 
     def ensure_span(self, start: int, end: int) -> None:
         if self.completed:
@@ -119,8 +231,12 @@ class StoredRows:
         """The rounds not brought in yet, read on several threads (hashing and zstd release the GIL) and placed in
         order; a round that cannot be read makes it the session's whole restore instead (which recomputes it)."""
         self.completed = True
-        self.read_before_first_token, self.bytes_before_first_token = set(self.loaded), self.bytes_read
-        rest = [i for i in range(len(self.rounds)) if i not in self.loaded]
+        self.read_before_first_token = self.loaded | self._touched
+        self.bytes_before_first_token = self.bytes_read
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+        rest = [i for i in range(len(self.rounds)) if i not in self.loaded]  # (a round read in part: whole now)
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rest)))) as pool:
@@ -133,10 +249,14 @@ class StoredRows:
         self.complete_s = time.perf_counter() - t0
         after = (f"the rest read after it ({self.complete_s * 1000:.0f} ms)" if self.whole_restore_because is None
                  else f"then restored whole ({self.whole_restore_because})")
+        frames = f", {self.frames_read:,} unit frames" if self.frames_read else ""
         self.stats.notes.append(f"opened lazily: {self.rounds_before_first_token} of {len(self.rounds)} rounds "
-                                f"({self.bytes_before_first_token:,} bytes) read before the first token, {after}")
+                                f"({self.bytes_before_first_token:,} bytes{frames}) read before the first token, "
+                                f"{after}")
         if self.whole_restore_because is None:
             self.stats.tokens_loaded = self.rounds[-1].token_end if self.rounds else 0
+        if self._after_complete is not None:
+            self._after_complete()
 
     @property
     def rounds_before_first_token(self) -> int:

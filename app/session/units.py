@@ -33,8 +33,9 @@ from torch import Tensor
 from kvchat.app.session.writer import KVWriter
 from kvchat.engine.kv.units import Units
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_UNITS, RoundRow, Store
+from kvchat.storage.db import SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
+from kvchat.storage.unit_frames import write_unit_frames
 
 
 # A member's unit must fit an int16 to be stored in the bfloat16 plane's bits.
@@ -82,6 +83,31 @@ def stores_units(policy) -> bool:
 READ_THREADS = min(8, os.cpu_count() or 1)
 
 
+def unit_rows(cache, layers: list[int], units: Units) -> tuple[Tensor, Tensor]:
+    """A round's K/V in its units' order, for storage.unit_frames: (rows [G, Hkv, 2, n, D], each global layer's and KV
+    head's slots sorted by unit then by slot; counts [G, Hkv, U], each unit's members), on the cache's device. U is
+    what the stored members name (the highest unit + 1), so that a reader of the units segment counts the same."""
+    member = units.member  # [G, Hkv, n]
+    g, h, n = member.shape
+    u = int(member.max()) + 1 if n else 1
+    order = member.argsort(dim=2, stable=True)  # [G, Hkv, n]
+    rows = torch.stack([cache.span(layer, units.start, units.end).gather(
+        2, order[j][None, :, :, None].expand(2, -1, -1, cache.kv.shape[-1])).transpose(0, 1)
+        for j, layer in enumerate(layers)])  # [G, Hkv, 2, n, D]
+    counts = torch.zeros(g, h, u, dtype=torch.long, device=member.device).scatter_add_(
+        2, member, torch.ones_like(member))
+    return rows, counts
+
+
+def unit_order(member: Tensor) -> tuple[Tensor, Tensor]:
+    """For a round's members [G, Hkv, n] (on the CPU): each layer's and KV head's slots (relative) in unit-frame
+    order [G, Hkv, n], and where each unit's run starts in it [G, Hkv, U + 1]."""
+    g, h, n = member.shape
+    u = int(member.max()) + 1 if n else 1
+    counts = torch.zeros(g, h, u, dtype=torch.long).scatter_add_(2, member, torch.ones_like(member))
+    return member.argsort(dim=2, stable=True), torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2)
+
+
 @dataclass
 class ReadAhead:
     """Units files being read ahead of a restore's end (`ChatUnits.read_ahead`): (round, its span) -> the read."""
@@ -92,9 +118,12 @@ class ReadAhead:
 class ChatUnits:
     """One chat's units in the store (see the module docstring); `policy`: the chat's message policy."""
 
-    def __init__(self, store: Store, writer: KVWriter, sid: str, fingerprint: str, model, policy):
+    def __init__(self, store: Store, writer: KVWriter, sid: str, fingerprint: str, model, policy,
+                 unit_rows: bool = False):
+        """`unit_rows`: each round's K/V stored a second time in its units' order too (storage.unit_frames), what a
+        lazy resume reads before its first token (app/session/lazy.py)."""
         self.store, self.writer, self.sid, self.fingerprint = store, writer, sid, fingerprint
-        self.model, self.policy = model, policy
+        self.model, self.policy, self.unit_rows = model, policy, unit_rows
         self.layers = model.cfg.global_layers
 
     def save(self, cache, row: RoundRow, reply_at: int) -> None:
@@ -103,6 +132,8 @@ class ChatUnits:
             units = self.policy.round_units(cache, self.layers, row.token_start, reply_at, row.token_end)
         cache.units[(row.token_start, row.token_end)] = units
         self._submit(row, units)
+        if self.unit_rows:
+            self._submit_rows(cache, row, units)
 
     def read_ahead(self, rounds: list[RoundRow]) -> ReadAhead:
         """Start reading the rounds' units files on reader threads, to be handed to `load` once the chat's K/V is in
@@ -139,6 +170,12 @@ class ChatUnits:
                 self._submit(row, units)
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
+        if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
+            held = {s["round_idx"] for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNIT_ROWS}
+            for row in rounds:
+                units = cache.units.get((row.token_start, row.token_end))
+                if row.idx not in held and units is not None and row.token_end <= cache.length:
+                    self._submit_rows(cache, row, units)
         notes = []
         if built:
             why = f" ({'; '.join(damaged[:3])})" if damaged else " (stored without them)"
@@ -148,7 +185,8 @@ class ChatUnits:
 
     def load_stored(self, cache, rounds: list[RoundRow]) -> list[int]:
         """Hand the cache the units stored for the rounds, building none (a lazily opened chat has no K/V to build
-        them from yet); the rounds whose units could not be read, none handed over then."""
+        them from yet); the rounds whose units could not be read, none handed over then. `self.read_members`: each
+        round's members as read, on the CPU (what a lazy resume finds unit frames by)."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
             read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), rounds))
@@ -156,6 +194,7 @@ class ChatUnits:
         if missing:
             return missing
         device = cache.kv.device
+        self.read_members = {row.idx: units.member for row, (units, _) in zip(rounds, read)}
         for row, (units, _) in zip(rounds, read):
             cache.units[(row.token_start, row.token_end)] = Units(units.start, units.end, units.member.to(device),
                                                                   units.summary.to(device))
@@ -175,6 +214,29 @@ class ChatUnits:
             return unpack_units(packed, row.token_start, row.token_end), ""
         except (StorageError, ValueError) as exc:
             return None, f"round {row.idx}: {exc}"
+
+    def _submit_rows(self, cache, row: RoundRow, units: Units) -> None:
+        """Store the round's K/V in its units' order (storage.unit_frames), on the writer's thread."""
+        with torch.inference_mode():
+            rows, counts = unit_rows(cache, self.layers, units)
+        ready = None
+        if rows.is_cuda:  # the writer must not copy the rows before the main stream has made them
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def write() -> None:
+            if ready is not None:
+                ready.synchronize()
+            ref = write_unit_frames(self.store.kv_dir, rows, counts.cpu(), fingerprint=self.fingerprint,
+                                    tokens=range(row.token_start, row.token_end))
+            self.store.add_segment(self.sid, kind=SEGMENT_UNIT_ROWS, round_idx=row.idx, layer_start=0,
+                                   layer_end=self.model.cfg.n_layers, token_start=row.token_start,
+                                   token_end=row.token_end, codec=ref.codec,
+                                   dtype=str(rows.dtype).removeprefix("torch."), byte_size=ref.byte_size,
+                                   raw_size=ref.raw_size, checksum=ref.checksum, file=ref.file,
+                                   model_fingerprint=self.fingerprint, live_from=0, merged="")
+
+        self.writer.submit_job(write, f"round {row.idx}'s unit rows")
 
     def _submit(self, row: RoundRow, units: Units) -> None:
         self.writer.submit(self.sid, row.idx, pack_units(units), range(self.model.cfg.n_layers),

@@ -181,6 +181,15 @@ class KVCache(nn.Module):
             else:
                 self.kv[n, :, :, start:end] = kv[j]
 
+    def write_rows(self, layer: int, heads: Tensor, slots: Tensor, kv: Tensor) -> None:
+        """K/V [2, R, D] of single rows, row i into KV head heads[i] at slot slots[i], of one layer outside the
+        rings (a lazy resume bringing in the units each head chose)."""
+        in_ring, n = self._where[layer]
+        if in_ring:
+            raise ValueError(f"layer {layer} is a ring: its slots are its positions, not rows to write one by one")
+        device = self.kv.device
+        self.kv[n][:, heads.to(device), slots.to(device)] = kv.to(device, self.kv.dtype)
+
     def span(self, layer: int, start: int, end: int) -> Tensor:
         """K/V [2, Hkv, end - start, D] of slots [start, end) of one layer, to attend to: a view (or, where a ring
         wraps, a copy); a ring must still hold every one of them."""

@@ -1,0 +1,251 @@
+"""Unit-frame files: a round's K/V in its retrieval units' order, each unit's rows a zstd frame readable alone.
+
+A lazily resumed chat (app/session/lazy.py, issue 44) reads, before its first token, only the rows of the units the
+message's layers choose; a K/V segment (storage.segments) is one frame per round and group of layers, so any row of
+it costs the whole round. This file holds the same K/V a second time, grouped so that a unit costs its own bytes:
+
+    magic b"KVUF" | version u16 | fingerprint 32 bytes | dtype u8 | layers u16 | KV heads u16 | head size u16 |
+    token_start u32 | token_end u32 | frames u32 | (frames + 1) x u64 offsets into the frames | index sha256 32 |
+    frames ...
+
+Frame f = (g * heads + h) * units + u holds unit u of global layer g and KV head h: its members' K rows then their
+V rows ([2, members, head size], in slot order), split into byte planes and zstd-compressed (storage.codec), with
+zstd's own content checksum. Which slots a unit has is the round's units segment's business (its members plane),
+not this file's: the reader passes each frame's row count, and the frame must declare exactly those bytes.
+
+Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
+partial read checks the header and offsets against their own sha256, and each frame against its declared size and
+zstd checksum, so damage shows up as a StorageError, never as plausible wrong floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from kvchat.storage import codec as kvcodec
+from kvchat.storage.codec import StorageError
+from kvchat.storage.segments import (DTYPES, SUFFIX, SegmentCorrupt, SegmentMissing, SegmentRef, SegmentWrongModel,
+                                     _ensure_folder, _intact, _reason, _whole_file_hash, _write_atomically)
+
+MAGIC = b"KVUF"
+VERSION = 1
+_FIXED = struct.Struct("<4sH32sBHHHIII")  # magic .. frames
+_OFFSET = struct.Struct("<Q")
+_MOST_FRAMES = 1 << 26  # a header naming more frames than this is damaged (a 128k-token round has ~2M at 8B)
+_DECOMPRESSOR = zstandard.ZstdDecompressor()
+
+
+@dataclass(frozen=True)
+class UnitFramesHeader:
+    fingerprint: str
+    dtype: torch.dtype
+    layers: int  # G: the global layers held
+    heads: int  # Hkv
+    head_dim: int
+    token_start: int
+    token_end: int
+    offsets: tuple[int, ...]  # frames + 1, into the frames (which start at `size`)
+    size: int  # bytes before the first frame
+
+    @property
+    def frames(self) -> int:
+        return len(self.offsets) - 1
+
+
+def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *, fingerprint: str,
+                      tokens: range) -> SegmentRef:
+    """Save a round's K/V in units' order: `rows` [G, Hkv, 2, n, D] (each layer's and KV head's slots sorted by
+    unit, then by slot) and `counts` [G, Hkv, U] (the members of each unit; each row of it sums to n). Durable and
+    content-addressed as storage.segments.write_segment: when this returns the file is on disk, and on StorageError
+    nothing new is left in `folder`."""
+    g, h, two, n, d = rows.shape
+    if two != 2 or counts.shape[:2] != (g, h) or n != tokens.stop - tokens.start or \
+            bool((counts.sum(2) != n).any()) or rows.dtype not in DTYPES:
+        raise ValueError(f"unit rows {list(rows.shape)} of {rows.dtype} with counts {list(counts.shape)} do not "
+                         f"make a round of {len(tokens)} tokens")
+    rows = rows.detach().cpu().contiguous()
+    size = rows.element_size()
+    bounds = torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2).tolist()
+    frames: list[bytes] = []
+    for gi in range(g):
+        for hi in range(h):
+            head = rows[gi, hi]
+            for a, b in zip(bounds[gi][hi], bounds[gi][hi][1:]):
+                raw = head[:, a:b].contiguous().view(torch.uint8).numpy().tobytes()
+                frames.append(kvcodec.encode(raw, size, "planes+zstd"))
+    offsets = np.zeros(len(frames) + 1, dtype=np.uint64)
+    np.cumsum([len(f) for f in frames], out=offsets[1:])
+    fixed = _FIXED.pack(MAGIC, VERSION, bytes.fromhex(fingerprint), DTYPES.index(rows.dtype), g, h, d,
+                        tokens.start, tokens.stop, len(frames))
+    index = fixed + offsets.astype("<u8").tobytes()
+    head_bytes = index + hashlib.sha256(index).digest()
+    payload = b"".join(frames)
+    name = _whole_file_hash(head_bytes, payload) + SUFFIX
+    ref = SegmentRef(file=name, byte_size=len(head_bytes) + len(payload), raw_size=rows.numel() * size,
+                     checksum=hashlib.sha256(payload).hexdigest(), codec="planes+zstd")
+    folder = Path(folder)
+    try:
+        _ensure_folder(folder)
+        if not _intact(folder / name):
+            _write_atomically(folder, name, (head_bytes, payload))
+    except OSError as e:
+        raise StorageError(f"cannot save unit frames in {folder}: {_reason(e)}.") from e
+    return ref
+
+
+class UnitFramesFile:
+    """An open unit-frames file: its header read and checked once, frames read on demand (`read`)."""
+
+    def __init__(self, path: Path, *, fingerprint: str):
+        self.path = Path(path)
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise SegmentMissing(f"unit frames {self.path.name} are missing.") from None
+        except OSError as e:
+            raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
+        try:
+            self.header = self._read_header(fingerprint)
+        except BaseException:
+            self.close()
+            raise
+        self.bytes_read = self.header.size
+
+    def __del__(self) -> None:  # a lazy resume dropped before it completed leaves no descriptor open
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> UnitFramesFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _corrupt(self, why: str) -> SegmentCorrupt:
+        return SegmentCorrupt(f"unit frames {self.path.name} are corrupt: {why}.")
+
+    def _pread(self, n: int, at: int) -> bytes:
+        try:
+            data = os.pread(self._fd, n, at)
+        except OSError as e:
+            raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
+        if len(data) != n:
+            raise self._corrupt("the file is shorter than its index says")
+        return data
+
+    def _read_header(self, fingerprint: str) -> UnitFramesHeader:
+        fixed = self._pread(_FIXED.size, 0)
+        magic, version, fp, dtype_code, g, h, d, t0, t1, n_frames = _FIXED.unpack(fixed)
+        if magic != MAGIC or version != VERSION:
+            raise self._corrupt("it is not a unit-frames file of this version")
+        if dtype_code >= len(DTYPES) or n_frames > _MOST_FRAMES or t0 > t1:
+            raise self._corrupt("its header is damaged")
+        rest = self._pread(_OFFSET.size * (n_frames + 1) + 32, _FIXED.size)
+        index, digest = fixed + rest[:-32], rest[-32:]
+        if hashlib.sha256(index).digest() != digest:
+            raise self._corrupt("its index does not match its checksum")
+        if fp.hex() != fingerprint.lower():
+            raise SegmentWrongModel(f"unit frames {self.path.name} were computed by a different model.")
+        offsets = tuple(np.frombuffer(rest[:-32], dtype="<u8").tolist())
+        if any(a > b for a, b in zip(offsets, offsets[1:])):
+            raise self._corrupt("its frame offsets go backwards")
+        return UnitFramesHeader(fp.hex(), DTYPES[dtype_code], g, h, d, t0, t1, offsets, _FIXED.size + len(rest))
+
+    def frame_index(self, layer: int, head: int, unit: int, units: int) -> int:
+        """The frame of unit `unit` of global layer `layer` (of the file's) and KV head `head`, a round whose units
+        segment has `units` units per layer and KV head."""
+        hd = self.header
+        if hd.frames != hd.layers * hd.heads * units or not (0 <= layer < hd.layers and 0 <= head < hd.heads):
+            raise self._corrupt(f"it holds {hd.frames} frames, not {hd.layers} x {hd.heads} x {units} units")
+        return (layer * hd.heads + head) * units + unit
+
+    def read_planes(self, frames: list[int], rows: list[int], threads: int = 0) -> bytes:
+        """Frames (indices, ascending), holding rows[i] K/V rows each, decompressed but still in byte planes, back
+        to back: frame i is 2 * rows[i] * head size values, each value's bytes a plane of its own (`merge_planes`).
+        Consecutive frames come in one read; the frames are decompressed together (zstd's threads, `threads`: 0
+        this one), each checked against its size and its zstd checksum."""
+        hd = self.header
+        if len(frames) != len(rows) or any(b <= a for a, b in zip(frames, frames[1:])) or \
+                (frames and not 0 <= frames[0] <= frames[-1] < hd.frames):
+            raise ValueError(f"frames {frames[:4]}... are not ascending indices of {hd.frames} frames")
+        sizes = [2 * n * hd.head_dim * hd.dtype.itemsize for n in rows]
+        blobs: list[memoryview] = []
+        i = 0
+        while i < len(frames):
+            j = i + 1  # a run of consecutive frames: one read
+            while j < len(frames) and frames[j] == frames[j - 1] + 1:
+                j += 1
+            base = hd.offsets[frames[i]]
+            data = memoryview(self._pread(hd.offsets[frames[j - 1] + 1] - base, hd.size + base))
+            self.bytes_read += len(data)
+            for f, size in zip(frames[i:j], sizes[i:j]):
+                blob = data[hd.offsets[f] - base : hd.offsets[f + 1] - base]
+                try:  # the declared size first: a damaged header must not make zstd allocate what it says
+                    declared = zstandard.frame_content_size(blob)
+                except zstandard.ZstdError:
+                    declared = -2
+                if declared != size:
+                    raise self._corrupt(f"frame {f} declares {declared} bytes where {size} were expected")
+                blobs.append(blob)
+            i = j
+        if not blobs:
+            return b""
+        try:
+            out = _DECOMPRESSOR.multi_decompress_to_buffer(blobs, threads=threads)
+        except zstandard.ZstdError as e:
+            raise self._corrupt(f"a frame cannot be decoded ({e})") from None
+        got = [len(out[k]) for k in range(len(out))]
+        if got != sizes:
+            raise self._corrupt("a frame decoded to another size than it declares")
+        return b"".join(bytes(out[k]) for k in range(len(out)))
+
+    def read(self, frames: list[int], rows: list[int]) -> list[torch.Tensor]:
+        """Frames (indices, ascending) as K/V rows [2, rows[i], head size] on the CPU (`read_planes`, merged)."""
+        hd = self.header
+        planes = np.frombuffer(self.read_planes(frames, rows), dtype=np.uint8)
+        out, at = [], 0
+        for n in rows:
+            size = 2 * n * hd.head_dim * hd.dtype.itemsize
+            if not size:
+                out.append(torch.empty(2, 0, hd.head_dim, dtype=hd.dtype))
+                continue
+            values = kvcodec.from_planes(planes[at : at + size], hd.dtype.itemsize)
+            out.append(torch.from_numpy(values).view(hd.dtype).view(2, n, hd.head_dim))
+            at += size
+        return out
+
+
+def merge_planes(planes: torch.Tensor, values: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Frames' bytes as `read_planes` gives them (uint8, on any device) -> their values' bytes [sum(values),
+    itemsize] (uint8): frame i holds values[i] values, its j-th byte plane at j * values[i] within the frame. One
+    gather on the device, whatever the number of frames."""
+    total = int(values.sum())
+    frame = torch.repeat_interleave(torch.arange(len(values), device=values.device), values)
+    first = torch.cumsum(values, 0) - values  # each frame's first value
+    within = torch.arange(total, device=values.device) - first[frame]
+    at = first[frame] * itemsize + within  # the value's byte in plane 0 (a frame: itemsize planes back to back)
+    return torch.stack([planes[at + p * values[frame]] for p in range(itemsize)], 1)
+
+
+def verify_unit_frames(path: Path) -> None:
+    """The whole file against its content-addressed name (what a partial read cannot check)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SegmentMissing(f"unit frames {path.name} are missing.") from None
+    if _whole_file_hash(data) + SUFFIX != path.name:
+        raise SegmentCorrupt(f"unit frames {path.name} are corrupt: their content does not match their name.")
