@@ -37,7 +37,7 @@ from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import UnitFramesFile, merge_planes
+from kvchat.storage.unit_frames import UnitFramesFile, decompress_frames, merge_planes, merge_planes_on_host
 
 
 class LazyResumeFailed(KvchatError):
@@ -163,7 +163,8 @@ class StoredRows:
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
         begin = self._unit_begin[g][key_rounds, key_heads, key_units]
         counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
-        planes = []
+        blobs: list[memoryview] = []
+        read: list[tuple[int, int]] = []  # (round, its frames) in the order of `blobs`
         for i in key_rounds.unique().tolist():
             mine = key_rounds == i
             file = self._file(i)
@@ -171,18 +172,30 @@ class StoredRows:
                 file.frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
                 frames = ((g * n_heads + key_heads[mine]) * self._n_units[i] + key_units[mine]).tolist()
                 before = file.bytes_read
-                planes.append(file.read_planes(frames, counts[mine].tolist(), threads=READ_THREADS))
+                blobs += file.blobs(frames, counts[mine].tolist())
                 self.bytes_read += file.bytes_read - before
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+            read.append((i, len(frames)))
             self.frames_read += len(frames)
             self._touched.add(i)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
         stored = self._file(int(key_rounds[0])).header.dtype
-        flat = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8).to(device)
+        values = (counts * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
+        try:  # one batch for the layer: zstd's threads pay off for hundreds of frames, not for one round's few
+            planes = decompress_frames(blobs, [n * stored.itemsize for n in values],
+                                       threads=READ_THREADS if len(blobs) >= 256 else 0)
+        except StorageError as exc:
+            raise LazyResumeFailed(f"round {self._culprit(read, blobs, values, stored.itemsize)}: unit frames "
+                                   f"{exc}") from None
+        # every frame's values, their byte planes merged (on a GPU in one gather, on the CPU frame by frame)
+        if device.type == "cpu":
+            merged = merge_planes_on_host(planes, values, stored.itemsize)
+        else:
+            flat = torch.frombuffer(bytearray(planes), dtype=torch.uint8).to(device)
+            merged = merge_planes(flat, torch.tensor(values, device=device), stored.itemsize)
+        merged = merged.view(stored).view(-1)
         counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
-        # every frame's values (its K rows, then its V rows), their byte planes merged on the device
-        merged = merge_planes(flat, counts * 2 * head_dim, stored.itemsize).view(stored).view(-1)
         frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)  # each row's frame
         first_row = torch.cumsum(counts, 0) - counts
         row = torch.arange(len(frame), device=device) - first_row[frame]  # its row within the frame
@@ -191,6 +204,18 @@ class StoredRows:
         slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         self.read_s += time.perf_counter() - t0
+
+    def _culprit(self, read: list[tuple[int, int]], blobs: list[memoryview], values: list[int], itemsize: int
+                 ) -> int:
+        """The first round (its index) whose frames of a failed batch cannot be decoded alone."""
+        at = 0
+        for i, n in read:
+            try:
+                decompress_frames(blobs[at : at + n], [v * itemsize for v in values[at : at + n]])
+            except StorageError:
+                return self.rounds[i].idx
+            at += n
+        return self.rounds[read[0][0]].idx
 
     def _chat_units(self) -> None:
         """Each global layer's slots in unit-frame order, the chat's rounds side by side ([G, Hkv, T]), where each
