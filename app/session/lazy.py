@@ -115,6 +115,7 @@ class StoredRows:
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
+        self._pool = ThreadPoolExecutor(max_workers=READ_THREADS)  # the unit frames' reads, round by round
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
@@ -163,22 +164,29 @@ class StoredRows:
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
         begin = self._unit_begin[g][key_rounds, key_heads, key_units]
         counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
-        blobs: list[memoryview] = []
-        read: list[tuple[int, int]] = []  # (round, its frames) in the order of `blobs`
-        for i in key_rounds.unique().tolist():
-            mine = key_rounds == i
-            file = self._file(i)
+        touched = key_rounds.unique().tolist()
+        for i in touched:
             try:
-                file.frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
-                frames = ((g * n_heads + key_heads[mine]) * self._n_units[i] + key_units[mine]).tolist()
-                before = file.bytes_read
-                blobs += file.blobs(frames, counts[mine].tolist())
-                self.bytes_read += file.bytes_read - before
+                self._file(i).frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
-            read.append((i, len(frames)))
-            self.frames_read += len(frames)
-            self._touched.add(i)
+
+        def read_round(i: int) -> list[memoryview]:
+            """Round i's frames of this layer (a thread each: preads release the GIL, so cold reads overlap)."""
+            mine = key_rounds == i
+            frames = ((g * n_heads + key_heads[mine]) * self._n_units[i] + key_units[mine]).tolist()
+            try:
+                return self._files[i].blobs(frames, counts[mine].tolist())
+            except StorageError as exc:
+                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+
+        before = sum(self._files[i].bytes_read for i in touched)
+        parts = list(self._pool.map(read_round, touched)) if len(touched) > 1 else [read_round(touched[0])]
+        self.bytes_read += sum(self._files[i].bytes_read for i in touched) - before
+        blobs = [blob for part in parts for blob in part]
+        read = [(i, len(part)) for i, part in zip(touched, parts)]  # (round, its frames) in the order of `blobs`
+        self.frames_read += len(blobs)
+        self._touched.update(touched)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
         stored = self._file(int(key_rounds[0])).header.dtype
         values = (counts * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
@@ -261,6 +269,7 @@ class StoredRows:
         for file in self._files.values():
             file.close()
         self._files.clear()
+        self._pool.shutdown(wait=False)
         rest = [i for i in range(len(self.rounds)) if i not in self.loaded]  # (a round read in part: whole now)
         t0 = time.perf_counter()
         try:

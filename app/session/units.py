@@ -219,15 +219,12 @@ class ChatUnits:
         """Store the round's K/V in its units' order (storage.unit_frames), on the writer's thread."""
         with torch.inference_mode():
             rows, counts = unit_rows(cache, self.layers, units)
-        ready = None
-        if rows.is_cuda:  # the writer must not copy the rows before the main stream has made them
-            ready = torch.cuda.Event()
-            ready.record()
+        # on the host before it is queued: a restore that stores every round's frames would otherwise hold them all
+        # on the device until the writer gets to them (a round is ~84 MB at the 8B shape)
+        rows, counts = rows.cpu(), counts.cpu()
 
         def write() -> None:
-            if ready is not None:
-                ready.synchronize()
-            ref = write_unit_frames(self.store.kv_dir, rows, counts.cpu(), fingerprint=self.fingerprint,
+            ref = write_unit_frames(self.store.kv_dir, rows, counts, fingerprint=self.fingerprint,
                                     tokens=range(row.token_start, row.token_end))
             self.store.add_segment(self.sid, kind=SEGMENT_UNIT_ROWS, round_idx=row.idx, layer_start=0,
                                    layer_end=self.model.cfg.n_layers, token_start=row.token_start,

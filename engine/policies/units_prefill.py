@@ -95,7 +95,12 @@ class UnitsPrefill:
         window = q[-min(self.policy.window, n_new):]  # the chunk's last rows: each head's rows side by side
         rows = window.permute(1, 0, 2).reshape(1, n_heads * window.shape[0], head_dim)
         scores = unit_scores(rows, summary[g : g + 1], scale)  # [1, Hkv, U]
-        best = slots_of_best_units(scores, member[g : g + 1], slots, self.policy.tokens, self.policy.pool)[0]
+        # A lazy resume fetches whole units (a unit's rows are stored together), so its message chooses whole units:
+        # pooled, a slot would come with neighbours of other units, each fetched whole (4x the frames at 32k on the
+        # 8B shape, 2026-11-28). Only the first token is answered from this choice: the message is computed again
+        # over the whole chat after it (UnitRetrievalPolicy.finish_lazy_resume).
+        pool = 1 if self.lazy is not None else self.policy.pool
+        best = slots_of_best_units(scores, member[g : g + 1], slots, self.policy.tokens, pool)[0]
         n_kv, device = kv.shape[1], kv.device
         sinks = torch.arange(self.n_sinks, device=device).expand(n_kv, -1)
         tail = torch.arange(self.region_end, start, device=device).expand(n_kv, -1)  # the buffer, earlier chunks
