@@ -164,27 +164,35 @@ class StoredRows:
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
         begin = self._unit_begin[g][key_rounds, key_heads, key_units]
         counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
-        touched = key_rounds.unique().tolist()
-        for i in touched:
+        # per round (keys are in round order) its frames of this layer and their rows, as plain lists: the reader
+        # threads then hold the GIL only to slice what they read
+        touched, per_round = torch.unique_consecutive(key_rounds, return_counts=True)
+        touched, per_round = touched.tolist(), per_round.tolist()
+        n_units = torch.tensor(self._n_units)[key_rounds]
+        all_frames = ((g * n_heads + key_heads) * n_units + key_units).tolist()
+        all_counts = counts.tolist()
+        jobs, at = [], 0
+        for i, n in zip(touched, per_round):
             try:
                 self._file(i).frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+            jobs.append((i, all_frames[at : at + n], all_counts[at : at + n]))
+            at += n
 
-        def read_round(i: int) -> list[memoryview]:
+        def read_round(job: tuple[int, list[int], list[int]]) -> list[memoryview]:
             """Round i's frames of this layer (a thread each: preads release the GIL, so cold reads overlap)."""
-            mine = key_rounds == i
-            frames = ((g * n_heads + key_heads[mine]) * self._n_units[i] + key_units[mine]).tolist()
+            i, frames, rows = job
             try:
-                return self._files[i].blobs(frames, counts[mine].tolist())
+                return self._files[i].blobs(frames, rows)
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
 
         before = sum(self._files[i].bytes_read for i in touched)
-        parts = list(self._pool.map(read_round, touched)) if len(touched) > 1 else [read_round(touched[0])]
+        parts = list(self._pool.map(read_round, jobs)) if len(jobs) > 1 else [read_round(jobs[0])]
         self.bytes_read += sum(self._files[i].bytes_read for i in touched) - before
         blobs = [blob for part in parts for blob in part]
-        read = [(i, len(part)) for i, part in zip(touched, parts)]  # (round, its frames) in the order of `blobs`
+        read = list(zip(touched, per_round))  # (round, its frames) in the order of `blobs`
         self.frames_read += len(blobs)
         self._touched.update(touched)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
