@@ -52,7 +52,7 @@ class UnitFramesHeader:
     head_dim: int
     token_start: int
     token_end: int
-    offsets: tuple[int, ...]  # frames + 1, into the frames (which start at `size`)
+    offsets: np.ndarray  # frames + 1 (int64), into the frames (which start at `size`)
     size: int  # bytes before the first frame
 
     @property
@@ -159,8 +159,8 @@ class UnitFramesFile:
             raise self._corrupt("its index does not match its checksum")
         if fp.hex() != fingerprint.lower():
             raise SegmentWrongModel(f"unit frames {self.path.name} were computed by a different model.")
-        offsets = tuple(np.frombuffer(rest[:-32], dtype="<u8").tolist())
-        if any(a > b for a, b in zip(offsets, offsets[1:])):
+        offsets = np.frombuffer(rest[:-32], dtype="<u8").astype(np.int64)
+        if bool((offsets[1:] < offsets[:-1]).any()) or offsets[0] != 0:
             raise self._corrupt("its frame offsets go backwards")
         return UnitFramesHeader(fp.hex(), DTYPES[dtype_code], g, h, d, t0, t1, offsets, _FIXED.size + len(rest))
 
@@ -172,39 +172,29 @@ class UnitFramesFile:
             raise self._corrupt(f"it holds {hd.frames} frames, not {hd.layers} x {hd.heads} x {units} units")
         return (layer * hd.heads + head) * units + unit
 
-    def blobs(self, frames: list[int], rows: list[int]) -> list[memoryview]:
-        """Frames (indices, ascending), holding rows[i] K/V rows each, as read (compressed): consecutive frames in
-        one read, each frame's declared size checked (`decompress_frames` checks the rest)."""
+    def read_frames(self, frames: list[int]) -> tuple[bytes, np.ndarray]:
+        """Frames (indices, ascending) as read, still compressed: their bytes back to back, consecutive frames in
+        one read, and each frame's (offset, length) in them [F, 2] uint64 (`decompress_frames` checks them)."""
         hd = self.header
-        if len(frames) != len(rows) or any(b <= a for a, b in zip(frames, frames[1:])) or \
-                (frames and not 0 <= frames[0] <= frames[-1] < hd.frames):
+        f = np.asarray(frames, dtype=np.int64)
+        if f.size and (bool((f[1:] <= f[:-1]).any()) or f[0] < 0 or f[-1] >= hd.frames):
             raise ValueError(f"frames {frames[:4]}... are not ascending indices of {hd.frames} frames")
-        sizes = frame_sizes(rows, hd.head_dim, hd.dtype.itemsize)
-        blobs: list[memoryview] = []
-        i = 0
-        while i < len(frames):
-            j = i + 1  # a run of consecutive frames: one read
-            while j < len(frames) and frames[j] == frames[j - 1] + 1:
-                j += 1
-            base = hd.offsets[frames[i]]
-            data = memoryview(self._pread(hd.offsets[frames[j - 1] + 1] - base, hd.size + base))
-            self.bytes_read += len(data)
-            for f, size in zip(frames[i:j], sizes[i:j]):
-                blob = data[hd.offsets[f] - base : hd.offsets[f + 1] - base]
-                try:  # the declared size first: a damaged header must not make zstd allocate what it says
-                    declared = zstandard.frame_content_size(blob)
-                except zstandard.ZstdError:
-                    declared = -2
-                if declared != size:
-                    raise self._corrupt(f"frame {f} declares {declared} bytes where {size} were expected")
-                blobs.append(blob)
-            i = j
-        return blobs
+        if not f.size:
+            return b"", np.zeros((0, 2), dtype=np.uint64)
+        first = np.flatnonzero(np.r_[True, f[1:] != f[:-1] + 1])  # each run of consecutive frames: one read
+        last = np.r_[first[1:], f.size] - 1
+        parts = []
+        for a, b in zip(hd.offsets[f[first]].tolist(), hd.offsets[f[last] + 1].tolist()):
+            parts.append(self._pread(b - a, hd.size + a))
+        data = b"".join(parts)
+        self.bytes_read += len(data)
+        lengths = (hd.offsets[f + 1] - hd.offsets[f]).astype(np.uint64)
+        return data, np.stack([np.cumsum(lengths) - lengths, lengths], 1)
 
     def read_planes(self, frames: list[int], rows: list[int]) -> bytes:
         """The frames decompressed, still in byte planes, back to back (`decompress_frames`)."""
         try:
-            return decompress_frames(self.blobs(frames, rows),
+            return decompress_frames(*self.read_frames(frames),
                                      frame_sizes(rows, self.header.head_dim, self.header.dtype.itemsize))
         except StorageError as e:
             raise self._corrupt(str(e)) from None
@@ -230,18 +220,19 @@ def frame_sizes(rows: list[int], head_dim: int, itemsize: int) -> list[int]:
     return [2 * n * head_dim * itemsize for n in rows]
 
 
-def decompress_frames(blobs: list[memoryview], sizes: list[int], threads: int = 0) -> bytes:
-    """Frames whose declared sizes were checked (`UnitFramesFile.blobs`, any files) decompressed together, back to
-    back, each checked against its zstd checksum and size: zstd's `threads` (0: this one; more pay off only for
-    hundreds of frames)."""
-    if not blobs:
+def decompress_frames(data: bytes, segments: np.ndarray, sizes: list[int], threads: int = 0) -> bytes:
+    """Frames (their bytes `data`, each frame's (offset, length) in them, any files') decompressed together, back to
+    back, each checked against its zstd checksum and against the size it must have (`sizes`: zstd is given them, so
+    a frame declaring more is refused without its size being allocated). zstd's `threads` (0: this one; more pay
+    off only for hundreds of frames)."""
+    if not len(sizes):
         return b""
     try:
-        out = _DECOMPRESSOR.multi_decompress_to_buffer(blobs, threads=threads)
-    except zstandard.ZstdError as e:
+        out = _DECOMPRESSOR.multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(data, np.ascontiguousarray(segments, dtype=np.uint64).tobytes()),
+            decompressed_sizes=np.asarray(sizes, dtype=np.uint64), threads=threads)
+    except (zstandard.ZstdError, ValueError) as e:
         raise StorageError(f"a frame cannot be decoded ({e})") from None
-    if [len(out[k]) for k in range(len(out))] != sizes:
-        raise StorageError("a frame decoded to another size than it declares")
     return b"".join(bytes(out[k]) for k in range(len(out)))
 
 

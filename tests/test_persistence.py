@@ -511,11 +511,11 @@ def test_migration_gives_existing_segments_the_kind_kv(kvchat_home, monkeypatch)
 
 
 def test_segments_of_each_kind_are_kept_copied_and_dropped_alike(kvchat_home):
-    from kvchat.storage.db import (SEGMENT_KEY_BOUNDS, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNITS,
-                                   RoundRow, now)
+    from kvchat.storage.db import (SEGMENT_KEY_BOUNDS, SEGMENT_KINDS, SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS,
+                                   SEGMENT_UNITS, RoundRow, now)
 
-    assert SEGMENT_KINDS == (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED, SEGMENT_UNITS) == (
-        "kv", "key-bounds", "merged", "units")
+    assert SEGMENT_KINDS == (SEGMENT_KV, SEGMENT_KEY_BOUNDS, SEGMENT_MERGED, SEGMENT_UNITS, SEGMENT_UNIT_ROWS) == (
+        "kv", "key-bounds", "merged", "units", "unit-rows")
     store = Store()
     sid = store.create_session(title="kinds", model_fingerprint="ab" * 32, model_path="m.gguf", system_prompt=None)
     for i in range(2):

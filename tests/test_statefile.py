@@ -276,7 +276,25 @@ def test_manifest_without_kinds_imports_as_kv(bounded, tmp_path):
     assert kinds(store, new.session_id) == [k for k in kinds(store, sid) if k[0] == "kv"]
 
 
+def test_unit_frames_stay_out_of_an_export(bounded, tmp_path):
+    """A round's unit frames (a second copy of its K/V, for lazy resumes) are left out, and a manifest naming one is
+    refused: the importer rebuilds them."""
+    from kvchat.storage.unit_frames import write_unit_frames
+
+    store, sid, _ = bounded
+    rows, counts = torch.zeros(1, 1, 2, 40, 4, dtype=torch.float16), torch.tensor([[[40]]])
+    ref = write_unit_frames(store.kv_dir, rows, counts, fingerprint=FP, tokens=range(40))
+    store.add_segment(sid, kind="unit-rows", round_idx=0, layer_start=0, layer_end=4, token_start=0, token_end=40,
+                      codec=ref.codec, dtype="float16", byte_size=ref.byte_size, raw_size=ref.raw_size,
+                      checksum=ref.checksum, file=ref.file, model_fingerprint=FP)
+    path = export_session(store, sid, tmp_path / "framed.kvstate")
+    with zipfile.ZipFile(path) as zf:
+        assert [s["kind"] for s in json.loads(zf.read("manifest.json"))["segments"]] == ["key-bounds", "kv"]
+        assert f"blobs/{ref.file}" not in zf.namelist()
+
+
 @pytest.mark.parametrize("kind,needle", [("bounds", "segment 0 is of an unknown kind 'bounds'"),
+                                         ("unit-rows", "segment 0 is of an unknown kind 'unit-rows'"),
                                          (7, "segment 0 is of an unknown kind '7'"),
                                          ("kv", "does not hold what the manifest says")])  # key bounds called K/V
 def test_unknown_or_wrong_kind_is_refused(bounded, tmp_path, kind, needle):

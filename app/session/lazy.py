@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -164,45 +165,47 @@ class StoredRows:
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
         begin = self._unit_begin[g][key_rounds, key_heads, key_units]
         counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
-        # per round (keys are in round order) its frames of this layer and their rows, as plain lists: the reader
-        # threads then hold the GIL only to slice what they read
+        # per round (keys are in round order) its frames of this layer, as plain lists: the reader threads then hold
+        # the GIL only to read
         touched, per_round = torch.unique_consecutive(key_rounds, return_counts=True)
         touched, per_round = touched.tolist(), per_round.tolist()
         n_units = torch.tensor(self._n_units)[key_rounds]
         all_frames = ((g * n_heads + key_heads) * n_units + key_units).tolist()
-        all_counts = counts.tolist()
         jobs, at = [], 0
         for i, n in zip(touched, per_round):
             try:
                 self._file(i).frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
-            jobs.append((i, all_frames[at : at + n], all_counts[at : at + n]))
+            jobs.append((i, all_frames[at : at + n]))
             at += n
 
-        def read_round(job: tuple[int, list[int], list[int]]) -> list[memoryview]:
-            """Round i's frames of this layer (a thread each: preads release the GIL, so cold reads overlap)."""
-            i, frames, rows = job
+        def read_round(job: tuple[int, list[int]]) -> tuple[bytes, np.ndarray]:
+            """Round i's frames of this layer, compressed (a thread each: preads release the GIL, so cold reads
+            overlap)."""
+            i, frames = job
             try:
-                return self._files[i].blobs(frames, rows)
+                return self._files[i].read_frames(frames)
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
 
         before = sum(self._files[i].bytes_read for i in touched)
         parts = list(self._pool.map(read_round, jobs)) if len(jobs) > 1 else [read_round(jobs[0])]
         self.bytes_read += sum(self._files[i].bytes_read for i in touched) - before
-        blobs = [blob for part in parts for blob in part]
-        read = list(zip(touched, per_round))  # (round, its frames) in the order of `blobs`
-        self.frames_read += len(blobs)
+        base = np.cumsum([0] + [len(data) for data, _ in parts[:-1]]).astype(np.uint64)
+        segments = np.concatenate([segs + np.array([b, 0], dtype=np.uint64) for (_, segs), b in zip(parts, base)])
+        read = list(zip(touched, per_round))  # (round, its frames) in the order of `segments`
+        self.frames_read += len(segments)
         self._touched.update(touched)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
         stored = self._file(int(key_rounds[0])).header.dtype
         values = (counts * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
         try:  # one batch for the layer: zstd's threads pay off for hundreds of frames, not for one round's few
-            planes = decompress_frames(blobs, [n * stored.itemsize for n in values],
-                                       threads=READ_THREADS if len(blobs) >= 256 else 0)
+            planes = decompress_frames(b"".join(data for data, _ in parts), segments,
+                                       [n * stored.itemsize for n in values],
+                                       threads=READ_THREADS if len(values) >= 256 else 0)
         except StorageError as exc:
-            raise LazyResumeFailed(f"round {self._culprit(read, blobs, values, stored.itemsize)}: unit frames "
+            raise LazyResumeFailed(f"round {self._culprit(read, parts, values, stored.itemsize)}: unit frames "
                                    f"{exc}") from None
         # every frame's values, their byte planes merged (on a GPU in one gather, on the CPU frame by frame)
         if device.type == "cpu":
@@ -221,13 +224,13 @@ class StoredRows:
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         self.read_s += time.perf_counter() - t0
 
-    def _culprit(self, read: list[tuple[int, int]], blobs: list[memoryview], values: list[int], itemsize: int
-                 ) -> int:
+    def _culprit(self, read: list[tuple[int, int]], parts: list[tuple[bytes, np.ndarray]], values: list[int],
+                 itemsize: int) -> int:
         """The first round (its index) whose frames of a failed batch cannot be decoded alone."""
         at = 0
-        for i, n in read:
+        for (i, n), (data, segments) in zip(read, parts):
             try:
-                decompress_frames(blobs[at : at + n], [v * itemsize for v in values[at : at + n]])
+                decompress_frames(data, segments, [v * itemsize for v in values[at : at + n]])
             except StorageError:
                 return self.rounds[i].idx
             at += n
