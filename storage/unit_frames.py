@@ -14,8 +14,11 @@ zstd's own content checksum. Which slots a unit has is the round's units segment
 not this file's: the reader passes each frame's row count, and the frame must declare exactly those bytes.
 
 Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
-partial read checks the header and offsets against their own sha256, and each frame against its declared size and
-zstd checksum, so damage shows up as a StorageError, never as plausible wrong floats.
+partial read checks the header and offsets against their own sha256, and each frame against the size it must have
+(zstd is handed it, so a frame declaring more is refused before anything past it is allocated) and its zstd
+checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_frames` takes a run
+of consecutive frames in one read, and `decompress_frames` decompresses many frames, of any files, in one call
+(python-zstandard's multi_decompress_to_buffer, on zstd's threads).
 """
 
 from __future__ import annotations

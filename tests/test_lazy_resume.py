@@ -218,3 +218,23 @@ def test_a_chat_stored_without_unit_frames_gets_them_when_it_is_first_opened_laz
     first.close()
     second = continued(store, sid, LATER[1:2], lazy=True)
     assert second.lazy_rows.frames_read > 0
+
+
+def test_an_answered_lazy_message_leaves_the_policy_holding_no_cache(kvchat_home):
+    """The policy outlives the chat's session (the bench's runs, the app's chat service): once a message is answered
+    it must not keep the chat's cache alive, or a second open allocates a second cache beside it."""
+    import gc
+    import weakref
+
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    policy = louiskv()
+    session = ChatSession(store, shared_engine(), sid, policy=policy, lazy_resume=True)
+    session.send(LATER[0], max_tokens=4, sampling=SamplingParams())
+    session.writer.drain()
+    assert policy.last_prefill is not None and policy.last_prefill.reads  # what it read stays, for stats
+    held = weakref.ref(session.cache.kv)
+    session.close()
+    del session
+    gc.collect()
+    assert held() is None

@@ -129,6 +129,8 @@ class UnitRetrievalPolicy(KVPolicy):
 
         def undo() -> None:
             model.sparse_prefill = before
+            if self.last_prefill is not None:  # its reads stay (for stats and tests), not the chat's cache
+                self.last_prefill.release()
 
         return undo
 
