@@ -236,7 +236,8 @@ class ChatSession:
                      "first token"
         rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
                           restore_whole=lambda: self._restore_whole_into(cache, stats),
-                          members=stored_units.read_members, global_layers=model.cfg.global_layers,
+                          members={r.idx: cache.units[(r.token_start, r.token_end)].member for r in self.rounds},
+                          global_layers=model.cfg.global_layers,
                           after_complete=lambda: stored_units.load(cache, self.rounds))
         policy.lazy = self.lazy_rows = rows
         self.cache, self.restored = cache, stats

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvchat.app.session.units import READ_THREADS, unit_order
+from kvchat.app.session.units import READ_THREADS
 from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
@@ -84,7 +84,8 @@ class StoredRows:
                  global_layers: list[int] | None = None, after_complete: Callable[[], None] | None = None):
         """`segments`: the chat's segment rows; `stats`: the session's RestoreStats of this open, which the
         completion fills in; `members`: each round's units' members [G, Hkv, n] on the CPU, as read from its units
-        segment (without them, or without `global_layers`, every round is read whole); `after_complete`: run once
+        segment, on the device the cache's units are (without them, or without `global_layers`, every round is
+        read whole); `after_complete`: run once
         the cache holds the whole chat (the session stores the unit frames of rounds saved without them)."""
         self.store, self.fingerprint, self.cache, self.stats = store, fingerprint, cache, stats
         self.rounds = rounds
@@ -120,12 +121,9 @@ class StoredRows:
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
+        self._chat_member = None
         if tiled and all(r.idx in self._members for r in rounds):
-            self._chat_member = torch.cat([self._members[r.idx] for r in rounds], 2).to(torch.int32)  # [G, Hkv, T]
-            self._most_units = int(self._chat_member.max()) + 1 if self._chat_member.numel() else 1
             self._chat_units()
-        else:
-            self._chat_member = None
 
     def _round_of(self, slot: int) -> int:
         return bisect.bisect_right(self.starts, slot) - 1
@@ -133,40 +131,47 @@ class StoredRows:
     def ensure(self, layer: int, slots: Tensor) -> None:
         if self.completed:
             return
-        wanted = slots.cpu().long()  # [Hkv, n]
-        rounds = torch.bucketize(wanted, torch.tensor(self.starts), right=True) - 1
-        if rounds.numel() and (int(rounds.min()) < 0 or int(rounds.max()) >= len(self.rounds)):
-            raise LazyResumeFailed("slot outside the chat's rounds")
-        touched = rounds.unique().tolist()
         by_frames = self._chat_member is not None and layer in self._globals
+        wanted = slots.long().to(self._chat_member.device if by_frames else "cpu")  # [Hkv, n]
+        rounds = torch.bucketize(wanted, self._starts(wanted.device), right=True) - 1
+        touched = rounds.unique().tolist()
+        if touched and (touched[0] < 0 or touched[-1] >= len(self.rounds)):
+            raise LazyResumeFailed("slot outside the chat's rounds")
         for i in touched:  # rounds without unit frames: whole
             if i not in self.loaded and not (by_frames and self.rounds[i].idx in self.frames):
                 self._load(i)
         if by_frames:
             self._ensure_units(layer, wanted, rounds)
 
+    def _starts(self, device) -> Tensor:
+        return torch.tensor(self.starts, device=device)
+
     @torch.inference_mode()
     def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
-        """The unit frames of `wanted` [Hkv, n] (in `rounds`) that no earlier read brought in, written into the
-        cache's rows of their members: per round one batch of reads and one decompression (zstd's threads), then
-        for the whole layer one copy to the device, where the byte planes are merged and the rows placed."""
+        """The unit frames of `wanted` [Hkv, n] (in `rounds`; both where the chat's members are) that no earlier
+        read brought in, written into the cache's rows of their members: the rounds' frames read on reader
+        threads, decompressed in one call, then one copy to the cache's device, where the byte planes are merged
+        and the rows placed."""
         g = self._globals[layer]
-        n_heads, most = wanted.shape[0], self._most_units
-        heads = torch.arange(n_heads)[:, None].expand_as(wanted)
-        units = self._chat_member[g][heads, wanted].long()  # [Hkv, n]
+        n_heads, most, on = wanted.shape[0], self._most_units, wanted.device
+        heads = torch.arange(n_heads, device=on)[:, None].expand_as(wanted)
+        units = self._chat_member[g].gather(1, wanted)  # [Hkv, n]
         keys = ((rounds * n_heads + heads) * most + units).unique()  # ascending: by round, head, unit
-        held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool))
-        whole = torch.tensor([i in self.loaded for i in range(len(self.rounds))])
+        held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool,
+                                                    device=on))
+        whole = torch.tensor([i in self.loaded for i in range(len(self.rounds))], device=on)
         keys = keys[~held[keys] & ~whole[keys // (n_heads * most)]]
         if not keys.numel():
             return
         held[keys] = True
         t0 = time.perf_counter()
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
-        begin = self._unit_begin[g][key_rounds, key_heads, key_units]
-        counts = self._unit_begin[g][key_rounds, key_heads, key_units + 1] - begin  # [F] each frame's members
-        # per round (keys are in round order) its frames of this layer, as plain lists: the reader threads then hold
-        # the GIL only to read
+        begin = self._unit_begin[g].view(-1)[key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units]
+        counts = self._unit_begin[g].view(-1)[key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units
+                                              + 1] - begin  # [F] each frame's members
+        # the frame lists on the host, per round (keys are in round order), as plain lists: the reader threads then
+        # hold the GIL only to read
+        key_rounds, key_heads, key_units, counts = (t.cpu() for t in (key_rounds, key_heads, key_units, counts))
         touched, per_round = torch.unique_consecutive(key_rounds, return_counts=True)
         touched, per_round = touched.tolist(), per_round.tolist()
         n_units = torch.tensor(self._n_units)[key_rounds]
@@ -220,7 +225,7 @@ class StoredRows:
         row = torch.arange(len(frame), device=device) - first_row[frame]  # its row within the frame
         k_at = (first_row[frame] * 2 + row)[:, None] * head_dim + torch.arange(head_dim, device=device)
         kv = torch.stack([merged[k_at], merged[k_at + counts[frame, None] * head_dim]])  # [2, R, D]
-        slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]
+        slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]  # (where the members are)
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         self.read_s += time.perf_counter() - t0
 
@@ -237,19 +242,25 @@ class StoredRows:
         return self.rounds[read[0][0]].idx
 
     def _chat_units(self) -> None:
-        """Each global layer's slots in unit-frame order, the chat's rounds side by side ([G, Hkv, T]), where each
-        unit of each round begins in it ([G, rounds, Hkv, most units + 1]), and each round's count of units."""
-        sorted_slots, begins, self._n_units = [], [], []
-        at = 0
-        for r in self.rounds:
-            order, bounds = unit_order(self._members[r.idx])  # [G, Hkv, n], [G, Hkv, U + 1]
-            sorted_slots.append(order + r.token_start)
-            pad = bounds[:, :, -1:].expand(-1, -1, self._most_units + 1 - bounds.shape[2])
-            begins.append(torch.cat([bounds, pad], 2) + at)
-            self._n_units.append(bounds.shape[2] - 1)
-            at += order.shape[2]
-        self._sorted_slots = torch.cat(sorted_slots, 2)  # [G, Hkv, T]
-        self._unit_begin = torch.stack(begins, 1)  # [G, rounds, Hkv, most + 1]
+        """The chat's members side by side, where they are (on a GPU: the cache's device) [G, Hkv, T]; each global
+        layer's and KV head's slots in unit-frame order, round after round [G, Hkv, T]; where each unit of each
+        round begins in that order [G, Hkv, rounds * most units + 1]; each round's count of units. One sort for the
+        whole chat: the key of a slot is its round's then its unit's place, a stable sort keeps the slots in order."""
+        member = torch.cat([self._members[r.idx] for r in self.rounds], 2).long()  # [G, Hkv, T]
+        g, h, total = member.shape
+        lengths = torch.tensor([r.token_end - r.token_start for r in self.rounds], device=member.device)
+        round_of = torch.repeat_interleave(torch.arange(len(self.rounds), device=member.device), lengths)  # [T]
+        most_of_slot = member.amax(dim=(0, 1))  # [T]
+        most = torch.zeros(len(self.rounds), dtype=torch.long, device=member.device).scatter_reduce(
+            0, round_of, most_of_slot, "amax", include_self=True) + 1  # [R] units of each round
+        self._n_units = most.tolist()
+        self._most_units = max(self._n_units)
+        key = round_of * self._most_units + member  # [G, Hkv, T]
+        self._sorted_slots = key.argsort(dim=2, stable=True)
+        counts = torch.zeros(g, h, len(self.rounds) * self._most_units, dtype=torch.long, device=member.device)
+        counts.scatter_add_(2, key, torch.ones_like(key))
+        self._unit_begin = torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2)
+        self._chat_member = member
 
     def _file(self, i: int) -> UnitFramesFile:
         """Round i's unit frames, opened once (its header and index read and checked, counted as bytes read)."""

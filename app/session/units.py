@@ -99,15 +99,6 @@ def unit_rows(cache, layers: list[int], units: Units) -> tuple[Tensor, Tensor]:
     return rows, counts
 
 
-def unit_order(member: Tensor) -> tuple[Tensor, Tensor]:
-    """For a round's members [G, Hkv, n] (on the CPU): each layer's and KV head's slots (relative) in unit-frame
-    order [G, Hkv, n], and where each unit's run starts in it [G, Hkv, U + 1]."""
-    g, h, n = member.shape
-    u = int(member.max()) + 1 if n else 1
-    counts = torch.zeros(g, h, u, dtype=torch.long).scatter_add_(2, member, torch.ones_like(member))
-    return member.argsort(dim=2, stable=True), torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2)
-
-
 @dataclass
 class ReadAhead:
     """Units files being read ahead of a restore's end (`ChatUnits.read_ahead`): (round, its span) -> the read."""
@@ -185,8 +176,7 @@ class ChatUnits:
 
     def load_stored(self, cache, rounds: list[RoundRow]) -> list[int]:
         """Hand the cache the units stored for the rounds, building none (a lazily opened chat has no K/V to build
-        them from yet); the rounds whose units could not be read, none handed over then. `self.read_members`: each
-        round's members as read, on the CPU (what a lazy resume finds unit frames by)."""
+        them from yet); the rounds whose units could not be read, none handed over then."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
             read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), rounds))
@@ -194,7 +184,6 @@ class ChatUnits:
         if missing:
             return missing
         device = cache.kv.device
-        self.read_members = {row.idx: units.member for row, (units, _) in zip(rounds, read)}
         for row, (units, _) in zip(rounds, read):
             cache.units[(row.token_start, row.token_end)] = Units(units.start, units.end, units.member.to(device),
                                                                   units.summary.to(device))
