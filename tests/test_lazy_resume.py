@@ -11,6 +11,7 @@ from kvchat.app.session.service import ChatService
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.policies import make_policy
 from kvchat.engine.sampling import SamplingParams
+import pytest
 import torch
 
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, Store
@@ -157,16 +158,28 @@ def test_a_round_that_cannot_be_read_after_the_first_token_makes_the_rest_a_whol
     assert session.rounds[-1].assistant_text == probe_session.rounds[-1].assistant_text
 
 
-def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole_rounds(kvchat_home):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole_rounds(kvchat_home, device):
+    """On a GPU the chat's units are laid out, the frames found and their planes merged on the device."""
     store = Store()
     sid = stored_chat(store, unit_rows=True)
-    reference = ChatSession(store, shared_engine(), store.fork_session(sid, len(FACTS), "whole"), policy=louiskv())
+    if device == "cuda":
+        from kvchat.engine.engine import Engine
+
+        engine = Engine(str(DEFAULT_MODEL), device="cuda")
+    else:
+        engine = shared_engine()
+
+    def policy():
+        return make_policy("louiskv", engine, tau=0.5, tokens=8, buffer=8, unit_tokens=8)
+
+    reference = ChatSession(store, engine, store.fork_session(sid, len(FACTS), "whole"), policy=policy())
     reference.restore()
-    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    session = ChatSession(store, engine, sid, policy=policy(), lazy_resume=True)
     assert session.restore_lazily()
     rows, cache, full = session.lazy_rows, session.cache, reference.cache
     layer, n_heads = 1, cache.kv.shape[2]
-    chosen = torch.stack([torch.arange(h, full.length, 7)[:20] for h in range(n_heads)])  # [Hkv, 20]: per head
+    chosen = torch.stack([torch.arange(h, full.length, 7)[:20] for h in range(n_heads)]).to(device)  # [Hkv, 20]
     rows.ensure(layer, chosen)
     assert rows.frames_read > 0 and not rows.loaded  # by frames: no round read whole
     for h in range(n_heads):
@@ -181,7 +194,7 @@ def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole
     assert rows.bytes_read == before
     # the same choice through whole rounds reads more
     store.drop_segment_rows(sid, [(i, SEGMENT_UNIT_ROWS, 0) for i in unit_rows_of(store, sid)])
-    by_rounds = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    by_rounds = ChatSession(store, engine, sid, policy=policy(), lazy_resume=True)
     assert by_rounds.restore_lazily()
     by_rounds.lazy_rows.ensure(layer, chosen)
     assert by_rounds.lazy_rows.frames_read == 0 and by_rounds.lazy_rows.bytes_read > 2 * rows.bytes_read
