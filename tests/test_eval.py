@@ -139,3 +139,20 @@ def test_app_mode_keeps_the_models_own_replies_compare_mode_the_expected_ones(mo
     assert app.other_replies.questions > 0 and app.other_replies.correct == 0
     with pytest.raises(ValueError, match="unknown mode 'free'"):
         evaluate(engine, make_policy("full"), chats, mode="free")
+
+
+def test_a_chat_that_outgrows_the_context_counts_its_later_questions_as_missed(models):
+    """As the app answers, a model's own replies may make a chat longer than its context: the chat stops there, its
+    questions from that round on count as missed (recall and exact copy), the eval goes on with the next chat and
+    says which stopped where."""
+    engine = Engine(models.get(style="chatml", arch="qwen2", context_length=512), device="cpu")
+    chats = heldout_chats(2, 0, 40, 44)
+    result = evaluate(engine, make_policy("full"), chats, max_new_tokens=8, mode="app")
+    assert result.context_full and all(c["tokens"] > 512 for c in result.context_full)
+    assert result.overall.questions == sum(len(c.questions) for c in chats)  # every question still counted
+    for table in (result.by_kind, result.by_position, result.by_distance, result.by_stated, result.by_asked,
+                  result.by_repeat, result.by_values):
+        assert sum(t.questions for t in table.values()) == result.overall.questions
+    assert result.exact_copy.questions == result.overall.questions
+    assert result.out_of_scope.questions == sum(len(c.out_of_scope) for c in chats)
+    assert json.loads(json.dumps(result.as_dict()))["context_full"] == result.context_full

@@ -181,6 +181,11 @@ def register(main: click.Group, model_option, to_device) -> None:
             other = d["other_replies"]
             click.echo(f"  (every reply the model's own and kept; {other['as_expected']}/{other['replies']} replies to "
                        f"statements and small talk as the chat expected)")
+        if d.get("context_full"):
+            where = ", ".join(f"chat {c['chat']} at round {c['round']} ({c['tokens']:,} tokens)"
+                              for c in d["context_full"][:3])
+            click.echo(f"  {len(d['context_full'])} chat(s) outgrew the model's context ({where}): their questions "
+                       f"from there on count as missed")
         copy = d["exact_copy"]
         what = {"written": "the written set", "random": "random values"}.get(d["values"], "held-out values")
         click.echo(f"exact copy ({what}{f', asked {min_distance}+ rounds after told' if told_once else ''}): "

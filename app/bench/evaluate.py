@@ -40,6 +40,7 @@ from kvchat.engine.policies import KVPolicy
 from kvchat.engine.reply_guard import ReplyGuard, repeating_tail
 from kvchat.engine.sampling import SamplingParams
 from kvchat.engine.text.chat_format import Conversation, Round
+from kvchat.errors import ContextOverflowError
 
 # How a chat is fed: the model's own replies kept (what a user gets), or the expected ones fed back.
 MODES = ("app", "compare")
@@ -98,6 +99,9 @@ class EvalResult:
     min_chat_tokens: int = 0
     mean_chat_tokens: float = 0.0
     failures: list[dict] = field(default_factory=list)
+    # app mode: chats whose own replies outgrew the model's context before they ended ({"chat", "round", "tokens"});
+    # their questions from there on count as not answered (recall and exact copy), not as an end of the eval
+    context_full: list[dict] = field(default_factory=list)
     # Tiered policies: device K/V over a full cache's, and rounds kept over rounds, at each question (means).
     kv_fractions: list[float] = field(default_factory=list)
     round_fractions: list[float] = field(default_factory=list)
@@ -118,7 +122,7 @@ class EvalResult:
                     for k, v in sorted(t.items(), key=lambda kv: _sort_key(kv[0]))}
 
         plain = ("model", "policy", "device", "mode", "phrasing", "chats", "tokens", "seconds", "min_chat_rounds",
-                 "min_chat_tokens", "mean_chat_tokens", "longest_reply", "failures")
+                 "min_chat_tokens", "mean_chat_tokens", "longest_reply", "failures", "context_full")
         d = {k: getattr(self, k) for k in plain}
         if self.kv_fractions:
             d["device_kv_fraction"] = round(sum(self.kv_fractions) / len(self.kv_fractions), 4)
@@ -218,7 +222,8 @@ def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_to
     result.phrasing = chats[0].phrasing if chats else "train"
     lengths, started = [], time.perf_counter()
     for n, dlg in enumerate(chats):
-        lengths.append(_run_chat(engine, policy, dlg, max_new_tokens, result, guard, own_replies=mode == "app"))
+        lengths.append(_run_chat(engine, policy, dlg, max_new_tokens, result, guard, own_replies=mode == "app",
+                                 number=n))
         if progress:
             progress(n + 1, len(chats))
     result.seconds = time.perf_counter() - started
@@ -229,10 +234,53 @@ def evaluate(engine: Engine, policy: KVPolicy, chats: list[Dialogue], max_new_to
 
 
 def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, result: EvalResult,
-              guard: ReplyGuard, own_replies: bool) -> int:
+              guard: ReplyGuard, own_replies: bool, number: int = 0) -> int:
     """Tiered policies run on a TieredKV, where every round (asked or not) is read under the policy, as in a chat.
     With `own_replies` every round is answered and its reply kept; else only the scored rounds are answered, and
-    rolled back to the expected reply."""
+    rolled back to the expected reply. A chat whose own replies outgrow the model's context stops there: its
+    questions from that round on count as not answered (`EvalResult.context_full` says which chat and where)."""
+    try:
+        return _run_rounds(engine, policy, dlg, max_new, result, guard, own_replies)
+    except _ContextFull as full:
+        result.context_full.append({"chat": number, "round": full.round, "tokens": full.tokens})
+        for i in range(full.round, len(dlg.rounds)):
+            _score_unanswered(result, dlg, i)
+        return full.tokens
+
+
+class _ContextFull(Exception):
+    def __init__(self, round_index: int, tokens: int):
+        super().__init__(round_index, tokens)
+        self.round, self.tokens = round_index, tokens
+
+
+def _score_unanswered(result: EvalResult, dlg: Dialogue, i: int) -> None:
+    """Round i of a chat that stopped before it: a question counts as missed (recall and exact copy), an
+    out-of-scope prompt as not answered politely."""
+    for q in dlg.questions:
+        if q.round_index == i:
+            values = "seen-in-training" if q.values_seen_in_training else "held-out"
+            earlier = {r.assistant.strip() for r in dlg.rounds[:i]}
+            repeat = "repeated" if dlg.rounds[i].assistant.strip() in earlier else "first"
+            for table, key in ((result.by_kind, q.kind), (result.by_position, q.position),
+                               (result.by_distance, q.distance_bucket), (result.by_stated, q.stated),
+                               (result.by_asked, q.asked), (result.by_repeat, repeat), (result.by_values, values)):
+                table[key].add(False)
+            result.overall.add(False)
+            result.exact_copy.add(False)
+            for value, kind in zip(q.values, value_kinds(q)):
+                result.exact_copy_by_kind[kind].add(False)
+                result.exact_copy_by_length[length_bucket(value)].add(False)
+            return
+    for o in dlg.out_of_scope:
+        if o.round_index == i:
+            result.out_of_scope.add(False)
+            result.out_of_scope_by_kind[o.kind].add(False)
+            return
+
+
+def _run_rounds(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, result: EvalResult,
+                guard: ReplyGuard, own_replies: bool) -> int:
     chat = engine.chat
     tiered = policy.tiered
     cache = TieredKV(engine.model, policy, 4096) if tiered else \
@@ -256,9 +304,15 @@ def _run_chat(engine: Engine, policy: KVPolicy, dlg: Dialogue, max_new: int, res
                 if hasattr(policy, "last_pairs") and round_starts:
                     result.merged_fractions.append(2 * len(policy.last_pairs) / engine.config.n_layers)
             visible = None if tiered else policy.visible_slots(cache, round_starts, prompt, model=engine.model)
-            out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
-                           max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
-                           stop_strings=chat.stop_strings, attend=visible, policy=policy, **engine.guarding(guard))
+            try:
+                out = generate(engine.model, cache, prompt, decoder=engine.tokenizer.stream_decoder(),
+                               max_tokens=max_new, stop_tokens=engine.tokenizer.eog_ids,
+                               stop_strings=chat.stop_strings, attend=visible, policy=policy,
+                               **engine.guarding(guard))
+            except ContextOverflowError:
+                if undo is not None:
+                    undo()
+                raise _ContextFull(i, cache.length + len(prompt)) from None
             ok = reply_matches(out.text, rnd.assistant)
             result.stop_reasons[out.stop_reason] += 1
             result.longest_reply = max(result.longest_reply, len(out.tokens))
