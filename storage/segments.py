@@ -147,19 +147,24 @@ def write_segment(folder: Path, kv: torch.Tensor, *, fingerprint: str, layers: r
         checksum=hashlib.sha256(payload).hexdigest(),
     )
     head = header.pack()
-    name = _whole_file_hash(head, payload) + SUFFIX
-    ref = SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=raw_size, checksum=header.checksum,
-                     codec=codec)
-    folder = Path(folder)
+    name = place_content_addressed(Path(folder), (head, payload), "KV segment")
+    return SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=raw_size, checksum=header.checksum,
+                      codec=codec)
+
+
+def place_content_addressed(folder: Path, parts: tuple[bytes, ...], what: str) -> str:
+    """Durably place a file of `parts` under `folder`, named by the sha256 of its content; its name. On
+    StorageError nothing new is left in `folder`."""
+    name = _whole_file_hash(*parts) + SUFFIX
     try:
         _ensure_folder(folder)
         # Content addressing: an intact file of that name already holds exactly these bytes. A damaged one is
         # replaced, so recomputing after a SegmentCorrupt actually repairs the store.
         if not _intact(folder / name):
-            _write_atomically(folder, name, (head, payload))
+            _write_atomically(folder, name, parts)
     except OSError as e:
-        raise StorageError(f"cannot save KV segment in {folder}: {_reason(e)}.") from e
-    return ref
+        raise StorageError(f"cannot save {what} in {folder}: {_reason(e)}.") from e
+    return name
 
 
 def _check_fingerprint(fingerprint: str) -> None:

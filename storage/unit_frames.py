@@ -36,7 +36,7 @@ import zstandard
 from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import StorageError
 from kvchat.storage.segments import (DTYPES, SUFFIX, SegmentCorrupt, SegmentMissing, SegmentRef, SegmentWrongModel,
-                                     _ensure_folder, _intact, _reason, _whole_file_hash, _write_atomically)
+                                     _reason, _whole_file_hash, place_content_addressed)
 
 MAGIC = b"KVUF"
 VERSION = 1
@@ -91,17 +91,9 @@ def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *,
     index = fixed + offsets.astype("<u8").tobytes()
     head_bytes = index + hashlib.sha256(index).digest()
     payload = b"".join(frames)
-    name = _whole_file_hash(head_bytes, payload) + SUFFIX
-    ref = SegmentRef(file=name, byte_size=len(head_bytes) + len(payload), raw_size=rows.numel() * size,
-                     checksum=hashlib.sha256(payload).hexdigest(), codec="planes+zstd")
-    folder = Path(folder)
-    try:
-        _ensure_folder(folder)
-        if not _intact(folder / name):
-            _write_atomically(folder, name, (head_bytes, payload))
-    except OSError as e:
-        raise StorageError(f"cannot save unit frames in {folder}: {_reason(e)}.") from e
-    return ref
+    name = place_content_addressed(Path(folder), (head_bytes, payload), "unit frames")
+    return SegmentRef(file=name, byte_size=len(head_bytes) + len(payload), raw_size=rows.numel() * size,
+                      checksum=hashlib.sha256(payload).hexdigest(), codec="planes+zstd")
 
 
 class UnitFramesFile:
