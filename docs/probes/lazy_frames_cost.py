@@ -1,0 +1,122 @@
+"""What a lazy resume's unit-frame reads cost on the host (app/session/lazy.py, issue 44), without a model: a
+synthetic chat of the 8B shape's sizes (51 rounds of 646 tokens, 32 global layers, 8 KV heads, head size 128,
+bfloat16, ~41 units per round, layer and KV head) written as unit frames (storage.unit_frames), then each layer's
+choice brought in as `StoredRows.ensure` brings it in while a message runs: per KV head the units of ~1,024 slots,
+the last 256 slots (the buffer) and the first 4 (the sinks). The cache is a host tensor, so the planes are merged
+and the rows written on the CPU (on a GPU both happen on the device). The frames are in the page cache (just
+written): warm reads.
+
+    python docs/probes/lazy_frames_cost.py [--rounds 51] [--dir /tmp/lazy-frames] [--profile]
+
+Prints the layout's time (the open), the 32 layers' reads (frames, MB, per layer and per frame) and, with
+--profile, where the reads' time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from kvchat.app.session.lazy import StoredRows
+from kvchat.storage.db import SEGMENT_UNIT_ROWS, RoundRow
+from kvchat.storage.unit_frames import write_unit_frames
+
+G, H, N, U, D = 32, 8, 646, 41, 128  # layers, KV heads, tokens a round, units a round (layer, head), head size
+FINGERPRINT = "ab" * 32
+
+
+class HostCache:
+    """The part of a KVCache a lazy resume writes: [layers, 2, Hkv, slots, D]."""
+
+    def __init__(self, slots: int):
+        self.kv = torch.zeros(G, 2, H, slots, D, dtype=torch.bfloat16)
+
+    def write_rows(self, layer: int, heads, slots, kv) -> None:
+        self.kv[layer][:, heads, slots] = kv
+
+
+class FolderStore:
+    def __init__(self, folder: Path):
+        self.kv_dir = folder
+
+
+class Notes:
+    notes: list[str] = []
+
+
+def write_chat(folder: Path, rounds: int) -> tuple[list[dict], dict[int, torch.Tensor]]:
+    """Each round's unit frames (random K/V, random members, every unit with some) and members."""
+    torch.manual_seed(0)
+    segments, members = [], {}
+    for r in range(rounds):
+        member = torch.randint(0, U, (G, H, N))
+        member[..., :U] = torch.arange(U)
+        kv = (torch.randn(G, H, 2, N, D) * 0.5).to(torch.bfloat16)
+        order = member.argsort(dim=2, stable=True)
+        rows = kv.gather(3, order[:, :, None, :, None].expand(-1, -1, 2, -1, D))
+        counts = torch.zeros(G, H, U, dtype=torch.long).scatter_add_(2, member, torch.ones_like(member))
+        ref = write_unit_frames(folder, rows, counts, fingerprint=FINGERPRINT, tokens=range(r * N, (r + 1) * N))
+        segments.append({"kind": SEGMENT_UNIT_ROWS, "round_idx": r, "file": ref.file, "byte_size": ref.byte_size})
+        members[r] = member
+    return segments, members
+
+
+def choices(members: dict[int, torch.Tensor], rounds: int) -> list[torch.Tensor]:
+    """Per layer [Hkv, n]: each KV head's slots of 64 random (round, unit) pairs, the buffer and the sinks."""
+    chat = torch.cat([members[r] for r in range(rounds)], 2)
+    total, g = rounds * N, torch.Generator().manual_seed(1)
+    out = []
+    for layer in range(G):
+        heads = []
+        for h in range(H):
+            mask = torch.zeros(total, dtype=torch.bool)
+            for pair in torch.randperm(rounds * U, generator=g)[:64].tolist():
+                r, u = divmod(pair, U)
+                mask[r * N : (r + 1) * N] |= chat[layer, h, r * N : (r + 1) * N] == u
+            mask[:4] = mask[-256:] = True
+            heads.append(mask.nonzero()[:, 0])
+        n = min(len(s) for s in heads)
+        out.append(torch.stack([s[:n] for s in heads]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=51)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/lazy-frames"))
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    segments, members = write_chat(args.dir, args.rounds)
+    print(f"wrote {args.rounds} rounds of unit frames, {sum(s['byte_size'] for s in segments) / 1e6:,.0f} MB, in "
+          f"{time.perf_counter() - t0:.1f} s")
+    rounds = [RoundRow(r, "u", "a", r * N, (r + 1) * N, "") for r in range(args.rounds)]
+    picked = choices(members, args.rounds)
+    cache = HostCache(args.rounds * N)
+    t0 = time.perf_counter()
+    rows = StoredRows(FolderStore(args.dir), segments, FINGERPRINT, rounds, cache, Notes(),
+                      restore_whole=lambda: None, members=members, global_layers=list(range(G)))
+    print(f"the open's layout of the units: {1000 * (time.perf_counter() - t0):.0f} ms")
+    profile = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if profile:
+        profile.enable()
+    for layer in range(G):
+        rows.ensure(layer, picked[layer])
+    if profile:
+        profile.disable()
+    took = time.perf_counter() - t0
+    print(f"{G} layers: {1000 * took:.0f} ms, {rows.frames_read:,} frames, {rows.bytes_read / 1e6:.1f} MB; "
+          f"{1000 * took / G:.1f} ms a layer, {1e6 * took / max(rows.frames_read, 1):.0f} us a frame")
+    if profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
