@@ -178,10 +178,7 @@ class StoredRows:
         all_frames = ((g * n_heads + key_heads) * n_units + key_units).tolist()
         jobs, at = [], 0
         for i, n in zip(touched, per_round):
-            try:
-                self._file(i).frame_index(g, 0, 0, self._n_units[i])  # the file holds this round's units
-            except StorageError as exc:
-                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+            self._file(i)  # opened (and checked) on the main thread, once
             jobs.append((i, all_frames[at : at + n]))
             at += n
 
@@ -263,11 +260,17 @@ class StoredRows:
         self._chat_member = member
 
     def _file(self, i: int) -> UnitFramesFile:
-        """Round i's unit frames, opened once (its header and index read and checked, counted as bytes read)."""
+        """Round i's unit frames, opened once (its header and index read and checked against the round's units,
+        counted as bytes read)."""
         if i not in self._files:
             try:
                 file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
                                       fingerprint=self.fingerprint)
+                try:
+                    file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
+                except StorageError:
+                    file.close()
+                    raise
             except StorageError as exc:
                 raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
             self._files[i] = file

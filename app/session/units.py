@@ -139,7 +139,8 @@ class ChatUnits:
     def load(self, cache, rounds: list[RoundRow], ahead: ReadAhead | None = None) -> list[str]:
         """Hand the cache every closed round's units, read from the store (or taken from `ahead`, where it read the
         same round) or built from its K/V (then stored); the restore notes this adds."""
-        rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
+        segments = self.store.segments(self.sid)
+        rows = {s["round_idx"]: s for s in segments if s["kind"] == SEGMENT_UNITS}
         built, damaged = [], []
         device = cache.kv.device
         todo = [row for row in rounds if (row.token_start, row.token_end) not in cache.units
@@ -162,7 +163,7 @@ class ChatUnits:
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
         if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
-            held = {s["round_idx"] for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNIT_ROWS}
+            held = {s["round_idx"] for s in segments if s["kind"] == SEGMENT_UNIT_ROWS}
             for row in rounds:
                 units = cache.units.get((row.token_start, row.token_end))
                 if row.idx not in held and units is not None and row.token_end <= cache.length:
