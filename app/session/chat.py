@@ -110,6 +110,7 @@ class ChatSession:
         self.ignore_merges = ignore_merges
         self.lazy_resume = lazy_resume
         self.lazy_rows: StoredRows | None = None  # the latest lazy resume's reads (for the bench and tests)
+        self.lazy_open_s: dict[str, float] = {}  # the latest lazy open's parts (s): checks, cache, units, layout
         # One writer per chat across processes (storage.chat_lock): how long a send waits for another one's.
         self.lock_wait_s = 600.0
         self._writer_lock: ChatLock | None = None
@@ -221,10 +222,14 @@ class ChatSession:
                lazily_loadable(segments, self.rounds, self.engine.config.n_layers))
         total = self.rounds[-1].token_end
         cache = None
+        opened = time.perf_counter()
         if why is None:  # (the device's full cache: a policy over it makes no cache of its own)
             cache = self._new_cache(total + self.room)
+            made = time.perf_counter()
             stored_units = self._units_of_policy()
             missing = stored_units.load_stored(cache, self.rounds)
+            self.lazy_open_s = {"checks": opened - started, "cache": made - opened,
+                                "units": time.perf_counter() - made}
             if missing:
                 why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
         if why is not None:
@@ -234,12 +239,14 @@ class ChatSession:
         stats = RestoreStats(notes=[*self.restore_notes])
         stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
                      "first token"
+        laid_out = time.perf_counter()
         rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
                           restore_whole=lambda: self._restore_whole_into(cache, stats),
                           members={r.idx: cache.units[(r.token_start, r.token_end)].member for r in self.rounds},
                           global_layers=model.cfg.global_layers,
                           after_complete=lambda: stored_units.load(cache, self.rounds))
         policy.lazy = self.lazy_rows = rows
+        self.lazy_open_s["layout"] = time.perf_counter() - laid_out
         self.cache, self.restored = cache, stats
         stats.restore_ms = 1000 * (time.perf_counter() - started)
         return True

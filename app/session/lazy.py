@@ -24,6 +24,7 @@ session restores the chat whole and answers again.
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,13 @@ from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import UnitFramesFile, decompress_frames, merge_planes, merge_planes_on_host
+from kvchat.storage.unit_frames import (UnitFramesFile, decompress_frames, merge_planes, merge_planes_on_host,
+                                        read_frames_of)
+
+
+# Threads reading a layer's unit frames: ~1,000 small reads, each waiting on the disk when cold, so many more than
+# the cores (a pread releases the GIL), each thread one share of the layer's reads.
+FRAME_READERS = min(32, 4 * (os.cpu_count() or 1))
 
 
 class LazyResumeFailed(KvchatError):
@@ -105,9 +112,13 @@ class StoredRows:
         self.chat_bytes = sum(seg["byte_size"] for segs in self.segments.values() for seg in segs)
         self.units_bytes = units_bytes  # the units (centroids and members), read when the chat was opened
         self.loaded: set[int] = set()  # rounds brought in whole
+        self._whole = torch.zeros(len(rounds), dtype=torch.bool)  # the same, as a mask
         self.bytes_read = 0  # compressed bytes of K/V read from the store so far (whole rounds and unit frames)
         self.frames_read = 0
         self.read_s = 0.0
+        # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
+        # work queued before it), their reads, decompression, and the merge and writes (queued on a GPU)
+        self.phase_s = {"index": 0.0, "io": 0.0, "decompress": 0.0, "place": 0.0}
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
@@ -117,7 +128,7 @@ class StoredRows:
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
-        self._pool = ThreadPoolExecutor(max_workers=READ_THREADS)  # the unit frames' reads, round by round
+        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # a layer's unit frames, a share each
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
@@ -159,61 +170,53 @@ class StoredRows:
         keys = ((rounds * n_heads + heads) * most + units).unique()  # ascending: by round, head, unit
         held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool,
                                                     device=on))
-        whole = torch.tensor([i in self.loaded for i in range(len(self.rounds))], device=on)
+        whole = self._whole.to(on)  # rounds brought in whole
         keys = keys[~held[keys] & ~whole[keys // (n_heads * most)]]
         if not keys.numel():
             return
         held[keys] = True
         t0 = time.perf_counter()
         key_rounds, key_heads, key_units = keys // (n_heads * most), keys // most % n_heads, keys % most
-        begin = self._unit_begin[g].view(-1)[key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units]
-        counts = self._unit_begin[g].view(-1)[key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units
-                                              + 1] - begin  # [F] each frame's members
-        # the frame lists on the host, per round (keys are in round order), as plain lists: the reader threads then
-        # hold the GIL only to read
-        key_rounds, key_heads, key_units, counts = (t.cpu() for t in (key_rounds, key_heads, key_units, counts))
-        touched, per_round = torch.unique_consecutive(key_rounds, return_counts=True)
-        touched, per_round = touched.tolist(), per_round.tolist()
-        n_units = torch.tensor(self._n_units)[key_rounds]
-        all_frames = ((g * n_heads + key_heads) * n_units + key_units).tolist()
-        jobs, at = [], 0
-        for i, n in zip(touched, per_round):
-            self._file(i)  # opened (and checked) on the main thread, once
-            jobs.append((i, all_frames[at : at + n]))
-            at += n
-
-        def read_round(job: tuple[int, list[int]]) -> tuple[bytes, np.ndarray]:
-            """Round i's frames of this layer, compressed (a thread each: preads release the GIL, so cold reads
-            overlap)."""
-            i, frames = job
-            try:
-                return self._files[i].read_frames(frames)
-            except StorageError as exc:
-                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
-
-        before = sum(self._files[i].bytes_read for i in touched)
-        parts = list(self._pool.map(read_round, jobs)) if len(jobs) > 1 else [read_round(jobs[0])]
-        self.bytes_read += sum(self._files[i].bytes_read for i in touched) - before
-        base = np.cumsum([0] + [len(data) for data, _ in parts[:-1]]).astype(np.uint64)
-        segments = np.concatenate([segs + np.array([b, 0], dtype=np.uint64) for (_, segs), b in zip(parts, base)])
+        place = key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units
+        begin = self._unit_begin[g].view(-1)[place]
+        counts = self._unit_begin[g].view(-1)[place + 1] - begin  # [F] each frame's members
+        # the frames' indices on the host, in one copy; from here on the per-frame work is numpy's (storage.
+        # unit_frames.read_frames_of): Python work per frame is what a layer's ~1,000 frames cannot afford
+        key_rounds_np, key_heads_np, key_units_np, counts_np = torch.stack(
+            [key_rounds, key_heads, key_units, counts]).cpu().numpy()
+        frames = (g * n_heads + key_heads_np) * self._n_units_np[key_rounds_np] + key_units_np
+        touched_np, first = np.unique(key_rounds_np, return_index=True)  # keys are in round order
+        touched = touched_np.tolist()
+        files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread
+        t1 = time.perf_counter()
+        before = sum(file.bytes_read for file in files)
+        try:
+            data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool, FRAME_READERS)
+        except StorageError as exc:
+            culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
+            raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
+        self.bytes_read += sum(file.bytes_read for file in files) - before
+        per_round = np.diff(np.r_[first, len(frames)]).tolist()
         read = list(zip(touched, per_round))  # (round, its frames) in the order of `segments`
+        t2 = time.perf_counter()
         self.frames_read += len(segments)
         self._touched.update(touched)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
-        stored = self._file(int(key_rounds[0])).header.dtype
-        values = (counts * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
+        stored = files[0].header.dtype
+        values = (counts_np * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
         try:  # one batch for the layer: zstd's threads pay off for hundreds of frames, not for one round's few
-            planes = decompress_frames(b"".join(data for data, _ in parts), segments,
+            planes = decompress_frames(data, segments,
                                        [n * stored.itemsize for n in values],
                                        threads=READ_THREADS if len(values) >= 256 else 0)
         except StorageError as exc:
-            raise LazyResumeFailed(f"round {self._culprit(read, parts, values, stored.itemsize)}: unit frames "
+            raise LazyResumeFailed(f"round {self._culprit(read, data, segments, values, stored.itemsize)}: unit frames "
                                    f"{exc}") from None
+        t3 = time.perf_counter()
         # every frame's values, their byte planes merged (on a GPU in one gather, on the CPU frame by frame)
         if device.type == "cpu":
             merged = merge_planes_on_host(planes, values, stored.itemsize)
         else:
-            flat = torch.frombuffer(bytearray(planes), dtype=torch.uint8).to(device)
+            flat = torch.frombuffer(planes, dtype=torch.uint8).to(device)
             merged = merge_planes(flat, torch.tensor(values, device=device), stored.itemsize)
         merged = merged.view(stored).view(-1)
         counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
@@ -224,15 +227,18 @@ class StoredRows:
         kv = torch.stack([merged[k_at], merged[k_at + counts[frame, None] * head_dim]])  # [2, R, D]
         slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]  # (where the members are)
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
-        self.read_s += time.perf_counter() - t0
+        t4 = time.perf_counter()
+        for phase, took in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            self.phase_s[phase] += took
+        self.read_s += t4 - t0
 
-    def _culprit(self, read: list[tuple[int, int]], parts: list[tuple[bytes, np.ndarray]], values: list[int],
+    def _culprit(self, read: list[tuple[int, int]], data: bytearray, segments: np.ndarray, values: list[int],
                  itemsize: int) -> int:
         """The first round (its index) whose frames of a failed batch cannot be decoded alone."""
         at = 0
-        for (i, n), (data, segments) in zip(read, parts):
+        for i, n in read:
             try:
-                decompress_frames(data, segments, [v * itemsize for v in values[at : at + n]])
+                decompress_frames(data, segments[at : at + n], [v * itemsize for v in values[at : at + n]])
             except StorageError:
                 return self.rounds[i].idx
             at += n
@@ -251,6 +257,7 @@ class StoredRows:
         most = torch.zeros(len(self.rounds), dtype=torch.long, device=member.device).scatter_reduce(
             0, round_of, most_of_slot, "amax", include_self=True) + 1  # [R] units of each round
         self._n_units = most.tolist()
+        self._n_units_np = np.asarray(self._n_units, dtype=np.int64)
         self._most_units = max(self._n_units)
         key = round_of * self._most_units + member  # [G, Hkv, T]
         self._sorted_slots = key.argsort(dim=2, stable=True)
@@ -349,3 +356,4 @@ class StoredRows:
         for layers, kv in parts:
             self.cache.write(layers, self.rounds[i].token_start, kv)
         self.loaded.add(i)
+        self._whole[i] = True
