@@ -275,12 +275,12 @@ def frame_sizes(rows: list[int], head_dim: int, itemsize: int) -> list[int]:
     return [2 * n * head_dim * itemsize for n in rows]
 
 
-def merge_planes(planes: torch.Tensor, values: torch.Tensor, itemsize: int) -> torch.Tensor:
+def merge_planes(planes: torch.Tensor, values: torch.Tensor, itemsize: int, total: int | None = None) -> torch.Tensor:
     """Frames' bytes as `read_planes` gives them (uint8, on any device) -> their values' bytes [sum(values),
     itemsize] (uint8): frame i holds values[i] values, its j-th byte plane at j * values[i] within the frame. One
     gather on the device, whatever the number of frames."""
-    total = int(values.sum())
-    frame = torch.repeat_interleave(torch.arange(len(values), device=values.device), values)
+    total = int(values.sum()) if total is None else total  # (given: no wait for the device)
+    frame = torch.repeat_interleave(torch.arange(len(values), device=values.device), values, output_size=total)
     first = torch.cumsum(values, 0) - values  # each frame's first value
     within = torch.arange(total, device=values.device) - first[frame]
     at = first[frame] * itemsize + within  # the value's byte in plane 0 (a frame: itemsize planes back to back)

@@ -237,6 +237,9 @@ def _run_engine(spec: dict) -> dict:
                      **(_lazy_figures(sessions[-1]) if lazy and sessions else {})})
         close_sessions()
         del cache
+    if os.environ.get("KVCHAT_BENCH_PROFILE"):  # where a warm resume's time goes, for a developer (docs/gpu/)
+        _profile_run(os.environ["KVCHAT_BENCH_PROFILE"], method, lambda: answer(*resume(), wl["new_message"], 1))
+        close_sessions()
     result = summarize(runs, wl, engine.device)
     if "retrieval_choices" in runs[-1]:  # the last run's: the same chat and message each time
         result.update({k: v for k, v in runs[-1].items() if k.startswith("retrieval_")})
@@ -303,6 +306,24 @@ def _budget(spec: dict):
 
 
 LAZY_SUFFIX = "+lazy"
+
+
+def _profile_run(folder: str, method: str, run) -> None:
+    """One more warm resume and first token, after the measured runs, under cProfile: the main thread's functions
+    by their own time (a GPU wait shows in the call that synced), written to FOLDER/profile-METHOD.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in method)
+    Path(folder, f"profile-{name}.txt").write_text(text.getvalue())
 
 
 def _lazy_figures(session) -> dict:

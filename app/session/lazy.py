@@ -209,10 +209,11 @@ class StoredRows:
             merged = merge_planes_on_host(planes, values, stored.itemsize)
         else:
             flat = torch.frombuffer(planes, dtype=torch.uint8).to(device)
-            merged = merge_planes(flat, torch.tensor(values, device=device), stored.itemsize)
+            merged = merge_planes(flat, torch.tensor(values, device=device), stored.itemsize, sum(values))
         merged = merged.view(stored).view(-1)
         counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
-        frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)  # each row's frame
+        frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts,
+                                        output_size=int(counts_np.sum()))  # each row's frame
         first_row = torch.cumsum(counts, 0) - counts
         row = torch.arange(len(frame), device=device) - first_row[frame]  # its row within the frame
         k_at = (first_row[frame] * 2 + row)[:, None] * head_dim + torch.arange(head_dim, device=device)
