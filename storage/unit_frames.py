@@ -16,19 +16,16 @@ not this file's: the reader passes each frame's row count, and the frame must de
 Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
 partial read checks the header and offsets against their own sha256, and each frame against the size it must have
 (zstd is handed it, so a frame declaring more is refused before anything past it is allocated) and its zstd
-checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_planes_of`
-decompresses the frames of many files together, each file's in one call straight from its memory map
-(python-zstandard's multi_decompress_to_buffer), the files side by side on threads, after asking the kernel to read
-all their pages ahead at once.
+checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_frames` takes a run
+of consecutive frames in one read, and `decompress_frames` decompresses many frames, of any files, in one call
+(python-zstandard's multi_decompress_to_buffer, on zstd's threads).
 """
 
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import struct
-import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +44,7 @@ VERSION = 1
 _FIXED = struct.Struct("<4sH32sBHHHIII")  # magic .. frames
 _OFFSET = struct.Struct("<Q")
 _MOST_FRAMES = 1 << 26  # a header naming more frames than this is damaged (a 128k-token round has ~2M at 8B)
-_THREAD = threading.local()
+_DECOMPRESSOR = zstandard.ZstdDecompressor()
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,6 @@ class UnitFramesFile:
     def __init__(self, path: Path, *, fingerprint: str):
         self.path = Path(path)
         self._fd = -1
-        self._map: mmap.mmap | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -124,12 +120,6 @@ class UnitFramesFile:
         self.close()
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a decompression still holds it: unmapped when that is let go
-                pass
-            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -178,29 +168,18 @@ class UnitFramesFile:
             raise self._corrupt(f"it holds {hd.frames} frames, not {hd.layers} x {hd.heads} x {units} units")
         return (layer * hd.heads + head) * units + unit
 
-    def _mapped(self) -> mmap.mmap:
-        """The file memory-mapped (once), after checking it is as long as its index says: frames are decompressed
-        straight from the page cache, with no read and no copy of their own (`read_planes_of`). Content-addressed
-        files are replaced by renames, never rewritten in place, so a mapping never sees its file cut short."""
-        if self._map is None:
-            try:
-                size = os.fstat(self._fd).st_size
-            except OSError as e:
-                raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
-            if size < self.header.size + int(self.header.offsets[-1]):
-                raise self._corrupt("the file is shorter than its index says")
-            try:
-                self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-            except (OSError, ValueError) as e:
-                raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
-            if hasattr(mmap, "MADV_RANDOM"):  # a fault reads its own page, not the neighbours' frames (read-around)
-                self._map.madvise(mmap.MADV_RANDOM)
-        return self._map
+    def read_frames(self, frames: list[int]) -> tuple[bytearray, np.ndarray]:
+        """Frames (indices, ascending) as read, still compressed: their bytes back to back, consecutive frames in
+        one read, and each frame's (offset, length) in them [F, 2] uint64 (`read_frames_of`, of this file alone)."""
+        return read_frames_of([self], [np.asarray(frames, dtype=np.int64)])
 
-    def read_planes(self, frames: list[int], rows: list[int]) -> bytearray:
-        """The frames (indices, ascending) of rows[i] K/V rows each, decompressed, still in byte planes, back to
-        back (`read_planes_of`, of this file alone)."""
-        return read_planes_of([self], [np.asarray(frames, dtype=np.int64)], [rows])
+    def read_planes(self, frames: list[int], rows: list[int]) -> bytes:
+        """The frames decompressed, still in byte planes, back to back (`decompress_frames`)."""
+        try:
+            return decompress_frames(*self.read_frames(frames),
+                                     frame_sizes(rows, self.header.head_dim, self.header.dtype.itemsize))
+        except StorageError as e:
+            raise self._corrupt(str(e)) from None
 
     def read(self, frames: list[int], rows: list[int]) -> list[torch.Tensor]:
         """Frames (indices, ascending) as K/V rows [2, rows[i], head size] on the CPU (`read_planes`, merged)."""
@@ -218,61 +197,82 @@ class UnitFramesFile:
         return out
 
 
-def read_planes_of(files: list[UnitFramesFile], frames: list[np.ndarray], rows: list[list[int]],
-                   pool: Executor | None = None) -> bytearray:
-    """Frames of several files decompressed together, still in byte planes: files[i]'s frames `frames[i]`
-    (ascending indices) of rows[i][j] K/V rows each, back to back, file after file (`merge_planes` makes values of
-    them). Each file's frames are decompressed straight from its memory map (one zstd call a file, on `pool`,
-    which runs them side by side: zstd releases the GIL), after the kernel is asked to read their pages ahead, all at
-    once, so that cold frames come off the disk in parallel, not one fault after another. The Python work is a
-    few numpy calls and one hint a run of consecutive frames per file: a layer of a lazy resume reads ~1,000 frames
-    of ~50 files, and work per frame in Python is what made those reads cost ~35 us a frame (docs/benchmarks.md)."""
-    jobs = []
-    for file, f, n in zip(files, frames, rows):
+def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
+                   jobs: int = 1) -> tuple[bytearray, np.ndarray]:
+    """Frames of several files read together, still compressed, into one buffer: files[i]'s frames `frames[i]`
+    (ascending indices) back to back, file after file. Consecutive frames of a file come in one read, and the reads
+    are split into `jobs` parts run on `pool` (preads release the GIL, so cold reads overlap on the disk). Returns the
+    buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks them).
+
+    The per-frame work is numpy's: a layer of a lazy resume reads ~1,000 frames of ~50 files, and Python work per
+    frame or per file is what made those reads cost ~35 us a frame (docs/benchmarks.md)."""
+    run_file, run_at, run_len, frame_len = [], [], [], []
+    for k, (file, f) in enumerate(zip(files, frames)):
         hd = file.header
         f = np.asarray(f, dtype=np.int64)
         if not f.size:
             continue
-        if bool((f[1:] <= f[:-1]).any()) or f[0] < 0 or f[-1] >= hd.frames or len(n) != f.size:
-            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {hd.frames} frames, one "
-                             f"row count each")
-        mapped = file._mapped()
-        at = hd.offsets[f] + hd.size
-        length = hd.offsets[f + 1] - hd.offsets[f]
-        if hasattr(mmap, "MADV_WILLNEED"):
-            first = np.flatnonzero(np.r_[True, f[1:] != f[:-1] + 1])  # each run of consecutive frames: one hint
-            last = np.r_[first[1:], f.size] - 1
-            begin = at[first] // mmap.PAGESIZE * mmap.PAGESIZE
-            for a, b in zip(begin.tolist(), (at[last] + length[last]).tolist()):
-                mapped.madvise(mmap.MADV_WILLNEED, a, b - a)
-        file.bytes_read += int(length.sum())
-        jobs.append((file, mapped, np.stack([at, length], 1).astype(np.uint64),
-                     frame_sizes(n, hd.head_dim, hd.dtype.itemsize)))
+        if bool((f[1:] <= f[:-1]).any()) or f[0] < 0 or f[-1] >= hd.frames:
+            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {hd.frames} frames")
+        first = np.flatnonzero(np.r_[True, f[1:] != f[:-1] + 1])  # each run of consecutive frames: one read
+        last = np.r_[first[1:], f.size] - 1
+        at = hd.offsets[f[first]]
+        run_at.append(at + hd.size)
+        run_len.append(hd.offsets[f[last] + 1] - at)
+        run_file.append(np.full(first.size, k))
+        frame_len.append(hd.offsets[f + 1] - hd.offsets[f])
+    if not run_at:
+        return bytearray(), np.zeros((0, 2), dtype=np.uint64)
+    lengths = np.concatenate(run_len)
+    dest = np.cumsum(lengths) - lengths
+    buffer = bytearray(int(lengths.sum()))
+    view = memoryview(buffer)
+    which, at, length, dest = (np.concatenate(run_file).tolist(), np.concatenate(run_at).tolist(), lengths.tolist(),
+                               dest.tolist())
+    fds = [file._fd for file in files]
 
-    def decompress(job) -> zstandard.BufferWithSegmentsCollection:
-        file, mapped, segments, sizes = job
-        try:
-            return _decompressor().multi_decompress_to_buffer(
-                zstandard.BufferWithSegments(mapped, segments.tobytes()),
-                decompressed_sizes=np.asarray(sizes, dtype=np.uint64), threads=0)
-        except (zstandard.ZstdError, ValueError) as e:
-            raise file._corrupt(f"a frame cannot be decoded ({e})") from None
+    def read(lo: int, hi: int) -> None:
+        for j in range(lo, hi):
+            file = files[which[j]]
+            try:
+                got = os.preadv(fds[which[j]], [view[dest[j] : dest[j] + length[j]]], at[j])
+            except OSError as e:
+                raise StorageError(f"cannot read unit frames {file.path.name}: {_reason(e)}.") from e
+            if got != length[j]:
+                raise file._corrupt("the file is shorter than its index says")
 
-    outs = list(pool.map(decompress, jobs)) if pool is not None and len(jobs) > 1 else [decompress(j) for j in jobs]
-    return bytearray().join(out[k] for out in outs for k in range(len(out)))
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's (a ZstdDecompressor is not to be used by two threads at once)."""
-    d = getattr(_THREAD, "decompressor", None)
-    if d is None:
-        d = _THREAD.decompressor = zstandard.ZstdDecompressor()
-    return d
+    bounds = np.linspace(0, len(which), max(1, min(jobs, len(which))) + 1).astype(int).tolist()
+    if pool is None or len(bounds) == 2:
+        read(0, len(which))
+    else:
+        for part in [pool.submit(read, a, b) for a, b in zip(bounds, bounds[1:])]:
+            part.result()
+    per_file = np.bincount(np.concatenate(run_file), weights=lengths, minlength=len(files))
+    for file, n in zip(files, per_file.tolist()):
+        file.bytes_read += int(n)
+    frame_len = np.concatenate(frame_len).astype(np.uint64)
+    return buffer, np.stack([np.cumsum(frame_len) - frame_len, frame_len], 1)
 
 
 def frame_sizes(rows: list[int], head_dim: int, itemsize: int) -> list[int]:
     """The decompressed bytes of frames of rows[i] K/V rows each."""
     return [2 * n * head_dim * itemsize for n in rows]
+
+
+def decompress_frames(data: bytes | bytearray, segments: np.ndarray, sizes: list[int], threads: int = 0) -> bytearray:
+    """Frames (their bytes `data`, each frame's (offset, length) in them, any files') decompressed together, back to
+    back, each checked against its zstd checksum and against the size it must have (`sizes`: zstd is given them, so
+    a frame declaring more is refused without its size being allocated). zstd's `threads` (0: this one; more pay
+    off only for hundreds of frames)."""
+    if not len(sizes):
+        return b""
+    try:
+        out = _DECOMPRESSOR.multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(data, np.ascontiguousarray(segments, dtype=np.uint64).tobytes()),
+            decompressed_sizes=np.asarray(sizes, dtype=np.uint64), threads=threads)
+    except (zstandard.ZstdError, ValueError) as e:
+        raise StorageError(f"a frame cannot be decoded ({e})") from None
+    return bytearray().join(out[k] for k in range(len(out)))
 
 
 def merge_planes(planes: torch.Tensor, values: torch.Tensor, itemsize: int, total: int | None = None) -> torch.Tensor:

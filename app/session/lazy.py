@@ -39,11 +39,12 @@ from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import UnitFramesFile, merge_planes, merge_planes_on_host, read_planes_of
+from kvchat.storage.unit_frames import (UnitFramesFile, decompress_frames, merge_planes, merge_planes_on_host,
+                                        read_frames_of)
 
 
-# Threads decompressing a layer's unit frames, a round's file each (~50 a layer): zstd releases the GIL, and a cold
-# frame's page faults wait on the disk, so more threads than cores.
+# Threads reading a layer's unit frames: ~1,000 small reads, each waiting on the disk when cold, so many more than
+# the cores (a pread releases the GIL), each thread one share of the layer's reads.
 FRAME_READERS = min(32, 4 * (os.cpu_count() or 1))
 
 
@@ -116,9 +117,8 @@ class StoredRows:
         self.frames_read = 0
         self.read_s = 0.0
         # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
-        # work queued before it), their reads and decompression (one: zstd reads the mapped files), and the merge
-        # and writes (queued on a GPU)
-        self.phase_s = {"index": 0.0, "frames": 0.0, "place": 0.0}
+        # work queued before it), their reads, decompression, and the merge and writes (queued on a GPU)
+        self.phase_s = {"index": 0.0, "io": 0.0, "decompress": 0.0, "place": 0.0}
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
@@ -128,7 +128,7 @@ class StoredRows:
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
-        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)
+        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # a layer's unit frames, a share each
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
@@ -160,9 +160,9 @@ class StoredRows:
     @torch.inference_mode()
     def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
         """The unit frames of `wanted` [Hkv, n] (in `rounds`; both where the chat's members are) that no earlier
-        read brought in, written into the cache's rows of their members: the rounds' frames decompressed from
-        their files' memory maps on reader threads, then one copy to the cache's device, where the byte planes are
-        merged and the rows placed."""
+        read brought in, written into the cache's rows of their members: the rounds' frames read on reader
+        threads, decompressed in one call, then one copy to the cache's device, where the byte planes are merged
+        and the rows placed."""
         g = self._globals[layer]
         n_heads, most, on = wanted.shape[0], self._most_units, wanted.device
         heads = torch.arange(n_heads, device=on)[:, None].expand_as(wanted)
@@ -180,8 +180,8 @@ class StoredRows:
         place = key_heads * self._unit_begin.shape[2] + key_rounds * most + key_units
         begin = self._unit_begin[g].view(-1)[place]
         counts = self._unit_begin[g].view(-1)[place + 1] - begin  # [F] each frame's members
-        # the frames' indices on the host, in one copy; from here on the per-frame work is numpy's and zstd's
-        # (storage.unit_frames.read_planes_of): Python work per frame is what a layer's ~1,000 frames cannot afford
+        # the frames' indices on the host, in one copy; from here on the per-frame work is numpy's (storage.
+        # unit_frames.read_frames_of): Python work per frame is what a layer's ~1,000 frames cannot afford
         key_rounds_np, key_heads_np, key_units_np, counts_np = torch.stack(
             [key_rounds, key_heads, key_units, counts]).cpu().numpy()
         frames = (g * n_heads + key_heads_np) * self._n_units_np[key_rounds_np] + key_units_np
@@ -189,21 +189,29 @@ class StoredRows:
         touched = touched_np.tolist()
         files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread
         t1 = time.perf_counter()
-        per_round = np.diff(np.r_[first, len(frames)])
-        device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
-        stored = files[0].header.dtype
-        rows_of = np.split(counts_np, first[1:])
         before = sum(file.bytes_read for file in files)
         try:
-            planes = read_planes_of(files, np.split(frames, first[1:]), [r.tolist() for r in rows_of], self._pool)
+            data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool, FRAME_READERS)
         except StorageError as exc:
             culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
             raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
         self.bytes_read += sum(file.bytes_read for file in files) - before
-        self.frames_read += int(per_round.sum())
-        self._touched.update(touched)
-        values = (counts_np * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
+        per_round = np.diff(np.r_[first, len(frames)]).tolist()
+        read = list(zip(touched, per_round))  # (round, its frames) in the order of `segments`
         t2 = time.perf_counter()
+        self.frames_read += len(segments)
+        self._touched.update(touched)
+        device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
+        stored = files[0].header.dtype
+        values = (counts_np * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
+        try:  # one batch for the layer: zstd's threads pay off for hundreds of frames, not for one round's few
+            planes = decompress_frames(data, segments,
+                                       [n * stored.itemsize for n in values],
+                                       threads=READ_THREADS if len(values) >= 256 else 0)
+        except StorageError as exc:
+            raise LazyResumeFailed(f"round {self._culprit(read, data, segments, values, stored.itemsize)}: unit frames "
+                                   f"{exc}") from None
+        t3 = time.perf_counter()
         # every frame's values, their byte planes merged (on a GPU in one gather, on the CPU frame by frame)
         if device.type == "cpu":
             merged = merge_planes_on_host(planes, values, stored.itemsize)
@@ -221,9 +229,21 @@ class StoredRows:
         slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]  # (where the members are)
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         t4 = time.perf_counter()
-        for phase, took in zip(self.phase_s, (t1 - t0, t2 - t1, t4 - t2)):
+        for phase, took in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             self.phase_s[phase] += took
         self.read_s += t4 - t0
+
+    def _culprit(self, read: list[tuple[int, int]], data: bytearray, segments: np.ndarray, values: list[int],
+                 itemsize: int) -> int:
+        """The first round (its index) whose frames of a failed batch cannot be decoded alone."""
+        at = 0
+        for i, n in read:
+            try:
+                decompress_frames(data, segments[at : at + n], [v * itemsize for v in values[at : at + n]])
+            except StorageError:
+                return self.rounds[i].idx
+            at += n
+        return self.rounds[read[0][0]].idx
 
     def _chat_units(self) -> None:
         """The chat's members side by side, where they are (on a GPU: the cache's device) [G, Hkv, T]; each global

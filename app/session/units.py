@@ -177,47 +177,22 @@ class ChatUnits:
 
     def load_stored(self, cache, rounds: list[RoundRow]) -> list[int]:
         """Hand the cache the units stored for the rounds, building none (a lazily opened chat has no K/V to build
-        them from yet); the rounds whose units could not be read, none handed over then. The rounds' segments are
-        read, checked and decompressed on reader threads, then copied to the cache's device together and unpacked
-        there: a lazy open's time is mostly this (~100 MB for a 32k chat on the 8B shape), and small host work per
-        round added up to more than the reads."""
+        them from yet); the rounds whose units could not be read, none handed over then."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
-            read = list(pool.map(lambda row: self._read_packed(rows.get(row.idx), row), rounds))
-        missing = [row.idx for row, (packed, _) in zip(rounds, read) if packed is None]
+            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), rounds))
+        missing = [row.idx for row, (units, _) in zip(rounds, read) if units is None]
         if missing:
             return missing
         device = cache.kv.device
-        for dtype in {packed.dtype for packed, _ in read}:  # (bfloat16; float32 for chats saved before 2026-11-28)
-            mine = [(row, packed) for row, (packed, _) in zip(rounds, read) if packed.dtype == dtype]
-            most = max(packed.shape[3] for _, packed in mine)
-            batch = torch.empty(len(mine), *mine[0][1].shape[:3], most, mine[0][1].shape[4],
-                                dtype=dtype)  # [rounds, G, 2, Hkv, most rows, D]; rows past a round's never read
-            for j, (_, packed) in enumerate(mine):
-                batch[j, :, :, :, : packed.shape[3]] = packed
-            batch = batch.to(device)
-            for j, (row, packed) in enumerate(mine):
-                try:
-                    cache.units[(row.token_start, row.token_end)] = unpack_units(
-                        batch[j, :, :, :, : packed.shape[3]], row.token_start, row.token_end, device)
-                except ValueError:
-                    missing.append(row.idx)
-        return missing
+        for row, (units, _) in zip(rounds, read):
+            cache.units[(row.token_start, row.token_end)] = Units(units.start, units.end, units.member.to(device),
+                                                                  units.summary.to(device))
+        return []
 
     def _read(self, seg: dict | None, row: RoundRow) -> tuple[Units | None, str]:
         """A round's units on the CPU, read from its segment (on a reader thread), or None and why not ('' where
         it has none)."""
-        packed, problem = self._read_packed(seg, row)
-        if packed is None:
-            return None, problem
-        try:
-            return unpack_units(packed, row.token_start, row.token_end), ""
-        except ValueError as exc:
-            return None, f"round {row.idx}: {exc}"
-
-    def _read_packed(self, seg: dict | None, row: RoundRow) -> tuple[Tensor | None, str]:
-        """A round's units segment as stored ([G, 2, Hkv, rows, D], checked), or None and why not ('' where it has
-        none)."""
         if seg is None:
             return None, ""
         if (seg["token_start"], seg["token_end"]) != (row.token_start, row.token_end):
@@ -226,10 +201,7 @@ class ChatUnits:
             header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
-            if (row.token_end - row.token_start) > packed.shape[3] * packed.shape[4]:
-                raise ValueError(f"a units segment of {packed.shape[3]} rows cannot hold "
-                                 f"{row.token_end - row.token_start} tokens' units")
-            return packed, ""
+            return unpack_units(packed, row.token_start, row.token_end), ""
         except (StorageError, ValueError) as exc:
             return None, f"round {row.idx}: {exc}"
 
