@@ -3,6 +3,7 @@ StorageError."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,56 @@ def test_rows_that_do_not_make_the_round_are_refused(tmp_path):
     with pytest.raises(ValueError):
         write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(N + 1))
     assert not list(tmp_path.iterdir())
+
+
+def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_path):
+    """`read_frames_of` (a lazy resume's reads of one layer): any frames of several files, on reader threads, land
+    back to back in one buffer exactly as each file's frames read alone, runs of consecutive frames included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvchat.storage.unit_frames import read_frames_of
+
+    _, _, rows, counts = round_rows()
+    other = torch.flip(rows, dims=[3]).contiguous()  # a second round: other bytes, the same counts' shapes
+    paths = [tmp_path / write_unit_frames(tmp_path, r, counts, fingerprint=FP, tokens=range(N)).file
+             for r in (rows, other)]
+    chosen = [[0, 1, 2, 7, 9, 10], [3, 4, 11, G * H * U - 1]]  # runs and single frames
+    files = [UnitFramesFile(p, fingerprint=FP) for p in paths]
+    try:
+        alone = []
+        for f, frames in zip(files, chosen):
+            for frame in frames:
+                a, b = f.header.offsets[frame], f.header.offsets[frame + 1]
+                alone.append(f._pread(int(b - a), f.header.size + int(a)))
+        before = [f.bytes_read for f in files]
+        with ThreadPoolExecutor(4) as pool:
+            for jobs in (1, 3, 16):  # one reader, several, more than the runs
+                data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, jobs)
+                assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
+        # each file counts the bytes read of it (three times over: the three reads above)
+        assert [f.bytes_read - b for f, b in zip(files, before)] == [3 * sum(
+            int(f.header.offsets[i + 1] - f.header.offsets[i]) for i in c) for f, c in zip(files, chosen)]
+        # and a frame of the second file decompresses to that round's rows of its unit
+        g, h, u = 11 // (H * U), 11 // U % H, 11 % U
+        got = files[1].read([11], [int(counts[g, h, u])])[0]
+        assert torch.equal(got, other[g, h][:, int(counts[g, h, :u].sum()) : int(counts[g, h, : u + 1].sum())])
+    finally:
+        for f in files:
+            f.close()
+
+
+def test_a_file_cut_short_among_several_is_named(tmp_path):
+    from kvchat.storage.unit_frames import read_frames_of
+
+    _, _, rows, counts = round_rows()
+    good = tmp_path / write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(N)).file
+    other = torch.flip(rows, dims=[3]).contiguous()
+    cut = tmp_path / write_unit_frames(tmp_path, other, counts, fingerprint=FP, tokens=range(N)).file
+    data = cut.read_bytes()
+    cut.chmod(0o644)
+    with UnitFramesFile(cut, fingerprint=FP) as f:
+        size = f.header.size
+    cut.write_bytes(data[: size + 10])
+    with UnitFramesFile(good, fingerprint=FP) as a, UnitFramesFile(cut, fingerprint=FP) as b:
+        with pytest.raises(SegmentCorrupt, match=f"{cut.name}.*shorter"):
+            read_frames_of([a, b], [np.asarray([0, 1]), np.asarray([G * H * U - 1])])
