@@ -198,11 +198,14 @@ class UnitFramesFile:
 
 
 def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
-                   jobs: int = 1) -> tuple[bytearray, np.ndarray]:
+                   jobs: int = 1, ahead: bool = False) -> tuple[bytearray, np.ndarray]:
     """Frames of several files read together, still compressed, into one buffer: files[i]'s frames `frames[i]`
     (ascending indices) back to back, file after file. Consecutive frames of a file come in one read, and the reads
-    are split into `jobs` parts run on `pool` (preads release the GIL, so cold reads overlap on the disk). Returns the
-    buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks them).
+    are split into `jobs` parts run on `pool` (preads release the GIL). `ahead`: every read is first announced to
+    the kernel (`POSIX_FADV_WILLNEED`), which starts them all at once, so that frames not in the page cache come
+    off the disk side by side rather than one wait after another; for frames in the page cache it only costs the
+    calls. Returns the buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks
+    them).
 
     The per-frame work is numpy's: a layer of a lazy resume reads ~1,000 frames of ~50 files, and Python work per
     frame or per file is what made those reads cost ~35 us a frame (docs/benchmarks.md)."""
@@ -229,17 +232,19 @@ def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: 
     view = memoryview(buffer)
     which, at, length, dest = (np.concatenate(run_file).tolist(), np.concatenate(run_at).tolist(), lengths.tolist(),
                                dest.tolist())
-    fds = [file._fd for file in files]
+    fds = [files[k]._fd for k in which]  # each read's
+    if ahead and hasattr(os, "posix_fadvise"):
+        for fd, a, n in zip(fds, at, length):
+            os.posix_fadvise(fd, a, n, os.POSIX_FADV_WILLNEED)
 
     def read(lo: int, hi: int) -> None:
         for j in range(lo, hi):
-            file = files[which[j]]
             try:
-                got = os.preadv(fds[which[j]], [view[dest[j] : dest[j] + length[j]]], at[j])
+                got = os.preadv(fds[j], [view[dest[j] : dest[j] + length[j]]], at[j])
             except OSError as e:
-                raise StorageError(f"cannot read unit frames {file.path.name}: {_reason(e)}.") from e
+                raise StorageError(f"cannot read unit frames {files[which[j]].path.name}: {_reason(e)}.") from e
             if got != length[j]:
-                raise file._corrupt("the file is shorter than its index says")
+                raise files[which[j]]._corrupt("the file is shorter than its index says")
 
     bounds = np.linspace(0, len(which), max(1, min(jobs, len(which))) + 1).astype(int).tolist()
     if pool is None or len(bounds) == 2:
