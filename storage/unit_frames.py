@@ -23,6 +23,7 @@ of consecutive frames in one read, and `decompress_frames` decompresses many fra
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import struct
@@ -198,17 +199,18 @@ class UnitFramesFile:
 
 
 def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
-                   jobs: int = 1, ahead: bool = False) -> tuple[bytearray, np.ndarray]:
+                   jobs: int = 1) -> tuple[bytearray, np.ndarray]:
     """Frames of several files read together, still compressed, into one buffer: files[i]'s frames `frames[i]`
-    (ascending indices) back to back, file after file. Consecutive frames of a file come in one read, and the reads
-    are split into `jobs` parts run on `pool` (preads release the GIL). `ahead`: every read is first announced to
-    the kernel (`POSIX_FADV_WILLNEED`), which starts them all at once, so that frames not in the page cache come
-    off the disk side by side rather than one wait after another; for frames in the page cache it only costs the
-    calls. Returns the buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks
-    them).
+    (ascending indices) back to back, file after file. Consecutive frames of a file come in one read. Returns the
+    buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks them).
 
-    The per-frame work is numpy's: a layer of a lazy resume reads ~1,000 frames of ~50 files, and Python work per
-    frame or per file is what made those reads cost ~35 us a frame (docs/benchmarks.md)."""
+    A layer of a lazy resume reads ~1,000 frames of ~50 files. From the page cache one thread reads them fastest
+    (~3-5 us a frame; more threads only hand the GIL around: 32 took ~10 us a frame on the H200 host, 2026-11-28);
+    from the disk they must be waited for side by side. So each read is first tried without waiting
+    (`RWF_NOWAIT`: the kernel refuses it unless the page cache holds it all), on this thread; the ones refused are
+    then announced to the kernel together (`POSIX_FADV_WILLNEED`, which starts them all) and read by `jobs` threads
+    on `pool` (preads release the GIL). The per-frame work is numpy's and the kernel's: Python work per frame or per
+    file is what made those reads cost ~35 us a frame before (docs/benchmarks.md)."""
     run_file, run_at, run_len, frame_len = [], [], [], []
     for k, (file, f) in enumerate(zip(files, frames)):
         hd = file.header
@@ -233,24 +235,45 @@ def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: 
     which, at, length, dest = (np.concatenate(run_file).tolist(), np.concatenate(run_at).tolist(), lengths.tolist(),
                                dest.tolist())
     fds = [files[k]._fd for k in which]  # each read's
-    if ahead and hasattr(os, "posix_fadvise"):
-        for fd, a, n in zip(fds, at, length):
-            os.posix_fadvise(fd, a, n, os.POSIX_FADV_WILLNEED)
 
-    def read(lo: int, hi: int) -> None:
-        for j in range(lo, hi):
+    def failed(j: int, e: OSError) -> StorageError:
+        return StorageError(f"cannot read unit frames {files[which[j]].path.name}: {_reason(e)}.")
+
+    waiting = []  # the reads the page cache could not answer at once
+    nowait = getattr(os, "RWF_NOWAIT", 0)
+    for j in range(len(which)):
+        if not nowait:
+            waiting.append(j)
+            continue
+        try:
+            if os.preadv(fds[j], [view[dest[j] : dest[j] + length[j]]], at[j], nowait) == length[j]:
+                continue
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise failed(j, e) from e
+            nowait = 0  # (a kernel or file system without it: every read waits)
+        waiting.append(j)  # (a short read too: the rest was not cached, or the file is short; the wait tells)
+    if waiting and hasattr(os, "posix_fadvise"):
+        for j in waiting:
+            os.posix_fadvise(fds[j], at[j], length[j], os.POSIX_FADV_WILLNEED)
+
+    def read(part: list[int]) -> None:
+        for j in part:
             try:
                 got = os.preadv(fds[j], [view[dest[j] : dest[j] + length[j]]], at[j])
             except OSError as e:
-                raise StorageError(f"cannot read unit frames {files[which[j]].path.name}: {_reason(e)}.") from e
+                raise failed(j, e) from e
             if got != length[j]:
                 raise files[which[j]]._corrupt("the file is shorter than its index says")
 
-    bounds = np.linspace(0, len(which), max(1, min(jobs, len(which))) + 1).astype(int).tolist()
-    if pool is None or len(bounds) == 2:
-        read(0, len(which))
+    parts = [part.tolist() for part in np.array_split(np.asarray(waiting, dtype=np.int64),
+                                                      max(1, min(jobs, len(waiting))))]
+    if pool is None or len(parts) == 1:
+        read(waiting)
     else:
-        for part in [pool.submit(read, a, b) for a, b in zip(bounds, bounds[1:])]:
+        for part in [pool.submit(read, p) for p in parts]:
             part.result()
     per_file = np.bincount(np.concatenate(run_file), weights=lengths, minlength=len(files))
     for file, n in zip(files, per_file.tolist()):

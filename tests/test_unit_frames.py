@@ -99,6 +99,7 @@ def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_p
     back to back in one buffer exactly as each file's frames read alone, runs of consecutive frames included."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from kvchat.storage.pagecache import evict
     from kvchat.storage.unit_frames import read_frames_of
 
     _, _, rows, counts = round_rows()
@@ -116,6 +117,9 @@ def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_p
         before = [f.bytes_read for f in files]
         with ThreadPoolExecutor(4) as pool:
             for jobs in (1, 3, 16):  # one reader, several, more than the runs
+                # the files out of the page cache (where the OS can): the reads refused without waiting, then waited
+                # for on the pool's threads; after the first, from the page cache on this thread
+                evict(paths)
                 data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, jobs)
                 assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
         # each file counts the bytes read of it (three times over: the three reads above)

@@ -43,13 +43,9 @@ from kvchat.storage.unit_frames import (UnitFramesFile, decompress_frames, merge
                                         read_frames_of)
 
 
-# How a layer's unit frames are read, ~1,000 small reads: from the page cache one thread does them fastest (~3-5 us a
-# frame: more threads only hand the GIL around; 32 took ~10 us a frame on the H200 host, 2026-11-28); from the disk
-# they must wait side by side, announced ahead and read by many threads. Which one it is shows in what the last
-# layer's reads cost a frame: above COLD_READ_S (the page cache's cost several times over), the next layer reads as
-# from the disk. The first layer does, not knowing yet.
+# Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.read_frames_of):
+# each read waits on the disk, so many more than the cores (a pread releases the GIL).
 FRAME_READERS = min(32, 4 * (os.cpu_count() or 1))
-COLD_READ_S = 20e-6
 
 
 class LazyResumeFailed(KvchatError):
@@ -132,8 +128,7 @@ class StoredRows:
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
-        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # a layer's unit frames, a share each when cold
-        self._cold = True  # the first layer's frames are read as from the disk (COLD_READ_S)
+        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # cold unit frames, a share each
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
@@ -196,8 +191,7 @@ class StoredRows:
         t1 = time.perf_counter()
         before = sum(file.bytes_read for file in files)
         try:
-            data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool,
-                                            *((FRAME_READERS, True) if self._cold else (1, False)))
+            data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool, FRAME_READERS)
         except StorageError as exc:
             culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
             raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
@@ -205,8 +199,6 @@ class StoredRows:
         per_round = np.diff(np.r_[first, len(frames)]).tolist()
         read = list(zip(touched, per_round))  # (round, its frames) in the order of `segments`
         t2 = time.perf_counter()
-        if len(segments) >= 64:  # (a few frames cost their fixed part mostly: they tell nothing)
-            self._cold = (t2 - t1) > COLD_READ_S * len(segments)  # how the next layer reads
         self.frames_read += len(segments)
         self._touched.update(touched)
         device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
