@@ -16,9 +16,10 @@ not this file's: the reader passes each frame's row count, and the frame must de
 Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
 partial read checks the header and offsets against their own sha256, and each frame against the size it must have
 (zstd is handed it, so a frame declaring more is refused before anything past it is allocated) and its zstd
-checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_frames` takes a run
-of consecutive frames in one read, and `decompress_frames` decompresses many frames, of any files, in one call
-(python-zstandard's multi_decompress_to_buffer, on zstd's threads).
+checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_frames_of` reads
+frames of many files into one buffer (a run of consecutive frames in one read; what the page cache holds on the
+calling thread, the rest on reader threads), and `decompress_frames` decompresses many frames, of any files, in one
+call (python-zstandard's multi_decompress_to_buffer, on zstd's threads).
 """
 
 from __future__ import annotations
@@ -256,8 +257,11 @@ def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: 
             nowait = 0  # (a kernel or file system without it: every read waits)
         waiting.append(j)  # (a short read too: the rest was not cached, or the file is short; the wait tells)
     if waiting and hasattr(os, "posix_fadvise"):
-        for j in waiting:
-            os.posix_fadvise(fds[j], at[j], length[j], os.POSIX_FADV_WILLNEED)
+        try:
+            for j in waiting:
+                os.posix_fadvise(fds[j], at[j], length[j], os.POSIX_FADV_WILLNEED)
+        except OSError:  # (advice only: the reads below wait either way)
+            pass
 
     def read(part: list[int]) -> None:
         for j in part:
