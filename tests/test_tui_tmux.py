@@ -86,8 +86,9 @@ def test_a_chat_survives_a_restart_and_comes_back_from_disk(kvchat_home):
     try:
         second.wait_for(r"My name is Ada\.")  # the chat is in the list
         second.keys("C-f", "Enter", "Enter")  # the filter box, into the list, open the chat
-        screen = second.wait_for(r"restored from disk: \d+ tokens loaded, 0 recomputed, [\d.]+ ms")
-        assert "Noted: your name is Ada." in screen  # its history
+        second.wait_for(r"restored from disk: \d+ tokens loaded, 0 recomputed, [\d.]+ ms")
+        # its history, which can be drawn after the status line (a capture between the two missed it, under load)
+        second.wait_for(r"Noted: your name is Ada\.", timeout=30)
         second.type("What is my name?")
         second.keys("Enter")
         screen = second.wait_for(r"Your name is Ada\.")
