@@ -28,7 +28,7 @@ import errno
 import hashlib
 import os
 import struct
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,10 +208,11 @@ def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: 
     A layer of a lazy resume reads ~1,000 frames of ~50 files. From the page cache one thread reads them fastest
     (~3-5 us a frame; more threads only hand the GIL around: 32 took ~10 us a frame on the H200 host, 2026-11-28);
     from the disk they must be waited for side by side. So each read is first tried without waiting
-    (`RWF_NOWAIT`: the kernel refuses it unless the page cache holds it all), on this thread; the ones refused are
-    then announced to the kernel together (`POSIX_FADV_WILLNEED`, which starts them all) and read by `jobs` threads
-    on `pool` (preads release the GIL). The per-frame work is numpy's and the kernel's: Python work per frame or per
-    file is what made those reads cost ~35 us a frame before (docs/benchmarks.md)."""
+    (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the start), on
+    this thread; the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
+    starts them all) and read by `jobs` threads on `pool` (preads release the GIL). The per-frame work is numpy's
+    and the kernel's: Python work per frame or per file is what made those reads cost ~35 us a frame before
+    (docs/benchmarks.md)."""
     run_file, run_at, run_len, frame_len = [], [], [], []
     for k, (file, f) in enumerate(zip(files, frames)):
         hd = file.header
@@ -277,7 +278,9 @@ def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: 
     if pool is None or len(parts) == 1:
         read(waiting)
     else:
-        for part in [pool.submit(read, p) for p in parts]:
+        reads = [pool.submit(read, p) for p in parts]
+        wait(reads)  # every share done before any error is raised: no read outlives the call (or its descriptors)
+        for part in reads:
             part.result()
     per_file = np.bincount(np.concatenate(run_file), weights=lengths, minlength=len(files))
     for file, n in zip(files, per_file.tolist()):
@@ -297,7 +300,7 @@ def decompress_frames(data: bytes | bytearray, segments: np.ndarray, sizes: list
     a frame declaring more is refused without its size being allocated). zstd's `threads` (0: this one; more pay
     off only for hundreds of frames)."""
     if not len(sizes):
-        return b""
+        return bytearray()
     try:
         out = _DECOMPRESSOR.multi_decompress_to_buffer(
             zstandard.BufferWithSegments(data, np.ascontiguousarray(segments, dtype=np.uint64).tobytes()),

@@ -3,6 +3,8 @@ StorageError."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -94,14 +96,19 @@ def test_rows_that_do_not_make_the_round_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_path):
-    """`read_frames_of` (a lazy resume's reads of one layer): any frames of several files, on reader threads, land
-    back to back in one buffer exactly as each file's frames read alone, runs of consecutive frames included."""
+@pytest.mark.parametrize("first_pass", ["nowait", "none"])
+def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_path, monkeypatch, first_pass):
+    """`read_frames_of` (a lazy resume's reads of one layer): any frames of several files land back to back in one
+    buffer exactly as each file's frames read alone, runs of consecutive frames included — read without waiting
+    where the page cache holds them, on reader threads where it does not, and all on reader threads where the OS
+    has no reads that refuse to wait ("none")."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvchat.storage.pagecache import evict
     from kvchat.storage.unit_frames import read_frames_of
 
+    if first_pass == "none":
+        monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
     _, _, rows, counts = round_rows()
     other = torch.flip(rows, dims=[3]).contiguous()  # a second round: other bytes, the same counts' shapes
     paths = [tmp_path / write_unit_frames(tmp_path, r, counts, fingerprint=FP, tokens=range(N)).file
@@ -118,12 +125,14 @@ def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_p
         with ThreadPoolExecutor(4) as pool:
             for jobs in (1, 3, 16):  # one reader, several, more than the runs
                 # the files out of the page cache (where the OS can): the reads refused without waiting, then waited
-                # for on the pool's threads; after the first, from the page cache on this thread
+                # for on the pool's threads
                 evict(paths)
                 data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, jobs)
                 assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
-        # each file counts the bytes read of it (three times over: the three reads above)
-        assert [f.bytes_read - b for f, b in zip(files, before)] == [3 * sum(
+            data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, 4)  # from the page cache
+            assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
+        # each file counts the bytes read of it (four times over: the four reads above)
+        assert [f.bytes_read - b for f, b in zip(files, before)] == [4 * sum(
             int(f.header.offsets[i + 1] - f.header.offsets[i]) for i in c) for f, c in zip(files, chosen)]
         # and a frame of the second file decompresses to that round's rows of its unit
         g, h, u = 11 // (H * U), 11 // U % H, 11 % U

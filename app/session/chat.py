@@ -447,6 +447,8 @@ class ChatSession:
             try:
                 start, prompt, result = answer()
             except LazyResumeFailed as exc:  # raised in the message's prefill: no token is out yet
+                if self.lazy_rows is not None:
+                    self.lazy_rows.close()
                 self.cache, self.restored = self._new_cache(256), None
                 self.restore(cancel=cancel).notes.append(f"the lazy resume stopped ({exc}): restored whole")
                 start, prompt, result = answer()

@@ -160,9 +160,9 @@ class StoredRows:
     @torch.inference_mode()
     def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
         """The unit frames of `wanted` [Hkv, n] (in `rounds`; both where the chat's members are) that no earlier
-        read brought in, written into the cache's rows of their members: the rounds' frames read on reader
-        threads, decompressed in one call, then one copy to the cache's device, where the byte planes are merged
-        and the rows placed."""
+        read brought in, written into the cache's rows of their members: the rounds' frames read into one buffer
+        (`read_frames_of`: from the page cache on this thread, from the disk on reader threads), decompressed in one
+        call, then one copy to the cache's device, where the byte planes are merged and the rows placed."""
         g = self._globals[layer]
         n_heads, most, on = wanted.shape[0], self._most_units, wanted.device
         heads = torch.arange(n_heads, device=on)[:, None].expand_as(wanted)
@@ -187,8 +187,8 @@ class StoredRows:
         frames = (g * n_heads + key_heads_np) * self._n_units_np[key_rounds_np] + key_units_np
         touched_np, first = np.unique(key_rounds_np, return_index=True)  # keys are in round order
         touched = touched_np.tolist()
-        files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread
         t1 = time.perf_counter()
+        files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread: reads, as io
         before = sum(file.bytes_read for file in files)
         try:
             data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool, FRAME_READERS)
@@ -299,10 +299,7 @@ class StoredRows:
         self.completed = True
         self.read_before_first_token = self.loaded | self._touched
         self.bytes_before_first_token = self.bytes_read
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
-        self._pool.shutdown(wait=False)
+        self.close()
         rest = [i for i in range(len(self.rounds)) if i not in self.loaded]  # (a round read in part: whole now)
         t0 = time.perf_counter()
         try:
@@ -324,6 +321,13 @@ class StoredRows:
             self.stats.tokens_loaded = self.rounds[-1].token_end if self.rounds else 0
         if self._after_complete is not None:
             self._after_complete()
+
+    def close(self) -> None:
+        """Let go of the unit-frames files and the reader threads (once complete, or when the lazy answer stopped)."""
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+        self._pool.shutdown(wait=False)
 
     @property
     def rounds_before_first_token(self) -> int:

@@ -3,9 +3,11 @@ under a cold lazy resume's first token (issue 44), which reads ~1,000 unit frame
 after another. A file of random bytes is written, pushed out of the page cache (storage.pagecache.evict), then read
 at 20,000 random places, 4,400 bytes each, in four ways, the file evicted again before each:
 
-- preads on 1, 8 and 32 threads (each thread its share, one after another);
-- as a lazy resume reads: the file memory-mapped, every range asked for ahead (`madvise(MADV_WILLNEED)`), then the
-  bytes copied out of the map on 32 threads.
+- preads on 1, 8 and 32 threads (each thread its share, one after another), as a lazy resume's reader threads
+  read what the page cache does not hold;
+- the file memory-mapped, every range asked for ahead (`madvise(MADV_WILLNEED)`), then the bytes copied out of the
+  map (a variant of the reader tried and dropped, 2026-11-28; the copies hold the GIL, so the 32 threads copy one
+  at a time: in effect one copying thread behind the read-ahead).
 
     python docs/probes/disk_random_reads.py [--dir /tmp] [--mib 2048] [--reads 20000]
 
@@ -62,9 +64,11 @@ def mapped(path: Path, places: list[int], threads: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=Path("/tmp"))
-    parser.add_argument("--mib", type=int, default=2048)
+    parser.add_argument("--mib", type=int, default=2048, help="the file's size, a multiple of 16")
     parser.add_argument("--reads", type=int, default=20000)
     args = parser.parse_args()
+    if args.mib % 16 or args.mib < 16:
+        parser.error("--mib must be a multiple of 16")
     path = args.dir / "disk-random-reads.bin"
     block = np.random.default_rng(0).integers(0, 256, 1 << 24, dtype=np.uint8).tobytes()
     with open(path, "wb") as f:
