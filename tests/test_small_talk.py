@@ -61,3 +61,65 @@ def test_training_chats_with_talk_draw_their_small_talk_from_it_and_no_other_cha
         assert users(phrasing, 0.8) == users(phrasing, 0.0)  # a measuring set is the same chats either way
     # without it, training chats are exactly those of before (the same draws from the same seed)
     assert d.dialogues("train", 4, 9, 30, 40) == d.dialogues("train", 4, 9, 30, 40, talk=0.0)
+
+
+# -- the requests (`TrainConfig.requests`) --
+
+def test_requests_words_are_no_value_named_thing_relation_or_fact_frame():
+    """As the small talk's, but "is" (a request may ask "what is ..."): a polite reply's prompt must not be taken for
+    a fact by its words."""
+    pools = {w.lower() for w in d._FIRST + d._CITIES + d._COLORS + d._FOODS + d._ANIMALS + d._MONTHS + d._WEEKDAYS}
+    nouns = {w.lower() for w in d._NOUNS_TRAIN + d._NOUNS_HELDOUT + d._NOUNS_DEV}
+    relations = {w for r in d._RELATIONS for w in r.split()}
+    frames = {"called", "named", "name", "names", "live", "lives", "born", "favorite", "favourite", "love", "loves",
+              "remember", "are", "my"}
+    topics = {w for t in d._TOPICS_HELDOUT + d._TOPICS_DEV for w in t.split()} - {"the"}
+    words = small_talk.vocabulary(small_talk.REQUEST_FORMS)
+    assert len(words) > 150
+    assert not words & (pools | nouns | relations | frames | topics | {b.lower() for b in d._BREEDS})
+
+
+def test_every_four_words_of_a_request_are_enumerated():
+    grams = small_talk.four_word_sequences(small_talk.REQUEST_FORMS)
+    rng = random.Random(0)
+    for _ in range(3000):
+        form = rng.choice(small_talk.REQUEST_FORMS)
+        assert _grams(small_talk._written(form, rng)) <= grams
+    assert len(grams) > 2000
+
+
+def test_requests_share_no_four_words_with_held_out_or_dev_sentences():
+    """Numbers and topics masked as the templates hold them ({a}, {b}, {t}): no four words in a row in common with a
+    held-out or dev template of any group, nor with the held-out small talk; the topics are the training's."""
+    grams = small_talk.four_word_sequences(small_talk.REQUEST_FORMS)
+    others = set().union(*(_grams(f) for f in d._FILLER_HELDOUT))
+    for members, subject in _phrasing_groups():
+        others |= set().union(*(_grams(t, subject) for g in members for t in g.heldout + g.dev))
+    assert not grams & others
+    # the check does catch a held-out request the grammar could have written
+    assert _grams("Could you describe {t} in detail?") & others
+    rng = random.Random(1)
+    made = [small_talk.everyday_request(rng, d._TOPICS) for _ in range(500)]
+    assert not any(t in m.lower() for m in made for t in d._TOPICS_HELDOUT + d._TOPICS_DEV)
+    assert len(set(made)) > 450
+
+
+def test_training_chats_with_requests_draw_them_from_it_and_no_other_chat_does():
+    def prompts(phrasing, requests, seed=3):
+        split = "train" if phrasing == "train" else "heldout"
+        return [r for dlg in d.dialogues(split, 8, seed, 30, 40, phrasing=phrasing, requests=requests)
+                for r in dlg.rounds]
+
+    templates = d._REQUESTS.train + d._REQUESTS.more
+    own = small_talk.vocabulary(small_talk.REQUEST_FORMS) - {w for t in (*templates, *d._TOPICS)
+                                                             for w in small_talk._words(t)}
+
+    def from_grammar(rounds):  # a request with a word only the grammar writes
+        return [r for r in rounds if r.assistant == d.DEMO_REPLY and set(small_talk._words(r.user)) & own]
+
+    assert not from_grammar(prompts("train", 0.0))
+    drawn = from_grammar(prompts("train", 0.8))
+    assert len(drawn) > 8
+    for phrasing in ("heldout", "dev"):
+        assert prompts(phrasing, 0.8) == prompts(phrasing, 0.0)
+    assert d.dialogues("train", 4, 9, 30, 40) == d.dialogues("train", 4, 9, 30, 40, requests=0.0)

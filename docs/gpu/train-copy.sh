@@ -6,6 +6,7 @@
 #   bash docs/gpu/train-copy.sh kernel      # first, issue 44's fused choice kernel: its gpu tests and timing
 #   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
 #   TALK=0.7 ... bash docs/gpu/train-copy.sh train   # small talk written by engine/data/small_talk.py's grammar too
+#   REQUESTS=0.7 ... bash docs/gpu/train-copy.sh train   # requests written by its request grammar too
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
 #   bash docs/gpu/train-copy.sh report MODEL.gguf   # the chosen model's report figures, once (and the shipped one's
@@ -46,7 +47,7 @@ case "${1:-train}" in
     echo "unit choice probe: exit status $?"; tail -25 "$OUT/unit-choice-cost.txt" ;;
   train)
     LONG="--set noise=6 --set never_told=50 --set lr=0.001 --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
-          --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0}"
+          --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0} --set requests=${REQUESTS:-0}"
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
       --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
       2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from kvchat.engine.data.small_talk import everyday_sentence
+from kvchat.engine.data.small_talk import everyday_request, everyday_sentence
 from kvchat.engine.text.chat_format import Round
 
 SYSTEM_PROMPT = "You are kvchat, a helpful assistant that remembers what the user tells you."
@@ -1062,7 +1062,7 @@ class _Writer:
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
                  never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0,
-                 talk: float = 0.0):
+                 talk: float = 0.0, requests: float = 0.0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.mix, self.mix_share = mix, mix_share  # the copy mix (issue 45): see `copy_statement`
         self.entities: dict[str, tuple[str, tuple[str, str]]] = {}  # the copy mix's things: "my dog": kind, he/his
@@ -1071,6 +1071,8 @@ class _Writer:
         self.filler = _FILLER_HELDOUT if phrasing == "heldout" else _FILLER  # small talk
         # training chats only: the share of small-talk sentences written by engine/data/small_talk.py's grammar
         self.talk = talk if phrasing == "train" else 0.0
+        # training chats only: the share of requests written by engine/data/small_talk.py's request grammar
+        self.requests = requests if phrasing == "train" else 0.0
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -1363,8 +1365,11 @@ class _Writer:
                 text = self.respelled_question(text, "plain")[0]
         elif kind == "request":
             topics = {"train": _TOPICS, "heldout": _TOPICS_HELDOUT, "dev": _TOPICS_DEV}[self.phrasing]
-            text = self.pick(_REQUESTS).format(
-                t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
+            if self.requests and rng.random() < self.requests:
+                text = everyday_request(rng, topics)
+            else:
+                text = self.pick(_REQUESTS).format(
+                    t=rng.choice(topics), a=rng.randint(2, 99), b=rng.randint(2, 99), r=rng.choice(_RELATIONS))
             text, reply = self.styled(text), DEMO_REPLY
         else:
             text = self.pick(_GREETINGS if kind == "greeting" else _THANKS)
@@ -1635,7 +1640,8 @@ def _ask(question: str, position: str, small_talk: Callable[[int], list[str]]) -
 
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
                   phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
-                  mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0) -> Dialogue:
+                  mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
+                  requests: float = 0.0) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
@@ -1645,9 +1651,10 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     questions about something never told among the out-of-scope prompts (greetings 20, thanks 20, requests 35).
     `wide` (training only) adds every template group's `more` phrasings to the trained ones. `mix` "copy" makes a
     `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was.
-    `talk` (training only) is the share of small-talk sentences written by engine/data/small_talk.py's grammar."""
+    `talk` (training only) is the share of small-talk sentences written by engine/data/small_talk.py's grammar,
+    `requests` (training only) the share of requests written by its request grammar."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk, requests)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -1669,7 +1676,8 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
               phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
-              mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0) -> list[Dialogue]:
+              mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
+              requests: float = 0.0) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any.
     `mix` (MIXES; None: none) adds a mix of other facts (`make_dialogue`), drawn from a stream of its own for each
@@ -1680,12 +1688,13 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         raise ValueError(f"unknown mix {mix!r} (accepted: {', '.join(MIXES)})")
     if mix is not None and not 0 <= mix_share <= 1:
         raise ValueError(f"mix_share must be within 0-1, not {mix_share}")
-    if not 0 <= talk <= 1:
-        raise ValueError(f"talk must be within 0-1, not {talk}")
+    for share, what in ((talk, "talk"), (requests, "requests")):
+        if not 0 <= share <= 1:
+            raise ValueError(f"{what} must be within 0-1, not {share}")
     if mix is None:
         rng = random.Random(f"{split}:{seed}" if phrasing == "train" else f"{split}:{phrasing}:{seed}")
     else:
         rng = random.Random(f"{split}:{phrasing}:{mix}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told, wide, mix, mix_share, talk) for _ in range(count)]
+                          never_told, wide, mix, mix_share, talk, requests) for _ in range(count)]

@@ -88,6 +88,10 @@ class TrainConfig:
     # answers questions with its words (docs/embedded-model.md, "The fourth run"). 0: the chats of every earlier
     # run, byte for byte.
     talk: float = 0.0
+    # The share of training chats' requests written by a grammar (engine/data/small_talk.py `everyday_request`)
+    # rather than drawn from the trained templates: a model trained on the copy mix took held-out requests with a
+    # number or an unknown word for facts (docs/embedded-model.md, "The sixth run"). 0: the chats of before.
+    requests: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -147,16 +151,16 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk, requests = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
             for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide),
-                               mix=mix or None, mix_share=mix_share, talk=talk)]
+                               mix=mix or None, mix_share=mix_share, talk=talk, requests=requests)]
 
 
 def corpus_chunks(cfg: TrainConfig) -> list[tuple]:
     """The training chats as `_encode_chunk` arguments: 500 chats a chunk, each chunk its own seed."""
     return [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk)
+             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk, cfg.requests)
             for i in range(math.ceil(cfg.n_dialogues / 500))]
 
 
