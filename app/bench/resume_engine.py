@@ -240,6 +240,10 @@ def _run_engine(spec: dict) -> dict:
     if os.environ.get("KVCHAT_BENCH_PROFILE"):  # where a warm resume's time goes, for a developer (docs/gpu/)
         _profile_run(os.environ["KVCHAT_BENCH_PROFILE"], method, lambda: answer(*resume(), wl["new_message"], 1))
         close_sessions()
+    if os.environ.get("KVCHAT_BENCH_MEMORY") and engine.device.type == "cuda":  # what the peak is made of (docs/gpu/)
+        _memory_run(os.environ["KVCHAT_BENCH_MEMORY"], method, engine.device,
+                    lambda: answer(*resume(), wl["new_message"], REPLY_TOKENS))
+        close_sessions()
     result = summarize(runs, wl, engine.device)
     if "retrieval_choices" in runs[-1]:  # the last run's: the same chat and message each time
         result.update({k: v for k, v in runs[-1].items() if k.startswith("retrieval_")})
@@ -306,6 +310,53 @@ def _budget(spec: dict):
 
 
 LAZY_SUFFIX = "+lazy"
+
+
+def _memory_run(folder: str, method: str, device, run, large: int = 64 << 20) -> None:
+    """One more warm resume and answer, after the measured runs, with the CUDA allocator's history recorded: at the
+    moment most memory was allocated, the blocks of `large` bytes or more still held, each with where in kvchat it
+    was allocated (those allocated before the run: one line), written to FOLDER/memory-METHOD.txt."""
+    import torch
+
+    root = str(Path(__file__).resolve().parents[2])  # the package's files: the frames that say which of ours
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000, device=device)
+    try:
+        run()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+    peak = torch.cuda.max_memory_allocated(device)
+    most, held = blocks_at_peak(snapshot["device_traces"][device.index or 0], before, large)
+    lines = [f"{method}: allocated before the run {before / 2**30:.2f} GiB, the run's peak {peak / 2**30:.2f} GiB "
+             f"(traced {most / 2**30:.2f}); blocks of >= {large >> 20} MiB held at the peak, allocated in the run:"]
+    for event in held:
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event.get("frames", [])
+                  if f["filename"].startswith(root) or "/kvchat/" in f["filename"]][:6]
+        lines.append(f"  {event['size'] / 2**20:9.1f} MiB  " + " <- ".join(frames))
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in method)
+    Path(folder, f"memory-{name}.txt").write_text("\n".join(lines) + "\n")
+
+
+def blocks_at_peak(events: list[dict], before: int, large: int) -> tuple[int, list[dict]]:
+    """From a CUDA allocator trace (torch.cuda.memory._snapshot's device_traces[i]) and the bytes allocated before
+    it began: the most bytes allocated at any moment, and the allocations of `large` bytes or more held then that the
+    trace saw made, largest first."""
+    live: dict[int, dict] = {}
+    total = most = before
+    at_most: list[dict] = []
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > most:
+            most, at_most = total, [e for e in live.values() if e["size"] >= large]
+    return most, sorted(at_most, key=lambda e: -e["size"])
 
 
 def _profile_run(folder: str, method: str, run) -> None:

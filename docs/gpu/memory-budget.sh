@@ -9,6 +9,8 @@
 #   bash docs/gpu/memory-budget.sh unlimited
 #   bash docs/gpu/memory-budget.sh xkv         # issue 43: kv-split and policy:xkv without a budget, then policy:xkv
 #                                              # at 8 GiB, where the chat's K/V stays in host memory (xkv:host)
+#   KVCHAT_BENCH_MEMORY=$OUT METHODS=... bash docs/gpu/memory-budget.sh unlimited   # and one more run per method
+#                                              # whose allocator history says what its peak is made of
 #   RUNS="1 2" bash docs/gpu/memory-budget.sh xkv-runs   # kv-split and policy:xkv without a budget, a bench run each
 #                                              # (cold, then 2 warm), to see whether xkv's first token holds in every run
 #
