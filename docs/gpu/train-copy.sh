@@ -13,6 +13,7 @@
 #                                           # random strings on the report sets), all at once; results in report.tgz
 #   BLEND_MODELS="C4.gguf C2.gguf Q.gguf" bash docs/gpu/train-copy.sh blends 3:0:1 4:1:1  # weight averages: each
 #                                           # model taken as many times as its count; each blend's development evals
+#                                           # (GATE=1: and held-out sets 0-3, the gate before the report sets)
 #
 # The exported model and the log go to $OUT; runs are chosen by `kvchat eval --phrasing dev --values random` and
 # `--phrasing dev` (seed 0, 20 chats, as the app answers, on the CPU, one thread each: the figures of
@@ -24,6 +25,12 @@ dev_evals() {  # MODEL NAME: the two development evals, in the background
     values=$([ $set = random ] && echo "--values random")
     OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-400}" python3 -m kvchat.app.cli eval --model "$1" --phrasing dev $values \
       --mode app --chats 20 --device cpu --json > "$OUT/$2-dev-$set.json" 2> "$OUT/$2-dev-$set.log" &
+  done
+}
+gate_evals() {  # MODEL NAME: held-out sets 0-3 (the gate before the report sets), in the background
+  for seed in 0 1 2 3; do
+    OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-400}" python3 -m kvchat.app.cli eval --model "$1" --seed $seed \
+      --mode app --chats 20 --device cpu --json > "$OUT/$2-heldout-seed$seed.json" 2> "$OUT/$2-heldout-seed$seed.log" &
   done
 }
 summary() {  # [DIR [PATTERN]]: one line per eval's JSON (default: $OUT's development evals)
@@ -80,7 +87,8 @@ case "${1:-train}" in
       for i in "${!models[@]}"; do for _ in $(seq 1 "${counts[$i]:-0}"); do files+=("${models[$i]}"); done; done
       name="blend-${spec//:/-}"
       python3 -m kvchat.engine.train.trainer --out "/tmp/$name" --average "${files[@]}" > "$OUT/$name-average.log" \
-        && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"
-    done; wait; summary ;;
+        && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name" \
+        && if [ -n "${GATE:-}" ]; then gate_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"; fi
+    done; wait; summary; summary "$OUT" "*-heldout-seed*.json" ;;
   *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL" >&2; exit 2 ;;
 esac
