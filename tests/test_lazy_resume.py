@@ -248,6 +248,9 @@ def test_an_answered_lazy_message_leaves_the_policy_holding_no_cache(kvchat_home
     assert policy.last_prefill is not None and policy.last_prefill.reads  # what it read stays, for stats
     held = weakref.ref(session.cache.kv)
     session.close()
-    del session
-    gc.collect()
-    assert held() is None
+    gc.disable()  # by reference counting alone: a cycle through the session kept a 32k cache on the GPU until the
+    try:          # cycle collector ran, so the bench's next open allocated its cache beside it (19.1 GiB, not 10.4)
+        del session
+        assert held() is None
+    finally:
+        gc.enable()

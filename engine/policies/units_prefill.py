@@ -70,8 +70,8 @@ class UnitsPrefill:
         """Let go of the chat (its cache, a lazy resume's reader, the units) once the message is answered: the
         policy keeps this object until its next message, by when a bench or an app may have opened the chat again
         into a new cache, and the old one must not stay on the device beside it (a 32k cache is 4.3 GB at the 8B
-        shape: likely part of the lazy resume's peak of 18.7 GiB against kv-split's 10.3 on the H100, 2026-11-28,
-        not measured again since)."""
+        shape; the lazy resume's peak of 19.1 GiB against kv-split's 10.4 came from another holder: a reference
+        cycle through the session, app/session/lazy.StoredRows.complete)."""
         self.cache = self.lazy = self._units = None
 
     @property
