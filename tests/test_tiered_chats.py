@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cli_run import kvchat
+from kvchat.app.session.artifacts import SHIPPED_CALIBRATION
 from kvchat.app.session.chat import ChatSession
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
@@ -148,8 +149,10 @@ def test_send_takes_the_kv_policy(kvchat_home):
     out = kvchat("send", sid, MESSAGES[1], "--device", "cpu", "--kv-policy", "round").stdout.strip()
     assert out
     store = Store()
-    # the embedded model's calibrated watershed is layer 4: layers [0, 5) and [5, 8) are stored apart
-    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, 5), (5, 8)}
+    # the embedded model's calibrated watershed (shipped with it: layer 5 since 2026-11-28, 4 before): layers
+    # [0, w + 1) and [w + 1, 8) are stored apart
+    split = json.loads(SHIPPED_CALIBRATION.read_text())["watershed"] + 1
+    assert {(s["layer_start"], s["layer_end"]) for s in store.segments(sid)} == {(0, split), (split, 8)}
     # a round whose K/V files are gone shows as text only, though its key bounds are still on disk
     for seg in store.segments(sid):
         if seg["round_idx"] == 0 and seg["kind"] == "kv":

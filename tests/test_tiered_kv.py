@@ -168,9 +168,10 @@ def test_an_unsure_token_is_rechecked_and_the_rounds_it_could_read_are_brought_i
     want = engine.model(torch.tensor([following]), reference,
                         attend=SplitAttend(attend.split, torch.cat([attend.upper, opened])))[-1]
     got = tiered.step(following)
-    # Summation order differs across machines and with the slots attended: 1e-4 of the largest logit (a wrong round
-    # in view moves the logits by far more).
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    # Summation order differs across machines and with the slots attended: 5e-4 of the largest logit. On the model
+    # shipped 2026-11-28 the two differ by 1.2e-4 of it (0.003 of 25.6); leaving any one round out of view moves them
+    # by 0.18-5.8, 14x or more the bound.
+    assert (got - want).abs().max() <= 5e-4 * want.abs().max()
 
 
 def test_a_recheck_that_finds_nothing_moves_nothing_and_keeps_the_tokens_logits(engine):

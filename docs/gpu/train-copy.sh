@@ -11,6 +11,8 @@
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
 #   bash docs/gpu/train-copy.sh report MODEL.gguf   # the chosen model's report figures, once (and the shipped one's
 #                                           # random strings on the report sets), all at once; results in report.tgz
+#   bash docs/gpu/train-copy.sh ship MODEL.gguf     # and, before it ships, its trained phrasings on the report sets
+#                                           # and 1,000 sampled replies (loops, the cap); results in ship.tgz
 #   BLEND_MODELS="C4.gguf C2.gguf Q.gguf" bash docs/gpu/train-copy.sh blends 3:0:1 4:1:1  # weight averages: each
 #                                           # model taken as many times as its count; each blend's development evals
 #                                           # (GATE=1: and held-out sets 0-3, the gate before the report sets)
@@ -78,6 +80,19 @@ case "${1:-train}" in
     one model-written --model "$model" --phrasing written
     wait
     tar czf "$OUT/report.tgz" -C $dir .
+    summary $dir "*.json"
+    ;;
+  ship)  # what a model to be shipped is measured on besides the report sets: trained phrasings on each report set
+         # (40 chats, as 2026-11-26's figures) and 1,000 replies sampled at 0.8 with the guard off; all at once
+    model=$2; dir=/tmp/ship; mkdir -p $dir
+    for seed in 53296 87351 387785 874335; do
+      OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-420}" python3 -m kvchat.app.cli eval --mode app --device cpu --json \
+        --model "$model" --seed $seed --chats 40 --phrasing train > "$dir/trained-$seed.json" 2> "$dir/trained-$seed.log" &
+    done
+    OMP_NUM_THREADS=1 timeout "${EVAL_LIMIT:-420}" python3 -m kvchat.app.cli eval --mode app --device cpu --json \
+      --model "$model" --seed 0 --chats 10 --samples 1000 > "$dir/samples.json" 2> "$dir/samples.log" &
+    wait
+    tar czf "$OUT/ship.tgz" -C $dir .
     summary $dir "*.json"
     ;;
   blends)
