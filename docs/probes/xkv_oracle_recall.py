@@ -53,9 +53,9 @@ def oracle(policy, engine: Engine, expected: ExpectedReplies):
         return real_visible(cache, round_starts, new_tokens, model=model)
 
     @torch.inference_mode()
-    def scores(model_, cache, layers, tokens):
+    def scores(model_, cache, layers, tokens, after=0):
         cfg, first, n_win = model_.cfg, cache.length, len(tokens)
-        window = prefill_queries(model_, cache, layers, tokens)  # [L, T, H, D]
+        window = prefill_queries(model_, cache, layers, tokens, after)  # [L, T, H, D]
         answer = answer_tokens(prompts[0]) if prompts else []
         queries = window
         if answer:
