@@ -126,6 +126,9 @@ def test_every_method_reports_every_figure(small_run):
     lazy = methods["policy:louiskv+lazy"]  # opened lazily (its units stored by the untimed first resume)
     assert lazy["lazy"] and 0 < lazy["lazy_rounds_before_first_token"] <= lazy["lazy_rounds"] == two_k["rounds"]
     assert 0 < lazy["lazy_bytes_before_first_token"] <= lazy["lazy_chat_bytes"]
+    # the cold run's phases beside the last (warm) run's: where a resume from the disk spends its time
+    assert {k.removeprefix("cold_") for k in lazy if k.startswith("cold_lazy_")} == \
+        {k for k in lazy if k.startswith(("lazy_read_", "lazy_open_")) or k == "lazy_complete_s"}
     tiered = methods["policy:round@2"]
     assert 0 < tiered["tiered_kv_fraction"] < 1 and tiered["tiered_rounds"] >= 10
     assert 0 < tiered["tiered_message_ttft_after_prefetch_s"]

@@ -249,6 +249,9 @@ def _run_engine(spec: dict) -> dict:
         result.update({k: v for k, v in runs[-1].items() if k.startswith("retrieval_")})
     if "lazy" in runs[-1]:  # likewise
         result.update({k: v for k, v in runs[-1].items() if k.startswith("lazy")})
+        if len(runs) > 1:  # and where the cold run's time went (the first, from the disk), beside the warm one's
+            result.update({f"cold_{k}": v for k, v in runs[0].items()
+                           if k.startswith(("lazy_read_", "lazy_open_")) or k == "lazy_complete_s"})
     result["ttft_first_use_s"] = first_use_s
     result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
     if method == "kv-split":
