@@ -105,5 +105,5 @@ case "${1:-train}" in
         && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name" \
         && if [ -n "${GATE:-}" ]; then gate_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"; fi
     done; wait; summary; summary "$OUT" "*-heldout-seed*.json" ;;
-  *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL" >&2; exit 2 ;;
+  *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL|ship MODEL" >&2; exit 2 ;;
 esac

@@ -80,8 +80,8 @@ TASKS = ("book a table for {a} people", "set a timer for {a} minutes", "order a 
          "find me a cheap flight", "play some music", "turn on the lights", "send a text to everyone",
          "make a shopping list", "suggest a film for tonight", "plan a workout", "sort these files",
          "tidy up this paragraph", "rewrite this in plain english", "proofread this essay",
-         "translate this into german",
-         "convert this recipe for {a} servings", "give me directions to the airport", "pick a place to eat nearby",
+         "translate this into german", "convert this recipe for {a} servings", "give me directions to the airport",
+         "pick a place to eat nearby",
          "schedule a call at {a} past {b}", "write a script that renames files", "debug this function",
          "turn this loop into a list comprehension", "give me a regex for email addresses",
          "make a chart of these figures", "generate a strong password", "find a word that rhymes with chimney")
@@ -108,8 +108,10 @@ def _written(form: tuple, rng: random.Random) -> str:
     words = []
     for part in form:
         words.append(part if isinstance(part, str) else rng.choice(part))
-    text = " ".join(words).replace(" ,", ",").replace(" ;", ";").replace(" .", ".").replace(" ?", "?")
-    return _capitalized(text.replace(" !", "!"))
+    text = " ".join(words)
+    for mark in ",;.?!":  # a literal part that is punctuation joins the word before it
+        text = text.replace(" " + mark, mark)
+    return _capitalized(text)
 
 
 def everyday_sentence(rng: random.Random) -> str:
