@@ -123,6 +123,8 @@ def test_every_method_reports_every_figure(small_run):
         assert len(m["reply_tokens"]) >= 1 and "peak_gpu_gib" not in m
         if name != "llama.cpp":
             assert 0 < m["message_ttft_warm_s"] < m["ttft_warm_s"]  # the message alone, restore excluded
+            # the cold first token in its parts: the open and the message
+            assert m["resume_cold_s"] + m["message_ttft_cold_s"] == pytest.approx(m["ttft_cold_s"])
     lazy = methods["policy:louiskv+lazy"]  # opened lazily (its units stored by the untimed first resume)
     assert lazy["lazy"] and 0 < lazy["lazy_rounds_before_first_token"] <= lazy["lazy_rounds"] == two_k["rounds"]
     assert 0 < lazy["lazy_bytes_before_first_token"] <= lazy["lazy_chat_bytes"]

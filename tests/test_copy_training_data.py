@@ -67,10 +67,12 @@ def test_the_trainer_asks_for_no_mix_unless_told():
     from kvchat.engine.train.trainer import TrainConfig, corpus_chunks
 
     chunk = corpus_chunks(TrainConfig())[0]
-    assert chunk[-4:] == ("", 0.5, 0.0, 0.0)  # `mix or None`, no grammar's small talk or requests: as every run before
-    assert corpus_chunks(TrainConfig(mix="copy", mix_share=0.3))[0][-4:-2] == ("copy", 0.3)
-    assert corpus_chunks(TrainConfig(talk=0.7))[0][-2] == 0.7
-    assert corpus_chunks(TrainConfig(requests=0.6))[0][-1] == 0.6
+    # `mix or None`, no grammar's small talk or requests, no facts about anything: as every run before
+    assert chunk[-5:] == ("", 0.5, 0.0, 0.0, 0.0)
+    assert corpus_chunks(TrainConfig(mix="copy", mix_share=0.3))[0][-5:-3] == ("copy", 0.3)
+    assert corpus_chunks(TrainConfig(talk=0.7))[0][-3] == 0.7
+    assert corpus_chunks(TrainConfig(mix="copy", subjects=0.4))[0][-1] == 0.4
+    assert corpus_chunks(TrainConfig(requests=0.6))[0][-2] == 0.6
     with pytest.raises(ValueError, match="unknown mix"):
         dialogues("train", 1, 0, 4, 8, mix="paste")
 

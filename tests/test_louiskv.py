@@ -214,6 +214,10 @@ def test_bad_options_are_one_line(engine):
     for window in (0, 300):  # the first choice's window: 1 to the buffer's 256 tokens
         with pytest.raises(KvchatError, match=f"window is 1 to buffer \\(256\\) tokens, not {window}"):
             make_policy("louiskv", engine, tau=0.5, window=window)
+    with pytest.raises(KvchatError, match="centroid, bounds or pages, not 'mean'"):
+        make_policy("louiskv", engine, tau=0.5, summary="mean")
+    with pytest.raises(KvchatError, match="instep is 0 .* or 1 .*, not 2"):
+        make_policy("quest", engine, instep=2)
     with pytest.raises(KvchatError, match="calibrate its retrieval trigger|tau"):
         make_policy("louiskv", engine)  # no threshold and nothing calibrated here: make_policy is pure
     with pytest.raises(KvchatError, match="3 thresholds"):
@@ -284,3 +288,85 @@ def test_a_choice_at_a_boundary_rewrites_the_flagged_layers_alone_as_a_choice_of
     step._choose_flagged()
     assert torch.equal(step.chosen, some[0]) and torch.equal(step.base, some[1])
     assert not torch.equal(step.chosen, chosen_all)
+
+
+def _lists_after_each_token(engine, name: str, graph: bool, **options):
+    """Decode 8 tokens under the policy; after each, whether every global layer's lists are those its latest query
+    (the token's own) chooses; and the tokens, choices and final lists."""
+    from graph_standin import standin_graphs
+
+    m, prompt = engine.model, long_prompt(engine)
+    policy = make_policy(name, engine, tokens=48, sinks=4, buffer=16, unit_tokens=8, **options)
+    cache = m.new_cache(len(prompt) + 20)
+    policy.visible_slots(cache, [0], prompt, model=m)
+    own, steps, real = [], [], policy.decode_step
+
+    def decode_step(*a):
+        step = real(*a)
+        after = step.after_token
+
+        def checked():
+            after()
+            lists = step.lists(step.previous, step.summary, step.member, step.always)  # [G, Hkv, n]
+            own.append(torch.equal(step.chosen[step.global_index, :, : lists.shape[2]], lists))
+
+        step.after_token = checked
+        steps.append(step)
+        return step
+
+    policy.decode_step = decode_step
+    with standin_graphs():
+        out = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=8, policy=policy,
+                       cuda_graph=graph)
+    return own, (out.tokens, policy.selections, steps[0].chosen.clone())
+
+
+@pytest.mark.parametrize("name", ["louiskv", "quest"])
+def test_in_step_each_layer_reads_what_the_tokens_own_query_chooses(engine, name):
+    """`instep=1`: each global layer chooses with the query its token just formed, before its attention reads; by
+    default the choice after a token serves the next one (so the lists lag a query behind: the check can fail)."""
+    extra = {"tau": 1.0} if name == "louiskv" else {}  # r < 1 at every token: every layer chooses every time
+    own, _ = _lists_after_each_token(engine, name, False, instep=1, **extra)
+    assert len(own) >= 6 and all(own)
+    if name == "louiskv":  # one threshold per global layer, as calibrated: each layer checks its own
+        n_global = sum(1 for layer in engine.model.layers if not layer.window)
+        own, _ = _lists_after_each_token(engine, name, False, instep=1, tau=(1.0,) * n_global)
+        assert all(own)
+    lagging, _ = _lists_after_each_token(engine, name, False, **extra)
+    assert not all(lagging)
+
+
+@pytest.mark.parametrize("name", ["louiskv", "quest"])
+def test_in_step_choices_decode_the_same_in_the_captured_step(engine, name):
+    """In-step choices happen inside the step, kept by the trigger without a host round trip: the captured step
+    (through the CPU stand-in for CUDA graphs) gives the eager step's tokens, choices and lists."""
+    extra = {"tau": 0.5} if name == "louiskv" else {}
+    eager = _lists_after_each_token(engine, name, False, instep=1, **extra)
+    captured = _lists_after_each_token(engine, name, True, instep=1, **extra)
+    assert eager[1][:2] == captured[1][:2] and torch.equal(eager[1][2], captured[1][2])
+    assert eager[0] == captured[0]  # (louiskv at 0.5: a layer whose trigger did not fire kept its lists)
+
+
+@pytest.mark.parametrize("summary", ["bounds", "pages"])
+def test_units_scored_by_bounds_or_pages_hold_every_member_keys_product(engine, summary):
+    """`summary=bounds`: each cluster's min and max keys; `pages`: Quest's pages; either way no member key's product
+    with a query exceeds its unit's bound, and the units are made from the span's keys (a lazy resume brings them
+    in first)."""
+    from kvchat.engine.policies.unit_retrieval import span_keys
+
+    m, prompt = engine.model, long_prompt(engine)
+    cache = m.new_cache(len(prompt) + 4)
+    m(torch.tensor(prompt), cache)
+    policy = make_policy("louiskv", engine, tau=0.5, summary=summary, unit_tokens=8)
+    policy.visible_slots(cache, [0, 40], prompt[-4:])
+    layers = list(range(engine.config.n_layers))
+    units = policy.units(cache, layers, 10, 40)
+    assert units.summary.shape[3] == 2 and policy.keys_for_units(cache, 10, 40) == (10, 40)
+    keys = span_keys(cache, layers, 10, 40).float()
+    q = torch.randn(*keys.shape[:2], keys.shape[-1], generator=torch.Generator().manual_seed(5))
+    lo, hi = units.summary[:, :, :, 0], units.summary[:, :, :, 1]
+    bound = torch.maximum(q[:, :, None] * lo, q[:, :, None] * hi).sum(-1)  # [G, Hkv, U]
+    products = (q[:, :, None] * keys).sum(-1)  # [G, Hkv, n]
+    assert (products <= bound.gather(2, units.member) + 1e-4).all()
+    if summary == "bounds":  # the clusters' members, each unit's range no wider than its own keys'
+        assert torch.equal(units.member, policy._units(cache, layers, 10, 40).member)

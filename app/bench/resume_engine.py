@@ -253,6 +253,9 @@ def _run_engine(spec: dict) -> dict:
             result.update({f"cold_{k}": v for k, v in runs[0].items()
                            if k.startswith(("lazy_read_", "lazy_open_")) or k == "lazy_complete_s"})
     result["ttft_first_use_s"] = first_use_s
+    # the cold run's first token in its two parts: the chat opened (resume) and the message answered to its first
+    # token, beside the warm runs' medians of the same (resume_warm_s, message_ttft_warm_s)
+    result["resume_cold_s"], result["message_ttft_cold_s"] = runs[0]["resume_s"], runs[0]["message_ttft_s"]
     result["message_ttft_warm_s"] = statistics.median(r["message_ttft_s"] for r in runs[1:] or runs)
     if method == "kv-split":
         result.update(split)

@@ -7,7 +7,9 @@
 #   STEPS=3500 DIALOGUES=100000 SEED=5 bash docs/gpu/train-copy.sh train
 #   TALK=0.7 ... bash docs/gpu/train-copy.sh train   # small talk written by engine/data/small_talk.py's grammar too
 #   REQUESTS=0.7 ... bash docs/gpu/train-copy.sh train   # requests written by its request grammar too
+#   SUBJECTS=0.4 ... bash docs/gpu/train-copy.sh train   # a share of the copy mix's facts about anything (open_facts.py)
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
+#                                           # (GATE=1: and held-out sets 0-3, the gate before the report sets)
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
 #   bash docs/gpu/train-copy.sh report MODEL.gguf   # the chosen model's report figures, once (and the shipped one's
 #                                           # random strings on the report sets), all at once; results in report.tgz
@@ -56,12 +58,15 @@ case "${1:-train}" in
     echo "unit choice probe: exit status $?"; tail -25 "$OUT/unit-choice-cost.txt" ;;
   train)
     LONG="--set noise=6 --set never_told=50 --set lr=0.001 --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
-          --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0} --set requests=${REQUESTS:-0}"
+          --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0} --set requests=${REQUESTS:-0}
+          --set subjects=${SUBJECTS:-0}"
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
       --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
       2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8
     cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/"
-    if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; wait; summary; fi ;;
+    if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained
+      if [ -n "${GATE:-}" ]; then gate_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; fi
+      wait; summary; summary "$OUT" "*-heldout-seed*.json"; fi ;;
   eval)
     shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
   report)  # held-out phrasings on each report set (40 chats, as 2026-11-26's figures), random strings on each (10

@@ -1,7 +1,9 @@
 """What a louiskv decode step costs beyond the bytes it reads (issue 44's decode target): on one chat, the full
 cache's step against louiskv's at the same budget, choosing (a) once after the prefill and never again (tau = -1:
 the slot-list step alone), (b) at its boundaries (tau per global layer at the 0.25-quantile of this chat's own r,
-as `kvchat calibrate` sets it), (c) after every token in every layer (tau = 1); and one choice timed alone (made
+as `kvchat calibrate` sets it), (c) after every token in every layer (tau = 1), (d) at its boundaries in the step
+(`instep=1`: each layer with its token's own query, so every layer scores and ranks its units at every token), (e)
+Quest's pages in the step likewise; and one choice timed alone (made
 eagerly for every global layer, and for one; and as the decode makes it on a CUDA graph: the choice's replay).
 The byte bound counts the weights as placed and the K/V the lists name.
 
@@ -82,8 +84,9 @@ def main() -> None:
     last = [int(tokens[-1])]
     history = starts[:-1] if starts and starts[-1] == context else starts
 
-    def louiskv(tau, keep: list | None = None, record: list | None = None):
-        policy = make_policy("louiskv", engine, tokens=args.tokens, tau=tau)
+    def louiskv(tau, keep: list | None = None, record: list | None = None, name: str = "louiskv", instep: int = 0):
+        options = {"tau": tau} if name == "louiskv" else {}
+        policy = make_policy(name, engine, tokens=args.tokens, instep=instep, **options)
         # with `record`: every layer's r at every token (tau = 1 chooses everywhere, so all are seen), read back
         # on the host, so not in a CUDA graph
         if record is not None:
@@ -108,8 +111,13 @@ def main() -> None:
     taus = [float(t) for t in r.quantile(0.25, dim=0)]
     out["r_quantile_0.25"] = taus
     keep: list = []
-    for label, tau in (("once", -1.0), ("boundaries", tuple(taus) if n_global > 1 else taus[0]), ("every", 1.0)):
-        policy, make = louiskv(tau, keep)
+    at_boundaries = tuple(taus) if n_global > 1 else taus[0]
+    # (in step: each layer chooses with its token's own query inside the step, every layer at every token, kept
+    # where its trigger did not fire; quest's pages likewise, its trigger firing always)
+    for label, tau, name, instep in (("once", -1.0, "louiskv", 0), ("boundaries", at_boundaries, "louiskv", 0),
+                                     ("every", 1.0, "louiskv", 0), ("in_step", at_boundaries, "louiskv", 1),
+                                     ("quest_in_step", None, "quest", 1)):
+        policy, make = louiskv(tau, keep, name=name, instep=instep)
         rates = decode_rates(cache, context, make, device, args.repeats, n)
         step = keep[0]
         per_slot_reads = [args.tokens + len(step.always[0, 0])] * n_global
@@ -122,9 +130,11 @@ def main() -> None:
                "speedup": statistics.median(rates) / full_rate}
         row["share_of_bound"] = row["speedup"] / row["bound"]
         out[label] = row
-        print(f"louiskv, choosing {label}: {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f}); "
+        print(f"{name}, choosing {label}: {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f}); "
               f"{row['choices_per_token']:.2f} choices a token; {row['speedup']:.2f}x of the byte bound's "
               f"{row['bound']:.2f}x ({row['share_of_bound']:.0%})", flush=True)
+    policy, make = louiskv(at_boundaries, keep)
+    make()
     step = keep[0]
     every = torch.ones(n_global, dtype=torch.bool)
     one = torch.zeros(n_global, dtype=torch.bool)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from kvchat.engine.data import open_facts
 from kvchat.engine.data.small_talk import everyday_request, everyday_sentence
 from kvchat.engine.text.chat_format import Round
 
@@ -396,7 +397,24 @@ def slot_for(key: str) -> Slot:
         return entity_slot(attribute, det, noun)
     if key in _COPY_SLOTS:
         return _COPY_SLOTS[key]
+    if key.startswith("open:"):  # a fact about anything (training only): "open:codes:my gym locker code"
+        _, field_name, thing = key.split(":", 2)
+        det, subject = thing.split(" ", 1)
+        return open_slot(det, subject, field_name)
     return _FIXED_SLOTS[key]
+
+
+@lru_cache(maxsize=4096)
+def open_slot(det: str, subject: str, field_name: str) -> Slot:
+    """A fact about anything (engine.data.open_facts): "{det} {subject}" told with a value of `field_name`'s kind,
+    in training chats only (its templates are training ones in every phrasing's place)."""
+    d = f"{det} {subject}"
+    states = tuple(t.format(d=d, v="{v}") for t in open_facts.STATES)
+    asks = tuple(t.format(d=d, D=_cap(d), v="{v}") for t in open_facts.ASKS)
+    recalls = tuple(t.format(d=d, s=subject) for t in open_facts.RECALLS)
+    answer = open_facts.ANSWER.format(A=f"{open_facts.answer_determiner(det)} {subject}", v="{v}")
+    return Slot(f"open:{field_name}:{d}", field_name, Templates(states, states, states), Templates(asks, asks, asks),
+                Templates(recalls, recalls, recalls), answer, tuple(subject.split()))
 
 
 
@@ -645,6 +663,10 @@ _PRONOUNS = {"pets": (("he", "his"), ("she", "her"), ("it", "its")), "vehicles":
 _BREEDS = ("beagle", "poodle", "labrador", "collie", "terrier", "husky", "dachshund", "spaniel", "bulldog",
            "greyhound", "siamese", "persian", "bengal", "sphynx", "arabian", "shetland", "mustang", "appaloosa")
 _HELD_OUT_WORDS = frozenset(_REAL_WORDS | set(_BREEDS))  # the held-out values of words: never in a training chat
+# words no subject about anything (engine.data.open_facts) has: held-out and dev nouns and held-out values
+_OPEN_AVOID = frozenset({*_NOUNS_HELDOUT, *_NOUNS_DEV, *_HELD_OUT_WORDS,
+                         *(n for phrasing in ("heldout", "dev") for nouns in _ENTITY_NOUNS[phrasing].values()
+                           for n in nouns)})
 
 
 def _entity_templates(attribute: str, d: str) -> tuple[Templates, Templates, Templates, str, tuple[str, ...]]:
@@ -1062,7 +1084,7 @@ class _Writer:
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
                  never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0,
-                 talk: float = 0.0, requests: float = 0.0):
+                 talk: float = 0.0, requests: float = 0.0, subjects: float = 0.0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.mix, self.mix_share = mix, mix_share  # the copy mix (issue 45): see `copy_statement`
         self.entities: dict[str, tuple[str, tuple[str, str]]] = {}  # the copy mix's things: "my dog": kind, he/his
@@ -1073,6 +1095,8 @@ class _Writer:
         self.talk = talk if phrasing == "train" else 0.0
         # training chats only: the share of requests written by engine/data/small_talk.py's request grammar
         self.requests = requests if phrasing == "train" else 0.0
+        # training chats with the copy mix only: the share of its facts about anything (`open_fact`)
+        self.subjects = subjects if phrasing == "train" and mix else 0.0
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -1404,8 +1428,11 @@ class _Writer:
         (`_IN_PASSING`); the values are masked while the words around them change (noise, `respell`), so that
         they stay byte for byte what the replies copy."""
         rng = self.rng
-        kind = rng.choices(("random", "forms", "entity"), weights=(35, 30, 35))[0]
-        facts = self.entity_facts() if kind == "entity" else self.copy_fact(kind)
+        if self.subjects and rng.random() < self.subjects:
+            facts = self.open_fact()
+        else:
+            kind = rng.choices(("random", "forms", "entity"), weights=(35, 30, 35))[0]
+            facts = self.entity_facts() if kind == "entity" else self.copy_fact(kind)
         if not facts:
             return self.chatter()
         values = [v for _, v in facts]
@@ -1487,6 +1514,26 @@ class _Writer:
             return []
         slot = rng.choice(free)
         return [(slot, self.copy_value_of(slot, kind == "random"))]
+
+    _OPEN_FIELDS = ("codes", "dates", "times", "phones", "money", "years", "names", "cities")
+    _OPEN_WEIGHTS = (40, 10, 8, 8, 8, 6, 12, 8)
+
+    def open_subject(self) -> tuple[str, str]:
+        """A determiner and a subject about anything (engine.data.open_facts) that no fact of the chat shares a
+        word of its subject with (so that a question about one never fits two)."""
+        told = {w for k in self.known if k.startswith("open:") for w in slot_for(k).keywords}
+        while True:
+            subject = open_facts.subject(self.rng, pseudo_word, _OPEN_AVOID)
+            if not told & set(subject.split()):
+                return self.rng.choice(open_facts.DETERMINERS), subject
+
+    def open_fact(self) -> list[tuple[Slot, str]]:
+        """A fact about anything: an open subject (`open_subject`) with a value of one of the copy mix's kinds,
+        a random string most often."""
+        det, subject = self.open_subject()
+        field_name = self.rng.choices(self._OPEN_FIELDS, weights=self._OPEN_WEIGHTS)[0]
+        slot = open_slot(det, subject, field_name)
+        return [(slot, self.copy_value_of(slot, True))]
 
     def free_called_slot(self) -> Slot | None:
         """A named thing whose noun no fact of the chat names yet (as `fresh_slot` picks one)."""
@@ -1579,6 +1626,9 @@ class _Writer:
     def unknown_copy_slot(self) -> Slot | None:
         """Something never told, asked in a copy-mix chat: most often an attribute of a named thing the chat told
         others of ("How old is my dog?" when only its name was told), else a fact of the copy mix's."""
+        if self.subjects and self.rng.random() < 0.4:  # a subject about anything, never told
+            det, subject = self.open_subject()
+            return open_slot(det, subject, "codes")
         untold = [_entity_key(a, d) for d, (kind, _) in self.entities.items()
                   for a in ("name", *_ENTITY_ATTRIBUTES[kind]) if _entity_key(a, d) not in self.known]
         if untold and self.rng.random() < 0.7:
@@ -1641,7 +1691,7 @@ def _ask(question: str, position: str, small_talk: Callable[[int], list[str]]) -
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
                   phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
                   mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
-                  requests: float = 0.0) -> Dialogue:
+                  requests: float = 0.0, subjects: float = 0.0) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
@@ -1652,9 +1702,10 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     `wide` (training only) adds every template group's `more` phrasings to the trained ones. `mix` "copy" makes a
     `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was.
     `talk` (training only) is the share of small-talk sentences written by engine/data/small_talk.py's grammar,
-    `requests` (training only) the share of requests written by its request grammar."""
+    `requests` (training only) the share of requests written by its request grammar, `subjects` (training with the
+    copy mix only) the share of the mix's facts that are about anything (engine.data.open_facts)."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk, requests)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk, requests, subjects)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -1677,7 +1728,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
               phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
               mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
-              requests: float = 0.0) -> list[Dialogue]:
+              requests: float = 0.0, subjects: float = 0.0) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any.
     `mix` (MIXES; None: none) adds a mix of other facts (`make_dialogue`), drawn from a stream of its own for each
@@ -1688,7 +1739,7 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         raise ValueError(f"unknown mix {mix!r} (accepted: {', '.join(MIXES)})")
     if mix is not None and not 0 <= mix_share <= 1:
         raise ValueError(f"mix_share must be within 0-1, not {mix_share}")
-    for share, what in ((talk, "talk"), (requests, "requests")):
+    for share, what in ((talk, "talk"), (requests, "requests"), (subjects, "subjects")):
         if not 0 <= share <= 1:
             raise ValueError(f"{what} must be within 0-1, not {share}")
     if mix is None:
@@ -1697,4 +1748,4 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         rng = random.Random(f"{split}:{phrasing}:{mix}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told, wide, mix, mix_share, talk, requests) for _ in range(count)]
+                          never_told, wide, mix, mix_share, talk, requests, subjects) for _ in range(count)]

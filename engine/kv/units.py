@@ -131,6 +131,19 @@ def page_units(keys: Tensor, start: int, page: int = TOKENS_PER_CLUSTER) -> Unit
     return Units(start, start + n, member, summary)
 
 
+def unit_bounds(keys: Tensor, units: Units) -> Units:
+    """`units` summarized by the per-dimension minimum and maximum of their member keys (keys [G, Hkv, n, D] of the
+    units' span), as Quest summarizes a page: q . k of no member exceeds the bound. A unit with no member keeps an
+    empty range (min +inf, max -inf: a bound of -inf, never chosen)."""
+    g, h, n, d = keys.shape
+    index = units.member[..., None].expand(g, h, n, d)
+    lo = keys.new_full((g, h, units.n_units, d), math.inf, dtype=torch.float32)
+    hi = keys.new_full((g, h, units.n_units, d), -math.inf, dtype=torch.float32)
+    lo.scatter_reduce_(2, index, keys.float(), "amin")
+    hi.scatter_reduce_(2, index, keys.float(), "amax")
+    return Units(units.start, units.end, units.member, torch.stack([lo, hi], dim=3))
+
+
 def joined(units: list[Units]) -> tuple[Tensor, Tensor, Tensor]:
     """Several spans' units as one set: (summaries [G, Hkv, U, S, D], each listed slot's unit [G, Hkv, N], the slots
     [N] long), units numbered across the spans."""

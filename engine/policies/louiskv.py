@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.kv.units import Units, cluster_units, round_units, sliced
+from kvchat.engine.kv.units import Units, cluster_units, page_units, round_units, sliced, unit_bounds
 from kvchat.engine.policies.unit_retrieval import UnitRetrievalPolicy, span_keys
 from kvchat.errors import KvchatError
 
@@ -40,6 +40,12 @@ class LouisKV(UnitRetrievalPolicy):
     # 35.2% with 15; the full cache 41.1%, Quest's pages 37.2% (docs/benchmarks.md, "LouisKV").
     pool: int = 7
     iterations: int = 8  # k-means iterations per round
+    # How the input's units are scored: "centroid", LouisKV's q . centroid; "bounds", each cluster's keys' min and
+    # max as Quest bounds a page; "pages", Quest's pages of `unit_tokens` in place of the clusters (the trigger
+    # kept). The last two are made from the keys each time (a lazy resume brings those slots in first). On the
+    # embedded model's development chats at 1,024 slots: 147 / 145 / 150 answers of the full cache's 166, and with
+    # `instep=1` 150 / 140 / 158 (docs/benchmarks.md, "LouisKV: the query a choice is made with").
+    summary: str = "centroid"
     _tau_tensor: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -58,6 +64,9 @@ class LouisKV(UnitRetrievalPolicy):
         taus = () if self.tau is None else (self.tau,) if isinstance(self.tau, float) else self.tau
         if not all(-1.0 <= t <= 1.0 for t in taus) or self.iterations < 1:
             raise KvchatError("tau is a cosine similarity in [-1, 1] and iterations at least 1")
+        if self.summary not in ("centroid", "bounds", "pages"):
+            raise KvchatError(f"the louiskv policy's units are scored by their centroid, bounds or pages, not "
+                              f"{self.summary!r}")
 
     def calibration_needed(self) -> tuple[str, ...]:
         return ("tau",) if self.tau is None else ()
@@ -69,6 +78,14 @@ class LouisKV(UnitRetrievalPolicy):
                               f"global layers")
 
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
+        if self.summary == "pages":  # Quest's pages in place of the clusters (the trigger kept)
+            return page_units(span_keys(cache, layers, start, end), start, self.unit_tokens)
+        got = self._units(cache, layers, start, end)
+        if self.summary == "bounds":  # each unit's members' min and max keys (of the span's slots alone)
+            return unit_bounds(span_keys(cache, layers, got.start, got.end), got)
+        return got
+
+    def _units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
         # A closed round's units are its whole round's (those stored with the chat, or those its save built), kept
         # in the cache (KVCache.units) and sliced to the span; a round without them (a chat from before, or saved
         # under another policy) is clustered whole, once. A span of the new message itself is clustered alone.
@@ -82,6 +99,8 @@ class LouisKV(UnitRetrievalPolicy):
         return sliced(got, start, end)
 
     def keys_for_units(self, cache: KVCache, start: int, end: int) -> tuple[int, int] | None:
+        if self.summary != "centroid":  # bounds and pages are made from the span's keys every time
+            return start, end
         closed = self._closed_round(start, end)
         if closed is None:
             return start, end
@@ -105,10 +124,10 @@ class LouisKV(UnitRetrievalPolicy):
             cuts[:, : recorded.shape[1]] = recorded
         return round_units(keys, start, reply_at, cuts, self.unit_tokens, self.iterations)
 
-    def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
+    def boundary(self, previous: Tensor, current: Tensor, layer: int | None = None) -> Tensor:
         tau = self.tau
         if isinstance(tau, tuple):  # on the queries' device once, not copied there at every token
             if self._tau_tensor is None or self._tau_tensor.device != current.device:
                 self._tau_tensor = torch.tensor(tau, device=current.device)
-            tau = self._tau_tensor
+            tau = self._tau_tensor if layer is None else self._tau_tensor[layer : layer + 1]
         return query_similarity(previous, current) < tau

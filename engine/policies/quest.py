@@ -25,5 +25,5 @@ class QuestPages(UnitRetrievalPolicy):
     def units(self, cache: KVCache, layers: list[int], start: int, end: int) -> Units:
         return page_units(span_keys(cache, layers, start, end), start, self.unit_tokens)
 
-    def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
+    def boundary(self, previous: Tensor, current: Tensor, layer: int | None = None) -> Tensor:
         return torch.ones(current.shape[0], dtype=torch.bool, device=current.device)

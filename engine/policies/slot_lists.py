@@ -100,7 +100,7 @@ class SlotListDecode:
         step = self.inputs.step(m)
         step.chosen = self.chosen
         step.n_chosen = self.base + (step.slot - self.first_slot + 1)  # the input's chosen, and the reply so far
-        queries: list[Tensor] | None = [] if self.keep_queries or self.watches_queries else None
+        queries = self.query_list()
         h = m.run_layers(m.embed(self.inputs.token), None, self.cache, None, step=step, queries=queries)
         if queries is None:
             return m.head(h), None
@@ -109,6 +109,11 @@ class SlotListDecode:
         return m.head(h), stacked if self.keep_queries else None
 
     watches_queries = False  # whether `watch` sees each step's queries
+
+    def query_list(self) -> list | None:
+        """What the step's layers append their queries [1, H, D] to, in layer order (each just before its
+        attention reads the lists), or None where nothing looks at them."""
+        return [] if self.keep_queries or self.watches_queries else None
 
     def watch(self, queries: Tensor) -> None:
         """Inside the step (in its CUDA graph, so device work alone): the token's queries [L, H, D], where

@@ -68,6 +68,14 @@ class UnitRetrievalPolicy(KVPolicy):
     # global layer the sinks, the buffer and the best units of its last token's queries (engine.policies.
     # units_prefill: what a lazily reopened chat must have on the device before its first token; issue 44)
     prefill: str = "full"
+    # Which query a choice uses: 0, the query of the token whose trigger fired, for the tokens after it (temporal
+    # locality: the choice runs between steps); 1, each token's own (each global layer checks its trigger as its
+    # query is formed and, where it fires, chooses before its own attention reads, as Quest chooses). With 1 every
+    # global layer scores and ranks its units at every token, in the step (its CUDA graph too), and keeps its old
+    # lists where the trigger did not fire. On the embedded model's development chats at 1,024 slots (20, compare
+    # mode): Quest's pages 147 -> 165 answers of the full cache's 166; louiskv's clusters 147 -> 150
+    # (docs/benchmarks.md, "LouisKV: the query a choice is made with").
+    instep: int = 0
     # for the benchmarks and tests: choices made and tokens decoded under this policy so far (state, not parameters)
     selections: int = field(default=0, init=False, repr=False)
     decoded: int = field(default=0, init=False, repr=False)
@@ -91,6 +99,9 @@ class UnitRetrievalPolicy(KVPolicy):
         if self.prefill not in ("full", "units"):
             raise KvchatError(f"the {self.name} KV policy's prefill reads the whole chat (full) or units (units), not "
                               f"{self.prefill!r}")
+        if self.instep not in (0, 1):
+            raise KvchatError(f"the {self.name} KV policy's instep is 0 (a choice serves the tokens after the one "
+                              f"that fired it) or 1 (the token itself), not {self.instep}")
         if not 1 <= self.window <= self.buffer:
             raise KvchatError(f"the {self.name} KV policy's window is 1 to buffer ({self.buffer}) tokens, not "
                               f"{self.window}")
@@ -100,9 +111,9 @@ class UnitRetrievalPolicy(KVPolicy):
         """The units of slots [start, end) of `layers` (a span within one round)."""
 
     @abstractmethod
-    def boundary(self, previous: Tensor, current: Tensor) -> Tensor:
+    def boundary(self, previous: Tensor, current: Tensor, layer: int | None = None) -> Tensor:
         """Which global layers choose again after a token: queries [G, H, D] of the token before and of this one ->
-        [G] bool."""
+        [G] bool; with `layer`, the rows [1, H, D] are global layer `layer`'s alone."""
 
     def visible_slots(self, cache: KVCache, round_starts: list[int], new_tokens: list[int],
                       model: Transformer | None = None) -> Attend:
@@ -225,25 +236,43 @@ class UnitRetrievalDecode(SlotListDecode):
         self.cuts = torch.zeros(n_reply, len(self.layers), dtype=torch.bool,
                                 pin_memory=device.type == "cuda")
         self.cuts_copied = torch.cuda.Event() if device.type == "cuda" else None
+        # the units and the always-read slots (before the step is captured: an in-step choice reads them)
+        units = [policy.units(cache, self.layers, a, b) for a, b in spans]
+        self.summary, self.member, self.slots = joined(units)
+        always = policy.always_read(cache.length, device).to(torch.int32)
+        self.always = always.expand(len(self.layers), cfg.n_kv_heads, -1)
+        self.n_sinks = min(policy.sinks, cache.length)  # the always-read slots before the retrievable region
         super().__init__(model, cache, prompt_start, capacity, None, capture)
         self.previous.copy_(first_queries)  # the captured step's warm-up runs wrote theirs
         self.redo.zero_()
-        units = [policy.units(cache, self.layers, a, b) for a, b in spans]
-        self.summary, self.member, self.slots = joined(units)
-        always = policy.always_read(self.first, device).to(torch.int32)
-        self.always = always.expand(len(self.layers), cfg.n_kv_heads, -1)
-        self.n_sinks = min(policy.sinks, self.first)  # the always-read slots before the retrievable region
         # each KV head's query heads and the window's rows side by side: [G, H * T, D], head-major
         g, t, h, d = window_queries.shape
         self.select(window_queries.permute(0, 2, 1, 3).reshape(g, h * t, d), torch.ones(g, dtype=torch.bool))
-        self._choice = Replay(self._choose_flagged, device, self._replay.graph is not None)
+        # (in-step choices need no replay of their own: the step makes them)
+        self._choice = None if policy.instep else Replay(self._choose_flagged, device, self._replay.graph is not None)
 
     watches_queries = True
 
+    def query_list(self) -> list:
+        return _ChoosingQueries(self) if self.policy.instep else []
+
     def watch(self, queries: Tensor) -> None:
+        if self.policy.instep:  # each layer checked its trigger, and chose, as its query was formed
+            return
         current = queries[self.global_index]  # [G, H, D]
         self.redo.copy_(self.policy.boundary(self.previous, current))
         self.previous.copy_(current)
+
+    def choose_now(self, g: int, q: Tensor) -> None:
+        """In-step (`instep`): global layer g's query q [H, D] was just formed; where its trigger fires, g's lists
+        are chosen with it before its attention reads them."""
+        fired = self.policy.boundary(self.previous[g : g + 1], q[None], g)  # [1] bool, on the device
+        self.redo[g : g + 1].copy_(fired)
+        self.previous[g].copy_(q)
+        # chosen whether it fired or not, and kept where it did: no host round trip inside the step
+        lists = self.lists(q[None], self.summary[g : g + 1], self.member[g : g + 1], self.always[g : g + 1])[0]
+        n, layer = lists.shape[1], self.layers[g]
+        self.chosen[layer, :, :n] = torch.where(fired, lists, self.chosen[layer, :, :n])
 
     def lists(self, q: Tensor, summary: Tensor, member: Tensor, always: Tensor) -> Tensor:
         """The input slots [G', Hkv, n] the queries q [G', H, D] read: the sinks and the buffer, and their best
@@ -284,6 +313,9 @@ class UnitRetrievalDecode(SlotListDecode):
         flagged = self.cuts[self.n_out - 1]
         if not bool(flagged.any()):
             return
+        if self.policy.instep:  # chosen in the step already
+            self.policy.selections += 1
+            return
         if self._choice.graph is not None:
             self._choice()
             self.policy.selections += 1
@@ -297,3 +329,19 @@ class UnitRetrievalDecode(SlotListDecode):
             self.cuts_copied.record()
         self.policy.decoded += 1
         self.policy.reply_cuts.append(row)
+
+
+class _ChoosingQueries(list):
+    """The step's query list under `instep`: each global layer's query, as its layer appends it, goes to the
+    decode's choice first (UnitRetrievalDecode.choose_now), so the layer reads lists chosen with its own query."""
+
+    def __init__(self, decode: UnitRetrievalDecode):
+        super().__init__()
+        self.decode = decode
+        self.global_of = {layer: g for g, layer in enumerate(decode.layers)}
+
+    def append(self, q: Tensor) -> None:
+        g = self.global_of.get(len(self))
+        if g is not None:
+            self.decode.choose_now(g, q.reshape(q.shape[-2], q.shape[-1]))
+        super().append(q)

@@ -92,6 +92,10 @@ class TrainConfig:
     # rather than drawn from the trained templates: a model trained on the copy mix took held-out requests with a
     # number or an unknown word for facts (docs/embedded-model.md, "The sixth run"). 0: the chats of before.
     requests: float = 0.0
+    # The share of the copy mix's facts that are about anything (engine/data/open_facts.py): a subject from a wide
+    # vocabulary or made up, found later by its words; G copied values in the generator's own subjects and few in
+    # sentences no template wrote (docs/embedded-model.md, "The seventh run"). 0: the chats of before.
+    subjects: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -151,16 +155,17 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk, requests = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk, requests, subjects = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
             for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide),
-                               mix=mix or None, mix_share=mix_share, talk=talk, requests=requests)]
+                               mix=mix or None, mix_share=mix_share, talk=talk, requests=requests,
+                               subjects=subjects)]
 
 
 def corpus_chunks(cfg: TrainConfig) -> list[tuple]:
     """The training chats as `_encode_chunk` arguments: 500 chats a chunk, each chunk its own seed."""
     return [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk, cfg.requests)
+             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk, cfg.requests, cfg.subjects)
             for i in range(math.ceil(cfg.n_dialogues / 500))]
 
 
