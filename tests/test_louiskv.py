@@ -318,7 +318,7 @@ def _lists_after_each_token(engine, name: str, graph: bool, **options):
     with standin_graphs():
         out = generate(m, cache, prompt, decoder=engine.tokenizer.stream_decoder(), max_tokens=8, policy=policy,
                        cuda_graph=graph)
-    return own, (out.tokens, policy.selections, steps[0].chosen.clone())
+    return own, (out.tokens, policy.selections, steps[0].chosen.clone(), torch.stack(policy.reply_cuts))
 
 
 @pytest.mark.parametrize("name", ["louiskv", "quest"])
@@ -330,8 +330,9 @@ def test_in_step_each_layer_reads_what_the_tokens_own_query_chooses(engine, name
     assert len(own) >= 6 and all(own)
     if name == "louiskv":  # one threshold per global layer, as calibrated: each layer checks its own
         n_global = sum(1 for layer in engine.model.layers if not layer.window)
-        own, _ = _lists_after_each_token(engine, name, False, instep=1, tau=(1.0,) * n_global)
-        assert all(own)
+        taus = tuple(1.0 if g % 2 else -1.0 for g in range(n_global))  # odd layers always fire, even ones never
+        _, (_, _, _, cuts) = _lists_after_each_token(engine, name, False, instep=1, tau=taus)
+        assert cuts.shape[1] == n_global and bool(cuts[:, 1::2].all()) and not bool(cuts[:, 0::2].any())
     lagging, _ = _lists_after_each_token(engine, name, False, **extra)
     assert not all(lagging)
 
@@ -344,7 +345,10 @@ def test_in_step_choices_decode_the_same_in_the_captured_step(engine, name):
     eager = _lists_after_each_token(engine, name, False, instep=1, **extra)
     captured = _lists_after_each_token(engine, name, True, instep=1, **extra)
     assert eager[1][:2] == captured[1][:2] and torch.equal(eager[1][2], captured[1][2])
-    assert eager[0] == captured[0]  # (louiskv at 0.5: a layer whose trigger did not fire kept its lists)
+    assert torch.equal(eager[1][3], captured[1][3])
+    assert eager[0] == captured[0]
+    if name == "louiskv":  # at 0.5 some layers fired and some did not: the lists kept were exercised too
+        assert bool(captured[1][3].any()) and not bool(captured[1][3].all())
 
 
 @pytest.mark.parametrize("summary", ["bounds", "pages"])
@@ -368,5 +372,12 @@ def test_units_scored_by_bounds_or_pages_hold_every_member_keys_product(engine, 
     bound = torch.maximum(q[:, :, None] * lo, q[:, :, None] * hi).sum(-1)  # [G, Hkv, U]
     products = (q[:, :, None] * keys).sum(-1)  # [G, Hkv, n]
     assert (products <= bound.gather(2, units.member) + 1e-4).all()
+    # scores over every unit of the round (a slice leaves some with no member here): finite, none to an empty one
+    scores = unit_scores(torch.randn(len(layers), engine.config.n_heads, keys.shape[-1]), units.summary,
+                         engine.config.softmax_scale)
+    empty = units.summary[:, :, :, 0, 0] > units.summary[:, :, :, 1, 0]
+    assert scores.isfinite().all() and (scores[empty] == 0).all()
+    if summary == "bounds":
+        assert bool(empty.any())
     if summary == "bounds":  # the clusters' members, each unit's range no wider than its own keys'
         assert torch.equal(units.member, policy._units(cache, layers, 10, 40).member)

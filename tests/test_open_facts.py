@@ -4,8 +4,11 @@ copy of a held-out or dev template or of the hand-written set."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
+
+import pytest
 
 from test_dialogues import _grams, _words
 from test_small_talk import _held_out_and_dev_grams
@@ -51,7 +54,7 @@ def test_its_subjects_are_no_held_out_or_dev_noun_or_value():
     assert not vocabulary & d._OPEN_AVOID
     rng = random.Random(0)
     subjects = [open_facts.subject(rng, d.pseudo_word, d._OPEN_AVOID) for _ in range(3000)]
-    assert len(set(subjects)) > 2000  # (a head alone repeats: 82 of them)
+    assert len(set(subjects)) > 2000  # (a head alone repeats: 78 of them)
     assert all(1 <= len(s.split()) <= 3 and not set(s.split()) & d._OPEN_AVOID for s in subjects)
     made_up = [s for s in subjects if set(s.split()) - vocabulary]
     assert 0.15 < len(made_up) / len(subjects) < 0.35  # a quarter with a made-up word
@@ -101,9 +104,33 @@ def test_training_chats_with_subjects_tell_and_ask_open_facts_and_no_other_chat_
     assert never
     for phrasing in ("heldout", "dev"):
         assert _chats(phrasing, 0.5) == _chats(phrasing, 0.0)
-    # without it, the chats every earlier run trained on
-    assert d.dialogues("train", 4, 9, 30, 40, mix="copy") == d.dialogues("train", 4, 9, 30, 40, mix="copy",
-                                                                           subjects=0.0)
+
+
+# sha256 of repr(chats), computed from the code before facts about anything were added (6a2bd0f): without them
+# (subjects=0) every copy-mix chat is the one it was, and no chat but a training one ever has them.
+BEFORE_OPEN_FACTS = {
+    "copy-train-talk-requests": "3ba300f80bc1e42d",
+    "copy-heldout": "8d746684c03775cb",
+    "copy-dev": "db1a957486e86813",
+    "copy-heldout-values-train-phrasing": "018bad3cf4404a40",
+}
+_CALLS = {
+    "copy-train-talk-requests": lambda s: d.dialogues("train", 6, 100_000, 32, 60, noise=6, never_told=50, wide=True,
+                                                      mix="copy", mix_share=0.5, talk=0.7, requests=0.7, subjects=s),
+    "copy-heldout": lambda s: d.dialogues("heldout", 6, 0, 44, 52, "heldout", mix="copy", subjects=s),
+    "copy-dev": lambda s: d.dialogues("heldout", 6, 1, 44, 52, "dev", mix="copy", subjects=s),
+    # held-out values in trained phrasings (the benchmarks' and calibrations' chats): no facts about anything either
+    "copy-heldout-values-train-phrasing": lambda s: d.dialogues("heldout", 6, 2, 20, 30, "train", mix="copy",
+                                                                subjects=s),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BEFORE_OPEN_FACTS))
+def test_chats_without_open_facts_are_byte_for_byte_the_ones_before_them(call):
+    digest = hashlib.sha256(repr(_CALLS[call](0.0)).encode()).hexdigest()[:16]
+    assert digest == BEFORE_OPEN_FACTS[call]
+    with_them = hashlib.sha256(repr(_CALLS[call](0.5)).encode()).hexdigest()[:16]
+    assert (with_them == digest) == (call != "copy-train-talk-requests")  # training chats alone change
 
 
 def test_a_fact_about_anything_is_found_by_its_subject_alone():

@@ -1096,7 +1096,7 @@ class _Writer:
         # training chats only: the share of requests written by engine/data/small_talk.py's request grammar
         self.requests = requests if phrasing == "train" else 0.0
         # training chats with the copy mix only: the share of its facts about anything (`open_fact`)
-        self.subjects = subjects if phrasing == "train" and mix else 0.0
+        self.subjects = subjects if phrasing == "train" and mix and p.synthetic else 0.0
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -1515,8 +1515,8 @@ class _Writer:
         slot = rng.choice(free)
         return [(slot, self.copy_value_of(slot, kind == "random"))]
 
-    _OPEN_FIELDS = ("codes", "dates", "times", "phones", "money", "years", "names", "cities")
-    _OPEN_WEIGHTS = (40, 10, 8, 8, 8, 6, 12, 8)
+    _OPEN_FIELDS = ("codes", "dates", "times", "phones", "money", "years")
+    _OPEN_WEIGHTS = (60, 10, 8, 8, 8, 6)
 
     def open_subject(self) -> tuple[str, str]:
         """A determiner and a subject about anything (engine.data.open_facts) that no fact of the chat shares a

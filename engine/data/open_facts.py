@@ -2,8 +2,8 @@
 up, rather than from the generator's fixed slots, so that a model learns to find a fact by the words of its subject
 — whatever the subject is — and copy its value, not to know a list of subjects ("my cat", "the wifi password").
 
-A subject is one to three words: a head noun ("code", "reference", "pin"), most often after one or two modifiers
-("locker code", "gym membership number"), a quarter of the time with a made-up word in it. Training chats tell
+A subject is one to three words: a head noun ("tally", "quota", "label"), most often after one or two modifiers
+("kennel tally", "pension savings quota"), a quarter of the time with a made-up word in it. Training chats tell
 such facts and ask about them (engine.data.dialogues `_Writer.open_fact`, `subjects=SHARE`), and ask about subjects
 never told, so that a subject must match, not merely be a subject. The templates here are training ones only: held-
 out and dev chats never tell an open fact, so the held-out phrasings stay unseen (tests/test_open_facts.py checks

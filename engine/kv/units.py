@@ -134,7 +134,7 @@ def page_units(keys: Tensor, start: int, page: int = TOKENS_PER_CLUSTER) -> Unit
 def unit_bounds(keys: Tensor, units: Units) -> Units:
     """`units` summarized by the per-dimension minimum and maximum of their member keys (keys [G, Hkv, n, D] of the
     units' span), as Quest summarizes a page: q . k of no member exceeds the bound. A unit with no member keeps an
-    empty range (min +inf, max -inf: a bound of -inf, never chosen)."""
+    empty range (min +inf, max -inf), which `unit_scores` never chooses."""
     g, h, n, d = keys.shape
     index = units.member[..., None].expand(g, h, n, d)
     lo = keys.new_full((g, h, units.n_units, d), math.inf, dtype=torch.float32)
@@ -170,6 +170,8 @@ def unit_scores(q: Tensor, summary: Tensor, scale: float) -> Tensor:
         lo, hi = summary[:, :, :, 0], summary[:, :, :, 1]
         qd = grouped[:, :, :, None, :]  # [G, Hkv, rep, 1, D]
         logits = torch.maximum(qd * lo[:, :, None], qd * hi[:, :, None]).sum(-1)
+        # a unit with no member (unit_bounds: an empty range, lo > hi) is never chosen
+        logits = logits.masked_fill((lo[..., 0] > hi[..., 0])[:, :, None, :], -math.inf)
     return torch.softmax(logits * scale, dim=-1).mean(2)
 
 

@@ -43,8 +43,8 @@ class LouisKV(UnitRetrievalPolicy):
     # How the input's units are scored: "centroid", LouisKV's q . centroid; "bounds", each cluster's keys' min and
     # max as Quest bounds a page; "pages", Quest's pages of `unit_tokens` in place of the clusters (the trigger
     # kept). The last two are made from the keys each time (a lazy resume brings those slots in first). On the
-    # embedded model's development chats at 1,024 slots: 147 / 145 / 150 answers of the full cache's 166, and with
-    # `instep=1` 150 / 140 / 158 (docs/benchmarks.md, "LouisKV: the query a choice is made with").
+    # embedded model's development chats at 1,024 slots: 147 / 151 / 150 answers of the full cache's 166, and with
+    # `instep=1` 150 / 150 / 158 (docs/benchmarks.md, "LouisKV: the query a choice is made with").
     summary: str = "centroid"
     _tau_tensor: Tensor | None = field(default=None, init=False, repr=False)
 
@@ -99,9 +99,11 @@ class LouisKV(UnitRetrievalPolicy):
         return sliced(got, start, end)
 
     def keys_for_units(self, cache: KVCache, start: int, end: int) -> tuple[int, int] | None:
-        if self.summary != "centroid":  # bounds and pages are made from the span's keys every time
-            return start, end
         closed = self._closed_round(start, end)
+        if self.summary == "pages" or (self.summary == "bounds" and (closed is None or closed in cache.units)):
+            return start, end  # bounds and pages are made from the span's keys every time
+        if self.summary == "bounds":
+            return closed  # (and a round without its clusters is clustered whole first)
         if closed is None:
             return start, end
         return None if closed in cache.units else closed

@@ -15,7 +15,8 @@ docs/benchmarks.md, "LouisKV":
 * The first retrieval happens right after the prefill, with the last input token's queries (kept by the prefill:
   engine.model.decoder.QueryTap; else run again, its K/V rewritten as they were:
   engine.policies.budgets.window_queries); later ones after a decoded token whose queries trigger it, and
-  serve the tokens after it (temporal locality: the next query is unknown when the slots are chosen).
+  serve the tokens after it (temporal locality: the next query is unknown when the slots are chosen); with
+  `instep=1`, each layer's choice is made in the step with its token's own query and serves that token too.
 * Sinks and the buffer are always read and do not count against `tokens`; a region no larger than `tokens` is read
   whole (the engine's own step: the full cache's tokens exactly).
 * One choice per KV head (the softmax over units averaged over the heads sharing it), `tokens` slots per KV head.
@@ -215,7 +216,8 @@ class UnitRetrievalDecode(SlotListDecode):
     CUDA graph, one more replay that chooses for every global layer and keeps the unflagged layers' lists as they
     were (fixed shapes, no host round trip; ~1.5 ms of launches when chosen eagerly on the 8B shape at 32k, of a
     ~3.4 ms step: docs/benchmarks.md, "LouisKV"); without one, eagerly for the flagged layers alone. The lists are
-    the same either way."""
+    the same either way. With `instep`, the step itself chooses, layer by layer, as each query is formed
+    (`choose_now`); no choice is left for between steps."""
 
     def __init__(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int,
                  policy: UnitRetrievalPolicy, spans: list[tuple[int, int]], capture: bool | None):
