@@ -397,7 +397,7 @@ def slot_for(key: str) -> Slot:
         return entity_slot(attribute, det, noun)
     if key in _COPY_SLOTS:
         return _COPY_SLOTS[key]
-    if key.startswith("open:"):  # a fact about anything (training only): "open:codes:my gym locker code"
+    if key.startswith("open:"):  # a fact about anything (training only): "open:codes:my kennel tally"
         _, field_name, thing = key.split(":", 2)
         det, subject = thing.split(" ", 1)
         return open_slot(det, subject, field_name)
@@ -410,7 +410,7 @@ def open_slot(det: str, subject: str, field_name: str) -> Slot:
     in training chats only (its templates are training ones in every phrasing's place)."""
     d = f"{det} {subject}"
     states = tuple(t.format(d=d, v="{v}") for t in open_facts.STATES)
-    asks = tuple(t.format(d=d, D=_cap(d), v="{v}") for t in open_facts.ASKS)
+    asks = tuple(t.format(d=d, v="{v}") for t in open_facts.ASKS)
     recalls = tuple(t.format(d=d, s=subject) for t in open_facts.RECALLS)
     answer = open_facts.ANSWER.format(A=f"{open_facts.answer_determiner(det)} {subject}", v="{v}")
     return Slot(f"open:{field_name}:{d}", field_name, Templates(states, states, states), Templates(asks, asks, asks),

@@ -40,12 +40,12 @@ dormitory canteen cafeteria buffet pantry cellar attic loft porch balcony terrac
 chimney gutter drain valve pump sprinkler mower trimmer drill hammer ladder scaffold crane forklift trolley
 wheelbarrow""".split())
 
-# How a training chat tells an open fact: {d} the determiner and subject ("my locker code"), {v} the value.
+# How a training chat tells an open fact: {d} the determiner and subject ("my kennel tally"), {v} the value.
 STATES = ("{d} is {v}", "{d}: {v}", "{d} is now {v}", "{d} has been set to {v}", "{d} will be {v}",
           "{d} was changed to {v}", "{d} ends up being {v}", "{v} is {d}", "I wrote down {d} as {v}",
           "they gave me {v} as {d}", "for {d} I use {v}", "{d} reads {v}", "{d} came out as {v}",
           "the one for {d} is {v}")
-# How it asks ({d} as above, {D} capitalised), and its answer ({A} the answer's determiner and subject).
+# How it asks ({d} as above), and its answer ({A} the answer's determiner and subject).
 ASKS = ("What is {d}?", "What's {d}?", "What was {d} again?", "Do you remember {d}?", "Tell me {d}.",
         "Could you look up {d} for me?", "What value has {d}?", "Which is {d}?", "I need {d}, what is it?",
         "Remind me what {d} is.", "Got {d} handy?")
