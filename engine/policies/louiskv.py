@@ -100,13 +100,11 @@ class LouisKV(UnitRetrievalPolicy):
 
     def keys_for_units(self, cache: KVCache, start: int, end: int) -> tuple[int, int] | None:
         closed = self._closed_round(start, end)
-        if self.summary == "pages" or (self.summary == "bounds" and (closed is None or closed in cache.units)):
-            return start, end  # bounds and pages are made from the span's keys every time
-        if self.summary == "bounds":
-            return closed  # (and a round without its clusters is clustered whole first)
-        if closed is None:
+        if closed is None or self.summary == "pages":
             return start, end
-        return None if closed in cache.units else closed
+        if closed not in cache.units:
+            return closed  # clustered whole first
+        return (start, end) if self.summary == "bounds" else None  # bounds are made from the span's keys each time
 
     def _closed_round(self, start: int, end: int) -> tuple[int, int] | None:
         """The closed round [a, b) that slots [start, end) lie in, or None (the new message's own span)."""

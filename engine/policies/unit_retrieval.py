@@ -225,6 +225,7 @@ class UnitRetrievalDecode(SlotListDecode):
         self.policy = policy
         self.layers = [i for i in range(cfg.n_layers) if not model.layers[i].window]
         self.global_index = torch.tensor(self.layers, device=device)
+        self._global_of = {layer: g for g, layer in enumerate(self.layers)}  # model layer -> global layer
         # the input's last `window` tokens' queries, which choose first (the last token's are the "previous" of the
         # reply's first token): kept by the message's prefill, or run again over the cache; then each token's,
         # written by its step
@@ -256,7 +257,7 @@ class UnitRetrievalDecode(SlotListDecode):
     watches_queries = True
 
     def query_list(self) -> list:
-        return _ChoosingQueries(self) if self.policy.instep else []
+        return _ChoosingQueries(self, self._global_of) if self.policy.instep else []
 
     def watch(self, queries: Tensor) -> None:
         if self.policy.instep:  # each layer checked its trigger, and chose, as its query was formed
@@ -337,10 +338,9 @@ class _ChoosingQueries(list):
     """The step's query list under `instep`: each global layer's query, as its layer appends it, goes to the
     decode's choice first (UnitRetrievalDecode.choose_now), so the layer reads lists chosen with its own query."""
 
-    def __init__(self, decode: UnitRetrievalDecode):
+    def __init__(self, decode: UnitRetrievalDecode, global_of: dict[int, int]):
         super().__init__()
-        self.decode = decode
-        self.global_of = {layer: g for g, layer in enumerate(decode.layers)}
+        self.decode, self.global_of = decode, global_of
 
     def append(self, q: Tensor) -> None:
         g = self.global_of.get(len(self))
