@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from cli_run import kvchat
@@ -25,6 +26,22 @@ from tui_support import shared_engine
 SYSTEM = "You are kvchat, a helpful assistant that remembers what the user tells you."
 MESSAGES = ["My name is Ada.", "My sister's name is Mira.", "I live in Lisbon.", "What is my sister's name?"]
 LAST = "Where do I live?"
+
+
+@pytest.fixture(autouse=True)
+def choices_from_the_window(monkeypatch):
+    """A host-resident chat chooses its slots from the message's window alone (it has no full cache on the device
+    to look ahead over): the device chats it is compared with here do the same, so both read the same slots."""
+    from kvchat.app.session import policies
+
+    build = policies.build_policy
+
+    def build_policy(name, engine=None, progress=None, **options):
+        if name in policies.BUDGET_POLICIES:
+            options.setdefault("lookahead", 0)
+        return build(name, engine, progress, **options)
+
+    monkeypatch.setattr(policies, "build_policy", build_policy)
 
 
 def service() -> ChatService:

@@ -131,7 +131,8 @@ def test_a_budget_of_the_whole_input_gives_the_full_caches_tokens(engine, name):
 @pytest.mark.parametrize("name", BUDGET_POLICIES)
 def test_each_layer_reads_its_budget_of_the_most_attended_slots_and_the_window(engine, name, pooling):
     m, cfg = engine.model, engine.config
-    policy = make_policy(name, engine, budget=0.25, window=8, pooling=pooling)  # a short chat: the paper's window
+    # a short chat: the paper's window, and its choice alone (no look-ahead)
+    policy = make_policy(name, engine, budget=0.25, window=8, pooling=pooling, lookahead=0)
     cache, logits, prompt = prefilled(engine, policy)
     n = len(prompt)
     step = decode_steps(m, cache, 5, 200, None, 0, False, policy)
@@ -171,7 +172,7 @@ def test_a_working_set_of_the_kept_slots_decodes_as_the_slot_lists_and_holds_onl
     m, cfg = engine.model, engine.config
     runs = {}
     for working_set in (False, True):
-        policy = make_policy(name, engine, budget=0.25, working_set=working_set, window=8)
+        policy = make_policy(name, engine, budget=0.25, working_set=working_set, window=8, lookahead=0)
         cache, logits, prompt = prefilled(engine, policy)
         n = len(prompt)
         step = decode_steps(m, cache, 8, 200, None, 0, False, policy)
@@ -206,7 +207,8 @@ def test_a_host_resident_chat_streams_each_message_through_the_device_and_answer
     second = engine.encode_prompt("What is my brother's city?")
     runs = {}
     for resident in ("device", "host"):
-        policy = make_policy("xkv", engine, budget=0.3, working_set=True, window=8)  # a short chat: the paper's window
+        # a short chat: the paper's window; and its choice alone, which is all a host-resident chat makes
+        policy = make_policy("xkv", engine, budget=0.3, working_set=True, window=8, lookahead=0)
         cache = m.new_cache(256) if resident == "device" else HostResidentKV(m, policy, 64)
         out = []
         for prompt in (engine.encode_prompt(QUESTION), second):
@@ -263,7 +265,8 @@ def test_sliding_window_layers_keep_their_window_in_the_working_set_and_in_a_hos
     prompt = gemma.encode_prompt(REFERENCE_PROMPT)
     replies = {}
     for mode in ("lists", "working_set", "host"):
-        policy = make_policy("xkv", gemma, budget=0.3, working_set=mode != "lists")
+        # no look-ahead: a host-resident chat chooses from the window alone
+        policy = make_policy("xkv", gemma, budget=0.3, working_set=mode != "lists", lookahead=0)
         cache = HostResidentKV(m, policy, 64) if mode == "host" else m.new_cache(128)
         if mode != "host":
             policy.visible_slots(cache, [], prompt, model=m)
@@ -295,6 +298,7 @@ def test_xkv_keeps_more_of_each_layers_attention_than_the_same_budget_spread_eve
     ({"working_set": True, "progressive": True}, "not with progressive=true"),
     ({"head": -1}, "count of reply tokens"),
     ({"head": 4, "working_set": True}, "not with working_set"),
+    ({"lookahead": -1}, "count of reply tokens \\(0 or more\\), not -1"),
 ])
 def test_a_budget_out_of_range_is_one_line(engine, options, message):
     for name in BUDGET_POLICIES:
@@ -343,6 +347,74 @@ def test_a_reply_head_reads_every_slot_then_joins_the_window(engine, monkeypatch
         s.tolist() for s in chosen["the whole window run again"][1] if s is not None]
 
 
+def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(engine, monkeypatch):
+    """`lookahead`: at the reply's first token the full cache's own greedy reply is decoded for `lookahead` tokens,
+    their queries join the window's in the score, and they leave the cache as it was: the choice is the one made by
+    hand over the input with those tokens teacher-forced after it, and the reply, from its first token on, decodes
+    over the kept slots."""
+    from kvchat.engine.policies.budgets import lookahead_undoable
+
+    m, ahead_n = engine.model, 4
+    cache, logits, _ = prefilled(engine, None)
+    full_tokens, _ = decode(decode_steps(m, cache, 13, 200, None, 0, False, make_policy("full")), logits, 12)
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    cache, logits, prompt = prefilled(engine, policy)
+    before = cache.read(cache.layers, 0, len(prompt)).clone()
+    seen, look = {}, policy.choose_looking_ahead
+
+    def record(model, c, ahead):
+        seen.update(ahead=list(ahead), length=c.length)
+        seen["chosen"] = look(model, c, ahead)
+        return seen["chosen"]
+
+    monkeypatch.setattr(policy, "choose_looking_ahead", record)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    first = int(logits.argmax())
+    step(first)
+    assert seen["ahead"] == full_tokens[:ahead_n] and seen["length"] == len(prompt) + ahead_n
+    assert cache.length == len(prompt) + 1  # the look-ahead taken back, the reply's first token in
+    torch.testing.assert_close(cache.read(cache.layers, 0, len(prompt)), before, rtol=0, atol=0)
+    choice, slots = seen["chosen"]
+    assert choice.input_slots == len(prompt) and policy.last_choice is choice
+    assert all(s is None or int(s.max()) < len(prompt) for s in slots)
+
+    # by hand: the input and the look-ahead teacher-forced, the window run again with it
+    by_hand = make_policy("xkv", engine, budget=0.25, window=8)
+    again, _, _ = prefilled(engine, by_hand)
+    m(torch.tensor(full_tokens[:ahead_n]), again)
+    m.query_tap = None
+    scores = by_hand._scores(m, again, m.cfg.global_layers, prompt[-8:] + full_tokens[:ahead_n], ahead_n)
+    want_choice, want = by_hand.choice_from_scores(m.cfg, scores, len(prompt), 8)
+    assert want_choice.kept == choice.kept
+    assert [s.tolist() for s in want if s is not None] == [s.tolist() for s in slots if s is not None]
+
+    # over a working set of the kept slots: the same choice and tokens as over the slot lists
+    runs = {}
+    for working_set in (False, True):
+        policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, working_set=working_set)
+        cache, logits, prompt = prefilled(engine, policy)
+        step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+        runs[working_set] = decode(step, logits, 8)[0], policy.last_choice.kept
+        step.finish()
+    assert runs[True] == runs[False] and runs[False][1] == choice.kept
+
+    # a budget that keeps every slot looks nowhere ahead: the full cache's tokens exactly
+    policy = make_policy("xkv", engine, budget=1.0, lookahead=ahead_n)
+    cache, logits, _ = prefilled(engine, policy)
+    tokens, _ = decode(decode_steps(m, cache, 13, 200, None, 0, False, policy), logits, 12)
+    assert tokens == full_tokens
+
+    # a sliding-window layer's ring that the look-ahead would wrap past its window: no look-ahead
+    class Ring:
+        ring_size, capacity = 16, 4096
+
+    cfg = type("Cfg", (), {"sliding_window": 12})()
+    assert lookahead_undoable(Ring(), cfg, 5) and not lookahead_undoable(Ring(), cfg, 6)
+    Ring.capacity = 16  # a ring the size of the cache: nothing wraps
+    assert lookahead_undoable(Ring(), cfg, 6)
+    assert lookahead_undoable(cache, m.cfg, 1000)  # no rings: always
+
+
 def test_a_budget_runs_on_the_full_cache_only(engine):
     from kvchat.engine.model.attention import SplitAttend
 
@@ -362,6 +434,7 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path, engine):
     proc = kvchat("bench", "xkv", "--context", "600", "--budgets", "0.4", "--repeats", "1", "--decode-tokens", "4",
                   "--device", "cpu", "--json", str(out))
     assert "xkv      0.4:" in proc.stdout and "uniform  0.4:" in proc.stdout and "of the bound's" in proc.stdout
+    assert "xkv+window 0.4:" in proc.stdout and "step ready in" in proc.stdout
     [context] = json.loads(out.read_text())["contexts"]
     full = context["full"]
     assert context["context"] == 600 and len(full["tok_s"]) == 1 and full["bytes_per_token"] > context["weight_bytes"]
@@ -370,8 +443,10 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path, engine):
         assert context["weight_bytes"] < b["bytes_per_token"] < full["bytes_per_token"] and b["bound"] > 1
         assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"])
         assert b["policy"] == "xkv+host" or b["choose_ms"] > 0  # the host-resident chat chooses within its stream
+        assert b["policy"] == "xkv+host" or b["ready_ms"] > 0
     held = {b["policy"]: b["working_set_bytes"] for b in context["budgets"]}
     assert held["xkv"] is None and held["uniform"] is None  # slot lists over the full cache hold nothing apart
+    assert held["xkv+window"] is None
     # the working set: 40% of the input and the reply's room in every layer, under half the full cache's bytes
     assert 0.4 * context["full_kv_bytes"] * 600 / 604 < held["xkv+working-set"] < 0.5 * context["full_kv_bytes"]
     assert "working set" in proc.stdout
@@ -389,7 +464,7 @@ def test_progressive_budgets_are_chosen_again_by_the_reply_and_keep_each_layers_
     from kvchat.engine.policies.progressive_decode import ProgressiveDecode
 
     m = engine.model
-    policy = make_policy("xkv", engine, budget=0.3, progressive=True)
+    policy = make_policy("xkv", engine, budget=0.3, progressive=True, lookahead=0)
     cache, logits, prompt = prefilled(engine, policy)
     step = decode_steps(m, cache, 40, 200, None, 0, False, policy)
     assert isinstance(step, ProgressiveDecode)
@@ -402,19 +477,20 @@ def test_progressive_budgets_are_chosen_again_by_the_reply_and_keep_each_layers_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("options", [{}, {"progressive": True}, {"working_set": True}], ids=str)
+@pytest.mark.parametrize("options", [{}, {"progressive": True}, {"working_set": True}, {"lookahead": 16}],
+                         ids=str)
 def test_gpu_budgets_decode_captured_as_eager_and_score_with_the_kernel(options):
     """On CUDA (the window scored by kernels/slot_mass.py's kernel, the lists or the working set read by the decode
-    kernel): the budgeted step captured in a CUDA graph gives the logits of the same step run uncaptured, after the
-    same choice."""
+    kernel; the look-ahead over the full cache's own step): the budgeted step captured in a CUDA graph gives the
+    logits of the same step run uncaptured, after the same choice."""
     engine = Engine(DEFAULT_MODEL, device="cuda")
     runs, chosen = [], []
     for capture in (True, False):
-        policy = make_policy("xkv", engine, budget=0.3, **options)
+        policy = make_policy("xkv", engine, budget=0.3, **{"lookahead": 0, **options})
         cache, logits, prompt = prefilled(engine, policy)
         step = policy.decode_step(engine.model, cache, 0, None, 200, capture)
-        chosen.append(policy.last_choice.kept)
         runs.append(decode(step, logits, 20))
+        chosen.append(policy.last_choice.kept)
     assert chosen[0] == chosen[1]
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)

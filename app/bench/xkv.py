@@ -13,6 +13,7 @@ token) beside the prefill's own.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,11 +24,12 @@ from kvchat.engine.kv.host_resident import HostResidentKV
 from kvchat.app.bench.engine_speed import quantized_matrices
 from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies import make_policy
-from kvchat.engine.policies.budgets import LayerBudgetPolicy
+from kvchat.engine.policies.budgets import LayerBudgetPolicy, LookAheadThenBudget
 from kvchat.engine.timing import timed_runs
 
 # The new message: the context's last tokens, as many as the policies' observation window scores by default.
 MESSAGE_TOKENS = LayerBudgetPolicy.window
+LOOKAHEAD = LayerBudgetPolicy.lookahead  # the policies' default look-ahead (docs/benchmarks.md, "XKV looking ahead")
 
 
 @dataclass
@@ -79,27 +81,44 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
     full_rate = statistics.median(figures["full"]["tok_s"])
     for budget in budgets:
         # xkv twice: through slot lists over the full cache, and over a working set of the kept slots alone
-        for name, working_set in (("xkv", False), ("xkv", True), ("uniform", False)):
-            policy = make_policy(name, engine, budget=budget, working_set=working_set)
+        # (each looking ahead, the default: its step is ready after the look-ahead, the choice and the first budgeted
+        # token), and xkv choosing from the window alone (the paper's choice: ready after the choice)
+        for name, working_set, lookahead in (("xkv", False, LOOKAHEAD), ("xkv", True, LOOKAHEAD),
+                                             ("uniform", False, LOOKAHEAD), ("xkv", False, 0)):
+            policy = make_policy(name, engine, budget=budget, working_set=working_set, lookahead=lookahead)
             cache.length = context
             policy.visible_slots(cache, [], window, model=model)
             choose_s = timed_runs(lambda: policy.choose(model, cache), device, 3)
             made: list = []
             last_step: list = []
+            ready_s: list = []
 
-            def step(policy=policy, made=made, last_step=last_step):
+            def step(policy=policy, made=made, last_step=last_step, ready_s=ready_s, lookahead=lookahead):
                 cache.length = context
+                last_step.clear()  # the latest only: each holds a captured graph
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
                 s = policy.decode_step(model, cache, context - len(window), None, capacity, None)
+                if lookahead:
+                    s(1)  # the look-ahead, the choice and the budgeted step's first token
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                ready_s.append(time.perf_counter() - t0)
                 made.append(policy.last_choice)
-                last_step[:] = [s]  # the latest only: each holds a captured graph
+                last_step[:] = [s]
                 return s
 
             tok_s = rates(step)
-            working_bytes = last_step[0].working.device_bytes() if working_set else None
+            made_step = last_step[0].step if isinstance(last_step[0], LookAheadThenBudget) else last_step[0]
+            working_bytes = made_step.working.device_bytes() if working_set else None
             last_step.clear()
             figures["budgets"].append({
-                "policy": name + ("+working-set" if working_set else ""), "budget": budget,
-                "working_set_bytes": working_bytes, "choose_ms": 1e3 * statistics.median(choose_s),
+                "policy": name + ("+working-set" if working_set else "") + ("" if lookahead else "+window"),
+                "budget": budget, "working_set_bytes": working_bytes, "choose_ms": 1e3 * statistics.median(choose_s),
+                # decode_step made and ready (the choice, the graph's capture; with a look-ahead, it and the first
+                # budgeted token too): what delays the reply's second token (the first comes from the prefill)
+                "ready_ms": 1e3 * statistics.median(ready_s[1:] or ready_s),
                 **speed_figures(engine, made[-1], tok_s, weights, full_kv, full_rate, decode_tokens)})
         figures["budgets"].append(host_resident_figures(engine, cache, tokens, budget, repeats, decode_tokens,
                                                         weights, full_kv, full_rate))
@@ -170,6 +189,8 @@ def bench_model(engine: Engine, contexts: list[int], budgets: list[float], repea
                 if b["allocator_peak_bytes"] is not None:
                     held += f"; allocator peak {b['allocator_peak_bytes'] / 2**20:,.1f} MiB above the run's start"
             choice = "" if b["choose_ms"] is None else f"choice {b['choose_ms']:.1f} ms; "
+            if b.get("ready_ms") is not None:
+                choice += f"step ready in {b['ready_ms']:.1f} ms; "
             log(f"    {b['policy']:<8} {b['budget']:g}: {statistics.median(b['tok_s']):.1f} tok/s "
                 f"({min(b['tok_s']):.1f}-{max(b['tok_s']):.1f}), {b['kept_share']:.1%} of the K/V read, "
                 f"{b['bytes_per_token'] / 2**20:,.1f} MiB a token; {b['speedup']:.2f}x of the bound's "

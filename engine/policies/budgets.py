@@ -17,12 +17,21 @@ what loses answers (docs/benchmarks.md, "What a choice of 0.4 can keep"). Other 
 recall by at most one answer (docs/probes/xkv_score_variants.py). What the oracle has and the window lacks is the
 reply's own start: with `head`, the reply's first tokens decode over every slot and then join the window, and the
 choice is made after them. It gained 3 answers of 6 on the development set at 4 tokens, and lost one on the report
-sets (docs/benchmarks.md, "With the window of 32"): it is off by default. The pool takes its slots' mean (the
-paper's); `pooling="max"` takes the best of them instead (a value's slots each keep the score of its most attended
-token). Max was the default for a day: on the same development set it gave 101 answers against 98 at 0.4 and 96
-against 93 at 0.2, but on the report sets it was a wash (90/86/68 against 91/82/71 at 0.4/0.2/0.1), and on real
-text (gemma-3-270m) it raised the KL at 8k and budget 0.4 by 28-86% for every policy (xkv 0.585 against 0.315) for
-1-4% less at 2k and 0.2/0.1 (docs/benchmarks.md, "Max pooling").
+sets (docs/benchmarks.md, "With the window of 32"): it is off by default, and a short answer decoded mostly over
+the full cache says little of the choice. With `lookahead` (16 by default) the reply's start is found without being
+kept: at the reply's first token the full cache's own greedy continuation is decoded for 16 tokens, their queries
+join the window's, the tokens are taken back out of the cache, and the whole reply decodes over the kept slots
+(`LookAheadThenBudget`). On the model shipped since 2026-11-28, whose answers copy values of up to 16 characters,
+the window alone keeps 131 of the full cache's 166 development answers at 0.4, looking 8 tokens ahead 160, 16
+tokens ahead 166 (docs/benchmarks.md, "XKV looking ahead"). Its price is the 16 full-cache steps before the reply's
+second token (~77 ms at 32k on the 8B shape); the first token, which the prefill gives, is not delayed.
+
+The pool takes its slots' mean (the paper's); `pooling="max"` takes the best of them instead (a value's slots each
+keep the score of its most attended token). Max was the default for a day: on the development set of the model
+before it gave 101 answers against 98 at 0.4 and 96 against 93 at 0.2, but on the report sets it was a wash
+(90/86/68 against 91/82/71 at 0.4/0.2/0.1), and on real text (gemma-3-270m) it raised the KL at 8k and budget 0.4 by
+28-86% for every policy (xkv 0.585 against 0.315) for 1-4% less at 2k and 0.2/0.1 (docs/benchmarks.md, "Max
+pooling").
 
 Decisions the paper leaves open, made here once:
 * The window's own slots are always kept and counted in the budget: a layer keeps `window` + n_i input slots, and
@@ -109,6 +118,13 @@ class LayerBudgetPolicy(KVPolicy):
     # Beyond the paper: the reply's first `head` tokens read every slot, and their queries join the window's in the
     # score (an answer's own start points at where it was told better than the question's words do). 0: the paper's.
     head: int = 0
+    # Beyond the paper: at the reply's first token, the next `lookahead` tokens are decoded greedily over every slot
+    # and taken back; their queries join the window's in the score, and the whole reply is then decoded over the
+    # kept slots (the idea of Lookahead Q-Cache's pseudo queries, made by the model itself). Unlike `head`, no reply
+    # token is decoded over more than the budget. 16 by default (docs/benchmarks.md, "XKV looking ahead"); 0: the
+    # paper's. Not with `head` (which reads every slot for its tokens instead). A host-resident chat has no full cache
+    # on the device to look ahead over: it chooses from the window.
+    lookahead: int = 16
     # Beyond the paper: the reply decodes over a working set that holds each layer's kept slots alone, in a tensor of
     # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
     # off: over the full cache through per-layer slot lists. Not with `progressive` (its choice changes).
@@ -133,6 +149,8 @@ class LayerBudgetPolicy(KVPolicy):
         if self.head < 0 or (self.head and (self.working_set or self.host_resident or self.progressive)):
             raise KvchatError("head is a count of reply tokens (0 or more), and not with working_set, host_resident "
                               "or progressive")
+        if self.lookahead < 0:
+            raise KvchatError(f"lookahead is a count of reply tokens (0 or more), not {self.lookahead}")
         if self.pooling not in ("avg", "max"):
             raise KvchatError(f"pooling is avg or max, not {self.pooling!r}")
         if self.tokens < 0 or (self.tokens and self.tokens < self.window):
@@ -175,6 +193,24 @@ class LayerBudgetPolicy(KVPolicy):
             return self.keep_everything(cfg, first)
         scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:],
                               min(self._decoded, n_win))  # [G, Hkv, N]
+        return self.choice_from_scores(cfg, scores, first, n_win)
+
+    @torch.inference_mode()
+    def choose_looking_ahead(self, model: Transformer, cache: KVCache, ahead: list[int]
+                             ) -> tuple[BudgetChoice, list[Tensor | None]]:
+        """`choose` with the cache's last len(ahead) slots holding `ahead`, reply tokens decoded over every slot
+        after the input: their queries join the window's in the score, then they are taken out of the cache (the
+        choice is over the input alone, as `choose`'s)."""
+        cfg, first = model.cfg, cache.length - len(ahead)
+        n_win = min(len(self._window_tokens), first)
+        try:
+            if not self.scores_needed(cfg, first, n_win):
+                return self.keep_everything(cfg, first)
+            # [G, Hkv, first - n_win]: the window's and the look-ahead's tokens score the slots before the window
+            scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:] + list(ahead),
+                                  len(ahead))
+        finally:
+            cache.truncate(first)
         return self.choice_from_scores(cfg, scores, first, n_win)
 
     def scores_needed(self, cfg, first: int, n_win: int) -> bool:
@@ -253,12 +289,16 @@ class LayerBudgetPolicy(KVPolicy):
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
         if self.head and self.kept_per_layer(cache.length + self.head) < cache.length + self.head:
             return ReplyHeadThenBudget(self, model, cache, prompt_start, capacity, cuda_graph)
+        evicts = self.kept_per_layer(cache.length) < cache.length
+        if self.lookahead and not self.head and evicts and lookahead_undoable(cache, model.cfg, self.lookahead):
+            return LookAheadThenBudget(self, model, cache, prompt_start, capacity, cuda_graph)
         return self.budget_step(model, cache, prompt_start, capacity, cuda_graph)
 
     def budget_step(self, model: Transformer, cache: KVCache, prompt_start: int, capacity: int,
-                    cuda_graph: bool | None):
-        """The reply's step over the slots chosen now (None: every slot kept, the engine's own step)."""
-        choice, slots = self.choose(model, cache)
+                    cuda_graph: bool | None, chosen: tuple[BudgetChoice, list[Tensor | None]] | None = None):
+        """The reply's step over the slots chosen now, or `chosen` already (None: every slot kept, the engine's own
+        step)."""
+        choice, slots = chosen or self.choose(model, cache)
         self.last_choice = choice
         if all(s is None for s in slots):
             return None  # every slot kept: the engine's own step, the full cache's tokens exactly
@@ -310,6 +350,56 @@ class ReplyHeadThenBudget:
             return self.step(token)
         finally:
             self.model.query_tap = tap
+
+    def finish(self) -> None:
+        finish = getattr(self.step, "finish", None)
+        if finish is not None:
+            finish()
+
+
+def lookahead_undoable(cache: KVCache, cfg, n: int) -> bool:
+    """Whether `n` tokens written after the cache's input can be taken back: a sliding-window layer's ring must
+    still hold its window of the input after them (engine.kv.cache.KVCache.holds_window) — a ring as large as the
+    cache never wraps, a full one keeps RING_SLACK positions beyond its window."""
+    ring = getattr(cache, "ring_size", 0)
+    return not ring or ring >= cache.capacity or ring >= cfg.sliding_window - 1 + n
+
+
+class LookAheadThenBudget:
+    """At the reply's first token: `policy.lookahead` tokens decoded greedily from it over the whole cache (the
+    cache's own step), the budgets chosen with their queries beside the window's, the tokens taken back out of the
+    cache; then the reply, from its first token, decodes over the kept slots."""
+
+    def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
+                 capacity: int, cuda_graph: bool | None):
+        self.policy, self.model, self.cache = policy, model, cache
+        self.prompt_start, self.capacity, self.cuda_graph = prompt_start, capacity, cuda_graph
+        self.step = None
+
+    @torch.inference_mode()
+    def __call__(self, token: int) -> Tensor:
+        if self.step is None:
+            self.step = self._choose(token)
+        return self.step(token)
+
+    def _choose(self, token: int):
+        policy, model, cache = self.policy, self.model, self.cache
+        n = min(policy.lookahead, self.capacity - cache.length - 1)
+        ahead = [token]
+        # The message's query tap is kept aside while looking ahead (as ReplyHeadThenBudget's): the look-ahead's
+        # queries are run once, together, at the choice.
+        tap, model.query_tap = model.query_tap, None
+        try:
+            look = cache.decode_step(model, n + 1, self.capacity, cuda_graph=self.cuda_graph)
+            for i in range(n):
+                logits = look(ahead[i])
+                if i + 1 < n:
+                    ahead.append(int(logits.argmax()))
+        finally:
+            model.query_tap = tap
+        chosen = policy.choose_looking_ahead(model, cache, ahead[:n])
+        return policy.budget_step(model, cache, self.prompt_start, self.capacity, self.cuda_graph, chosen) or \
+            cache.decode_step(model, self.capacity - cache.length, self.capacity, cuda_graph=self.cuda_graph)
 
     def finish(self) -> None:
         finish = getattr(self.step, "finish", None)
