@@ -12,6 +12,10 @@
 #   dev        the full cache on dev phrasings, four sets of 40 chats (seeds 0-3): for choosing between runs
 #   heldout    the full cache on held-out sets 1-3 (set 0 is base's): where dev does not predict held-out recall
 #   report     the full cache on held-out sets 4-7, which nothing is chosen on: the figures a shipped model reports
+#   xkv        issue 43 (16 processes, one thread each): xkv with its default look-ahead at 0.2 and 0.1 as the app
+#              answers (one process per report set: their sums are `eval --report --chats 10`'s), uniform and
+#              pyramid at 0.4 and xkv at 0.2 / 0.1 from the window alone in comparison (`--report --chats 5`), and
+#              the full cache, xkv looking ahead 16 and 32 as the app answers on 20 development chats (seed 1)
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -63,6 +67,23 @@ for part in "$@"; do
       for seed in 1 2 3; do ev full-heldout-seed$seed --phrasing heldout --seed $seed; done ;;
     report)
       for seed in 4 5 6 7; do ev full-heldout-seed$seed --phrasing heldout --seed $seed; done ;;
+    xkv)
+      export OMP_NUM_THREADS=1
+      for b in 0.2 0.1; do
+        for set in 53296 87351 387785 874335; do  # app.bench.evaluate.REPORT_SEEDS
+          ev xkv-$b-app-set$set --kv-policy xkv --kv-budget $b --mode app --seed $set --chats 10
+        done
+      done
+      ev uniform-0.4-compare --kv-policy uniform --kv-budget 0.4 --mode compare --report --chats 5
+      ev pyramid-0.4-compare --kv-policy pyramid --kv-budget 0.4 --mode compare --report --chats 5
+      for b in 0.2 0.1; do
+        ev xkv-$b-window-compare --kv-policy xkv --kv-budget $b --option lookahead=0 --mode compare --report --chats 5
+      done
+      ev full-dev1-app --mode app --phrasing heldout --seed 1 --chats 20
+      for n in 16 32; do
+        ev xkv-0.4-lookahead$n-dev1-app --kv-policy xkv --kv-budget 0.4 --option lookahead=$n --mode app --seed 1 \
+          --chats 20
+      done ;;
   esac
 done
 wait
