@@ -398,6 +398,27 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
         step.finish()
     assert runs[True] == runs[False] and runs[False][1] == choice.kept
 
+    # a look-ahead that fails half-way (here its second step) leaves nothing of itself in the cache
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    real_step = cache.decode_step
+
+    class FailsAtItsSecondToken:
+        def __init__(self, inner):
+            self.inner, self.fed = inner, 0
+
+        def __call__(self, token):
+            self.fed += 1
+            if self.fed > 1:
+                raise RuntimeError("device lost")
+            return self.inner(token)
+
+    monkeypatch.setattr(cache, "decode_step", lambda *a, **k: FailsAtItsSecondToken(real_step(*a, **k)))
+    with pytest.raises(RuntimeError, match="device lost"):
+        step(int(logits.argmax()))
+    assert cache.length == len(prompt)
+
     # a budget that keeps every slot looks nowhere ahead: the full cache's tokens exactly
     policy = make_policy("xkv", engine, budget=1.0, lookahead=ahead_n)
     cache, logits, _ = prefilled(engine, policy)

@@ -384,7 +384,8 @@ class LookAheadThenBudget:
 
     def _choose(self, token: int):
         policy, model, cache = self.policy, self.model, self.cache
-        n = min(policy.lookahead, self.capacity - cache.length - 1)
+        first = cache.length
+        n = min(policy.lookahead, self.capacity - first - 1)
         ahead = [token]
         # The message's query tap is kept aside while looking ahead (as ReplyHeadThenBudget's): the look-ahead's
         # queries are run once, together, at the choice.
@@ -395,6 +396,9 @@ class LookAheadThenBudget:
                 logits = look(ahead[i])
                 if i + 1 < n:
                     ahead.append(int(logits.argmax()))
+        except BaseException:
+            cache.truncate(first)  # nothing of a look-ahead that failed stays in the chat's cache
+            raise
         finally:
             model.query_tap = tap
         chosen = policy.choose_looking_ahead(model, cache, ahead[:n])
