@@ -24,7 +24,8 @@ join the window's, the tokens are taken back out of the cache, and the whole rep
 (`LookAheadThenBudget`). On the model shipped since 2026-11-28, whose answers copy values of up to 16 characters,
 the window alone keeps 131 of the full cache's 166 development answers at 0.4, looking 8 tokens ahead 160, 16
 tokens ahead 166 (docs/benchmarks.md, "XKV looking ahead"). Its price is the 16 full-cache steps before the reply's
-second token (~77 ms at 32k on the 8B shape); the first token, which the prefill gives, is not delayed.
+second token (~77 ms at 32k on the 8B shape on an H200; ~350 ms in all on a chat's first message after it is
+reopened, which captures the full cache's step); the first token, which the prefill gives, is not delayed.
 
 The pool takes its slots' mean (the paper's); `pooling="max"` takes the best of them instead (a value's slots each
 keep the score of its most attended token). Max was the default for a day: on the development set of the model
