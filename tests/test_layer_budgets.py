@@ -352,6 +352,7 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
     their queries join the window's in the score, and they leave the cache as it was: the choice is the one made by
     hand over the input with those tokens teacher-forced after it, and the reply, from its first token on, decodes
     over the kept slots."""
+    import kvchat.engine.policies.budgets as budgets
     from kvchat.engine.policies.budgets import lookahead_undoable
 
     m, ahead_n = engine.model, 4
@@ -368,9 +369,12 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
         return seen["chosen"]
 
     monkeypatch.setattr(policy, "choose_looking_ahead", record)
+    rerun, ran = budgets.window_queries, []
+    monkeypatch.setattr(budgets, "window_queries", lambda model, c, t: ran.append(len(t)) or rerun(model, c, t))
     step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
     first = int(logits.argmax())
     step(first)
+    assert ran == [ahead_n]  # the window's queries from the message's own prefill; the look-ahead's run once
     assert seen["ahead"] == full_tokens[:ahead_n] and seen["length"] == len(prompt) + ahead_n
     assert cache.length == len(prompt) + 1  # the look-ahead taken back, the reply's first token in
     torch.testing.assert_close(cache.read(cache.layers, 0, len(prompt)), before, rtol=0, atol=0)
@@ -419,9 +423,10 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
         step(int(logits.argmax()))
     assert cache.length == len(prompt)
 
-    # a budget that keeps every slot looks nowhere ahead: the full cache's tokens exactly
+    # a budget that keeps every slot looks nowhere ahead: the engine's own step, the full cache's tokens exactly
     policy = make_policy("xkv", engine, budget=1.0, lookahead=ahead_n)
     cache, logits, _ = prefilled(engine, policy)
+    assert policy.decode_step(m, cache, 0, None, 200, False) is None
     tokens, _ = decode(decode_steps(m, cache, 13, 200, None, 0, False, policy), logits, 12)
     assert tokens == full_tokens
 

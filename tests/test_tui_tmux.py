@@ -52,6 +52,18 @@ class Terminal:
             tmux("send-keys", "-t", self.name, key)
             time.sleep(0.5)
 
+    def open_listed_chat(self, attempts: int = 3) -> None:
+        """The filter box, into the list, open its chat; again while no chat is open after 15 s (under load, a fresh
+        app's list can take its keys before it takes focus: a fresh-clone CI run of 2026-11-28 saw both Enters
+        land with the chat still closed)."""
+        for _ in range(attempts):
+            self.keys("C-f", "Enter", "Enter")
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if "No chat open" not in self.screen():
+                    return
+                time.sleep(0.2)
+
     def type(self, text: str) -> None:
         tmux("send-keys", "-t", self.name, "-l", text)
         time.sleep(0.3)
@@ -85,7 +97,7 @@ def test_a_chat_survives_a_restart_and_comes_back_from_disk(kvchat_home):
     second = Terminal(kvchat_home)
     try:
         second.wait_for(r"My name is Ada\.")  # the chat is in the list
-        second.keys("C-f", "Enter", "Enter")  # the filter box, into the list, open the chat
+        second.open_listed_chat()
         second.wait_for(r"restored from disk: \d+ tokens loaded, 0 recomputed, [\d.]+ ms")
         # its history, which can be drawn after the status line (a capture between the two missed it, under load)
         second.wait_for(r"Noted: your name is Ada\.", timeout=30)

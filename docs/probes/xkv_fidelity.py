@@ -38,14 +38,19 @@ def main() -> None:
     parser.add_argument("--policies", default="xkv,uniform,pyramid")
     parser.add_argument("--progressive", action="store_true",
                         help="each policy with progressive=true (its slots chosen again as the reply goes)")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="each policy's look-ahead (default: the policies' own, 16; 0: the window alone, as every "
+                             "figure of docs/benchmarks.md's XKV section before \"XKV looking ahead\" was measured)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path, engine = probe_engine(args.model, args.device)
     budgets = [float(b) for b in args.budgets.split(",")]
     more = {"progressive": True} if args.progressive else {}
-    makers = {f"{name}{'+p' if more else ''}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b,
-                                                                                         **more))
+    if args.lookahead is not None:
+        more["lookahead"] = args.lookahead
+    label = "+p" if args.progressive else ""
+    makers = {f"{name}{label}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b, **more))
               for b in budgets for name in args.policies.split(",")}
     print(f"model {path}  device {engine.device}  {args.chats} chats per length, up to {args.positions} positions",
           flush=True)

@@ -107,7 +107,8 @@ def main() -> None:
             correct = total = 0
             for dlg in chats:  # one chat at a time: its expected replies by user message
                 expected.replies = {r.user: r.assistant for r in dlg.rounds}
-                policy = make_policy(name, engine, budget=args.budget)
+                # the window's choice (no look-ahead: what the oracle bounds, as measured on 2026-11-27/28)
+                policy = make_policy(name, engine, budget=args.budget, lookahead=0)
                 if how == "oracle":
                     oracle(policy, engine, expected)
                 r = evaluate(engine, policy, [dlg], mode="compare")

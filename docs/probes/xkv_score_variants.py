@@ -83,7 +83,7 @@ def main() -> None:
     budgets.slot_mass = variant_mass(args.variant)
     engine = Engine(DEFAULT_MODEL, device="cpu")
     chats = heldout_chats(args.chats, args.seed, 44, 52, engine, 2000, "heldout")
-    policy = make_policy("xkv", engine, budget=args.budget)
+    policy = make_policy("xkv", engine, budget=args.budget, lookahead=0)  # the window's scores alone
     if args.variant == "lead4":
         policy.pooled = lead_pooled(policy, 4)
     if args.variant in ("shared", "across"):

@@ -24,8 +24,9 @@ join the window's, the tokens are taken back out of the cache, and the whole rep
 (`LookAheadThenBudget`). On the model shipped since 2026-11-28, whose answers copy values of up to 16 characters,
 the window alone keeps 131 of the full cache's 166 development answers at 0.4, looking 8 tokens ahead 160, 16
 tokens ahead 166 (docs/benchmarks.md, "XKV looking ahead"). Its price is the 16 full-cache steps before the reply's
-second token (~77 ms at 32k on the 8B shape on an H200; ~350 ms in all on a chat's first message after it is
-reopened, which captures the full cache's step); the first token, which the prefill gives, is not delayed.
+second token (at 32k on the 8B shape on an H200, ~77 ms where the full cache's step is captured already; in a chat,
+whose cache grows to each message's need, each message captures it again: ~350 ms in all); the first token, which
+the prefill gives, is not delayed.
 
 The pool takes its slots' mean (the paper's); `pooling="max"` takes the best of them instead (a value's slots each
 keep the score of its most attended token). Max was the default for a day: on the development set of the model
@@ -119,12 +120,12 @@ class LayerBudgetPolicy(KVPolicy):
     # Beyond the paper: the reply's first `head` tokens read every slot, and their queries join the window's in the
     # score (an answer's own start points at where it was told better than the question's words do). 0: the paper's.
     head: int = 0
-    # Beyond the paper: at the reply's first token, the next `lookahead` tokens are decoded greedily over every slot
-    # and taken back; their queries join the window's in the score, and the whole reply is then decoded over the
-    # kept slots (the idea of Lookahead Q-Cache's pseudo queries, made by the model itself). Unlike `head`, no reply
-    # token is decoded over more than the budget. 16 by default (docs/benchmarks.md, "XKV looking ahead"); 0: the
-    # paper's. Not with `head` (which reads every slot for its tokens instead). A host-resident chat has no full cache
-    # on the device to look ahead over: it chooses from the window.
+    # Beyond the paper: at the reply's first token (the prefill's), that token and the next `lookahead` - 1, decoded
+    # greedily over every slot, are put through the model and taken back; their queries join the window's in the
+    # score, and the whole reply is then decoded over the kept slots (the idea of Lookahead Q-Cache's pseudo
+    # queries, made by the model itself). Unlike `head`, no reply token is decoded over more than the budget. 16 by
+    # default (docs/benchmarks.md, "XKV looking ahead"); 0: the paper's. A policy with `head` uses that instead. A
+    # host-resident chat has no full cache on the device to look ahead over: it chooses from the window.
     lookahead: int = 16
     # Beyond the paper: the reply decodes over a working set that holds each layer's kept slots alone, in a tensor of
     # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
@@ -290,8 +291,8 @@ class LayerBudgetPolicy(KVPolicy):
             raise KvchatError(f"the {self.name} KV policy runs on the full cache of a chat, not a restricted view")
         if self.head and self.kept_per_layer(cache.length + self.head) < cache.length + self.head:
             return ReplyHeadThenBudget(self, model, cache, prompt_start, capacity, cuda_graph)
-        evicts = self.kept_per_layer(cache.length) < cache.length
-        if self.lookahead and not self.head and evicts and lookahead_undoable(cache, model.cfg, self.lookahead):
+        scored = self.scores_needed(model.cfg, cache.length, min(len(self._window_tokens), cache.length))
+        if self.lookahead and scored and lookahead_undoable(cache, model.cfg, self.lookahead):
             return LookAheadThenBudget(self, model, cache, prompt_start, capacity, cuda_graph)
         return self.budget_step(model, cache, prompt_start, capacity, cuda_graph)
 
@@ -391,17 +392,24 @@ class LookAheadThenBudget:
         # The message's query tap is kept aside while looking ahead (as ReplyHeadThenBudget's): the look-ahead's
         # queries are run once, together, at the choice.
         tap, model.query_tap = model.query_tap, None
+        graphed = getattr(cache, "graphed_decode", None)
         try:
             look = cache.decode_step(model, n + 1, self.capacity, cuda_graph=self.cuda_graph)
             for i in range(n):
                 logits = look(ahead[i])
                 if i + 1 < n:
                     ahead.append(int(logits.argmax()))
+            look = logits = None  # (a graph this look-ahead captured is freed once nothing holds it)
         except BaseException:
             cache.truncate(first)  # nothing of a look-ahead that failed stays in the chat's cache
             raise
         finally:
             model.query_tap = tap
+            if getattr(cache, "graphed_decode", None) is not graphed:
+                # A full-cache step the look-ahead captured is let go before the budget's step is captured: the GPU
+                # memory plan counts one decode graph (app.session.memory), and a chat's cache grows to each
+                # message's need, so the next message could not replay it anyway.
+                cache.graphed_decode = None
         chosen = policy.choose_looking_ahead(model, cache, ahead[:n])
         return policy.budget_step(model, cache, self.prompt_start, self.capacity, self.cuda_graph, chosen) or \
             cache.decode_step(model, self.capacity - cache.length, self.capacity, cuda_graph=self.cuda_graph)
