@@ -320,15 +320,37 @@ class LayerBudgetPolicy(KVPolicy):
         return step
 
 
-class ReplyHeadThenBudget:
+class BudgetAfterReplyStart:
+    """A reply step that starts over the whole cache and then goes on over the budget's kept slots: what the two ways
+    of letting the reply's start inform the choice (`ReplyHeadThenBudget`, `LookAheadThenBudget`) share."""
+
+    def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
+                 capacity: int, cuda_graph: bool | None):
+        self.policy, self.model, self.cache = policy, model, cache
+        self.prompt_start, self.capacity, self.cuda_graph = prompt_start, capacity, cuda_graph
+        self.step = None
+
+    def budget_step(self, chosen: tuple[BudgetChoice, list[Tensor | None]] | None = None):
+        """The reply's step over the kept slots (chosen now, or `chosen`); the cache's own if every slot is kept."""
+        cache = self.cache
+        return self.policy.budget_step(self.model, cache, self.prompt_start, self.capacity, self.cuda_graph,
+                                       chosen) or cache.decode_step(self.model, self.capacity - cache.length,
+                                                                    self.capacity, cuda_graph=self.cuda_graph)
+
+    def finish(self) -> None:
+        finish = getattr(self.step, "finish", None)
+        if finish is not None:
+            finish()
+
+
+class ReplyHeadThenBudget(BudgetAfterReplyStart):
     """The reply's first `policy.head` tokens decode over the whole cache (the cache's own step), then the budgets are
     chosen with those tokens in the window (their queries computed once, in one pass of the head's tokens) and the
     reply goes on over the kept slots."""
 
     def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
                  capacity: int, cuda_graph: bool | None):
-        self.policy, self.model, self.cache = policy, model, cache
-        self.prompt_start, self.capacity, self.cuda_graph = prompt_start, capacity, cuda_graph
+        super().__init__(policy, model, cache, prompt_start, capacity, cuda_graph)
         self.left = policy.head
         self.step = cache.decode_step(model, policy.head + 1, capacity, cuda_graph=cuda_graph)
         self.chosen = False
@@ -337,9 +359,7 @@ class ReplyHeadThenBudget:
     def __call__(self, token: int) -> Tensor:
         if not self.chosen and not self.left:
             self.chosen = True
-            self.step = self.policy.budget_step(self.model, self.cache, self.prompt_start, self.capacity,
-                                                self.cuda_graph) or self.cache.decode_step(
-                self.model, self.capacity - self.cache.length, self.capacity, cuda_graph=self.cuda_graph)
+            self.step = self.budget_step()
         if self.chosen:
             return self.step(token)
         self.left -= 1
@@ -353,11 +373,6 @@ class ReplyHeadThenBudget:
         finally:
             self.model.query_tap = tap
 
-    def finish(self) -> None:
-        finish = getattr(self.step, "finish", None)
-        if finish is not None:
-            finish()
-
 
 def lookahead_undoable(cache: KVCache, cfg, n: int) -> bool:
     """Whether `n` tokens written after the cache's input can be taken back: a sliding-window layer's ring must
@@ -367,16 +382,10 @@ def lookahead_undoable(cache: KVCache, cfg, n: int) -> bool:
     return not ring or ring >= cache.capacity or ring >= cfg.sliding_window - 1 + n
 
 
-class LookAheadThenBudget:
+class LookAheadThenBudget(BudgetAfterReplyStart):
     """At the reply's first token: `policy.lookahead` tokens decoded greedily from it over the whole cache (the
     cache's own step), the budgets chosen with their queries beside the window's, the tokens taken back out of the
     cache; then the reply, from its first token, decodes over the kept slots."""
-
-    def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
-                 capacity: int, cuda_graph: bool | None):
-        self.policy, self.model, self.cache = policy, model, cache
-        self.prompt_start, self.capacity, self.cuda_graph = prompt_start, capacity, cuda_graph
-        self.step = None
 
     @torch.inference_mode()
     def __call__(self, token: int) -> Tensor:
@@ -410,14 +419,7 @@ class LookAheadThenBudget:
                 # memory plan counts one decode graph (app.session.memory), and a chat's cache grows to each
                 # message's need, so the next message could not replay it anyway.
                 cache.graphed_decode = None
-        chosen = policy.choose_looking_ahead(model, cache, ahead[:n])
-        return policy.budget_step(model, cache, self.prompt_start, self.capacity, self.cuda_graph, chosen) or \
-            cache.decode_step(model, self.capacity - cache.length, self.capacity, cuda_graph=self.cuda_graph)
-
-    def finish(self) -> None:
-        finish = getattr(self.step, "finish", None)
-        if finish is not None:
-            finish()
+        return self.budget_step(policy.choose_looking_ahead(model, cache, ahead[:n]))
 
 
 @torch.inference_mode()
