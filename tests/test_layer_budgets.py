@@ -348,24 +348,24 @@ def test_a_reply_head_reads_every_slot_then_joins_the_window(engine, monkeypatch
 
 
 def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(engine, monkeypatch):
-    """`lookahead`: at the reply's first token the full cache's own greedy reply is decoded for `lookahead` tokens,
-    their queries join the window's in the score, and they leave the cache as it was: the choice is the one made by
-    hand over the input with those tokens teacher-forced after it, and the reply, from its first token on, decodes
-    over the kept slots."""
+    """`lookahead` with `keep_ahead=false`: at the reply's first token the full cache's own greedy reply is decoded
+    for `lookahead` tokens, their queries join the window's in the score, and they leave the cache as it was: the
+    choice is the one made by hand over the input with those tokens teacher-forced after it, and the reply, from its
+    first token on, decodes over the kept slots."""
     import kvchat.engine.policies.budgets as budgets
     from kvchat.engine.policies.budgets import lookahead_undoable
 
     m, ahead_n = engine.model, 4
     cache, logits, _ = prefilled(engine, None)
     full_tokens, _ = decode(decode_steps(m, cache, 13, 200, None, 0, False, make_policy("full")), logits, 12)
-    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, keep_ahead=False)
     cache, logits, prompt = prefilled(engine, policy)
     before = cache.read(cache.layers, 0, len(prompt)).clone()
     seen, look = {}, policy.choose_looking_ahead
 
-    def record(model, c, ahead):
-        seen.update(ahead=list(ahead), length=c.length)
-        seen["chosen"] = look(model, c, ahead)
+    def record(model, c, ahead, kept=0):
+        seen.update(ahead=list(ahead), length=c.length, kept=kept)
+        seen["chosen"] = look(model, c, ahead, kept=kept)
         return seen["chosen"]
 
     monkeypatch.setattr(policy, "choose_looking_ahead", record)
@@ -375,7 +375,7 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
     first = int(logits.argmax())
     step(first)
     assert ran == [ahead_n]  # the window's queries from the message's own prefill; the look-ahead's run once
-    assert seen["ahead"] == full_tokens[:ahead_n] and seen["length"] == len(prompt) + ahead_n
+    assert seen["ahead"] == full_tokens[:ahead_n] and seen["length"] == len(prompt) + ahead_n and seen["kept"] == 0
     assert cache.length == len(prompt) + 1  # the look-ahead taken back, the reply's first token in
     torch.testing.assert_close(cache.read(cache.layers, 0, len(prompt)), before, rtol=0, atol=0)
     choice, slots = seen["chosen"]
@@ -392,22 +392,21 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
     assert want_choice.kept == choice.kept
     assert [s.tolist() for s in want if s is not None] == [s.tolist() for s in slots if s is not None]
 
-    # over a working set of the kept slots: the same choice and tokens as over the slot lists
-    runs = {}
-    for working_set in (False, True):
-        policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, working_set=working_set)
-        cache, logits, prompt = prefilled(engine, policy)
-        step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
-        runs[working_set] = decode(step, logits, 8)[0], policy.last_choice.kept
-        step.finish()
-    assert runs[True] == runs[False] and runs[False][1] == choice.kept
+    # over a working set of the kept slots: the same choice and tokens as over the slot lists, the look-ahead kept
+    # or not
+    for keep in (False, True):
+        runs = {}
+        for working_set in (False, True):
+            policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, working_set=working_set,
+                                 keep_ahead=keep)
+            cache, logits, prompt = prefilled(engine, policy)
+            step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+            runs[working_set] = decode(step, logits, 8)[0], policy.last_choice.kept
+            step.finish()
+            assert cache.length == len(prompt) + 8
+        assert runs[True] == runs[False] and runs[False][1] == choice.kept
 
     # a look-ahead that fails half-way (here its second step) leaves nothing of itself in the cache
-    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
-    cache, logits, prompt = prefilled(engine, policy)
-    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
-    real_step = cache.decode_step
-
     class FailsAtItsSecondToken:
         def __init__(self, inner):
             self.inner, self.fed = inner, 0
@@ -418,10 +417,18 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
                 raise RuntimeError("device lost")
             return self.inner(token)
 
-    monkeypatch.setattr(cache, "decode_step", lambda *a, **k: FailsAtItsSecondToken(real_step(*a, **k)))
-    with pytest.raises(RuntimeError, match="device lost"):
-        step(int(logits.argmax()))
-    assert cache.length == len(prompt)
+    real_lists, real_step = budgets.SlotListDecode, None
+    for working_set in (False, True):  # through the slot lists' step, or the cache's own
+        policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, working_set=working_set)
+        cache, logits, prompt = prefilled(engine, policy)
+        real_step = cache.decode_step
+        monkeypatch.setattr(budgets, "SlotListDecode", lambda *a, **k: FailsAtItsSecondToken(real_lists(*a, **k)))
+        step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+        monkeypatch.setattr(cache, "decode_step", lambda *a, **k: FailsAtItsSecondToken(real_step(*a, **k)))
+        with pytest.raises(RuntimeError, match="device lost"):
+            step(int(logits.argmax()))
+        assert cache.length == len(prompt)
+        monkeypatch.undo()
 
     # a budget that keeps every slot looks nowhere ahead: the engine's own step, the full cache's tokens exactly
     policy = make_policy("xkv", engine, budget=1.0, lookahead=ahead_n)
@@ -441,6 +448,100 @@ def test_a_look_ahead_chooses_with_the_full_caches_own_reply_then_takes_it_back(
     assert lookahead_undoable(cache, m.cfg, 1000)  # no rings: always
 
 
+def test_the_look_ahead_is_the_replys_start_where_the_sampler_takes_it(engine):
+    """`keep_ahead` (the default): the look-ahead's tokens are the reply's own while the sampler picks them — each
+    handed the full cache's logits, nothing decoded twice — and the budgets are chosen where the reply leaves them,
+    the tokens taken so far staying in the cache; a reply that ends inside its look-ahead chooses after it ended and
+    leaves no more of the look-ahead in the cache than it took."""
+    from kvchat.engine.policies.slot_lists import SlotListDecode
+
+    m, ahead_n = engine.model, 4
+    cache, logits, _ = prefilled(engine, None)
+    full_tokens, full_rows = decode(decode_steps(m, cache, 13, 200, None, 0, False, make_policy("full")), logits, 12)
+    window_only = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n, keep_ahead=False)
+    cache, logits, prompt = prefilled(engine, window_only)
+    decode(decode_steps(m, cache, 13, 200, None, 0, False, window_only), logits, 6)
+
+    # greedy: the reply's first ahead_n + 1 tokens are the full cache's, then it goes on over the kept slots
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    cache, logits, prompt = prefilled(engine, policy)
+    chosen, look = [], policy.choose_looking_ahead
+    policy.choose_looking_ahead = lambda *a, **k: chosen.append(look(*a, **k)) or chosen[-1]
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    tokens, rows = decode(step, logits, ahead_n - 1)
+    assert tokens == full_tokens[:ahead_n] and policy.last_choice is None  # inside the look-ahead: no choice yet
+    torch.testing.assert_close(rows, full_rows[:ahead_n], rtol=0, atol=2e-2)
+    assert step(tokens[-1]) is not None and policy.last_choice is None  # its last logits: still the full cache's
+    out = step(full_tokens[ahead_n])  # the first token past it: chosen now, with the look-ahead kept in the cache
+    assert policy.last_choice.kept == window_only.last_choice.kept and cache.length == len(prompt) + ahead_n + 1
+
+    # by hand: the look-ahead's tokens over every slot, then the same lists, then the next token
+    again, _, _ = prefilled(engine, None)
+    lists = SlotListDecode(m, again, 0, len(prompt) + 14, None, False)
+    for t in full_tokens[:ahead_n]:
+        lists(t)
+    (_, slots), = chosen
+    for layer, kept in enumerate(slots):
+        if kept is not None:
+            lists.write(layer, kept)
+    torch.testing.assert_close(out, lists(full_tokens[ahead_n]), rtol=0, atol=1e-4)
+
+    # a sampler that leaves the look-ahead at the reply's third token: two kept, the choice made there
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    step(full_tokens[0])
+    step(full_tokens[1])
+    other = (full_tokens[2] + 1) % m.cfg.vocab_size
+    step(other)
+    assert cache.length == len(prompt) + 3 and policy.last_choice.kept == window_only.last_choice.kept
+    kv = cache.read(cache.layers, len(prompt), len(prompt) + 2)
+    torch.testing.assert_close(kv, again.read(again.layers, len(prompt), len(prompt) + 2), rtol=0, atol=1e-4)
+
+    # a reply that ends inside its look-ahead (here after its second token): chosen once it ended (for the chat's
+    # figures), the rest of the look-ahead taken back
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=ahead_n)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    step(full_tokens[0])
+    step(full_tokens[1])
+    assert policy.last_choice is None
+    step.finish()
+    assert cache.length == len(prompt) + 2 and policy.last_choice.kept == window_only.last_choice.kept
+
+
+def test_the_kept_look_ahead_in_a_captured_step_and_a_choice_that_fails(engine, monkeypatch):
+    """In a captured step (the stand-in graphs: each replay's logits are the graph's one output, overwritten by the
+    next) the kept look-ahead hands each token its own logits: the same tokens and logits as uncaptured. A choice
+    that fails where the reply leaves the look-ahead leaves the cache holding what the reply took, and nothing is
+    chosen or cut again when the reply is finished."""
+    from graph_standin import standin_graphs
+
+    m = engine.model
+    runs = []
+    for capture in (False, True):
+        policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=4)
+        cache, logits, prompt = prefilled(engine, policy)
+        with standin_graphs() as graphs:
+            step = policy.decode_step(m, cache, 0, None, len(prompt) + 14, capture)
+            runs.append(decode(step, logits, 10))
+            assert len(graphs.graphs) == (1 if capture else 0)  # one graph: the look-ahead's is the budget's
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+
+    policy = make_policy("xkv", engine, budget=0.25, window=8, lookahead=4)
+    cache, logits, prompt = prefilled(engine, policy)
+    step = decode_steps(m, cache, 13, 200, None, 0, False, policy)
+    first = int(logits.argmax())
+    second = int(step(first).argmax())
+    step(second)
+    monkeypatch.setattr(policy, "_scores", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step((step.ahead[2] + 1) % m.cfg.vocab_size)  # the reply leaves the look-ahead at its third token
+    step.finish()
+    assert cache.length == len(prompt) + 2 and policy.last_choice is None
+
+
 def test_a_budget_runs_on_the_full_cache_only(engine):
     from kvchat.engine.model.attention import SplitAttend
 
@@ -453,6 +554,7 @@ def test_a_budget_runs_on_the_full_cache_only(engine):
 
 def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path, engine):
     import json
+    import statistics
 
     from cli_run import kvchat
 
@@ -470,6 +572,15 @@ def test_bench_xkv_reports_each_budgets_speed_bytes_and_bound(tmp_path, engine):
         assert b["share_of_bound"] == pytest.approx(b["speedup"] / b["bound"])
         assert b["policy"] == "xkv+host" or b["choose_ms"] > 0  # the host-resident chat chooses within its stream
         assert b["policy"] == "xkv+host" or b["ready_ms"] > 0
+        # the time bound: the full step's time less the K/V time the budget leaves unread (the floor at 256 tokens)
+        floor_s, full_s = 1 / context["floor"]["tok_s"], 1 / statistics.median(full["tok_s"])
+        weights = context["weight_bytes"]
+        kv_share = (b["bytes_per_token"] - weights) / (full["bytes_per_token"] - weights)
+        assert b["time_bound"] == pytest.approx(full_s / (floor_s + max(full_s - floor_s, 0) * kv_share))
+        assert b["share_of_time_bound"] == pytest.approx(b["speedup"] / b["time_bound"])
+    assert context["floor"]["context"] == 256 and "the part no budget removes" in proc.stdout
+    kept = next(b for b in context["budgets"] if b["policy"] == "xkv")  # as a chat runs it: the look-ahead kept
+    assert kept["second_token_ms"] > 0 and kept["leave_ms"] > 0 and "look-ahead kept: second token" in proc.stdout
     held = {b["policy"]: b["working_set_bytes"] for b in context["budgets"]}
     assert held["xkv"] is None and held["uniform"] is None  # slot lists over the full cache hold nothing apart
     assert held["xkv+window"] is None

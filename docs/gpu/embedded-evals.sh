@@ -16,6 +16,9 @@
 #              answers (one process per report set: their sums are `eval --report --chats 10`'s), uniform and
 #              pyramid at 0.4 and xkv at 0.2 / 0.1 from the window alone in comparison (`--report --chats 5`), and
 #              the full cache, xkv looking ahead 16 and 32 as the app answers on 20 development chats (seed 1)
+#   xkv-kept   issue 43, the look-ahead kept as the reply's start (the default since 2026-11-28, evening; 16
+#              processes, one thread each): xkv at 0.4 / 0.2 / 0.1 as the app answers (one process per report set)
+#              and in comparison, and the choice alone (keep_ahead=false) at 0.4 in comparison
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -84,6 +87,16 @@ for part in "$@"; do
         ev xkv-0.4-lookahead$n-dev1-app --kv-policy xkv --kv-budget 0.4 --option lookahead=$n --mode app --seed 1 \
           --chats 20
       done ;;
+    xkv-kept)
+      export OMP_NUM_THREADS=1
+      for b in 0.4 0.2 0.1; do
+        for set in 53296 87351 387785 874335; do  # app.bench.evaluate.REPORT_SEEDS
+          ev xkv-$b-kept-app-set$set --kv-policy xkv --kv-budget $b --mode app --seed $set --chats 10
+        done
+        ev xkv-$b-kept-compare --kv-policy xkv --kv-budget $b --mode compare --report --chats 5
+      done
+      ev xkv-0.4-choice-compare --kv-policy xkv --kv-budget 0.4 --option keep_ahead=false --mode compare --report \
+        --chats 5 ;;
   esac
 done
 wait

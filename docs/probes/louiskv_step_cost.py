@@ -5,7 +5,8 @@ as `kvchat calibrate` sets it), (c) after every token in every layer (tau = 1), 
 (`instep=1`: each layer with its token's own query, so every layer scores and ranks its units at every token), (e)
 Quest's pages in the step likewise; and one choice timed alone (made
 eagerly for every global layer, and for one; and as the decode makes it on a CUDA graph: the choice's replay).
-The byte bound counts the weights as placed and the K/V the lists name.
+The byte bound counts the weights as placed and the K/V the lists name; the time bound, the full step's time less
+the share of its K/V time (its time above the full step's at 256 tokens) that the lists leave unread.
 
     python docs/probes/louiskv_step_cost.py MODEL.gguf [--context 32768] [--tokens 1024] [--repeats 3]
 
@@ -23,7 +24,7 @@ import time
 import torch
 
 from kvchat.app.bench.loopserve import CHUNK, decode_rates
-from kvchat.app.bench.xkv import kv_bytes_read, weight_bytes
+from kvchat.app.bench.xkv import FLOOR_CONTEXT, kv_bytes_read, step_floor_rate, time_bound, weight_bytes
 from kvchat.engine.data.workloads import mt_bench_workload
 from kvchat.engine.engine import Engine
 from kvchat.engine.model.cuda_graph import decoder_step
@@ -80,7 +81,9 @@ def main() -> None:
                  "context": context, "rounds": len(starts), "tokens": args.tokens, "weight_bytes": weights,
                  "full": decode_rates(cache, context, lambda: decoder_step(model, cache, capacity, None), device,
                                       args.repeats, n)}
-    print(f"full cache: {statistics.median(out['full']):.1f} tok/s", flush=True)
+    out["floor"] = step_floor_rate(engine, tokens, args.repeats, n)
+    print(f"full cache: {statistics.median(out['full']):.1f} tok/s; at {FLOOR_CONTEXT} tokens {out['floor']:.1f} "
+          f"tok/s", flush=True)
     last = [int(tokens[-1])]
     history = starts[:-1] if starts and starts[-1] == context else starts
 
@@ -129,10 +132,13 @@ def main() -> None:
                "bytes_per_token": read, "bound": (weights + full_kv) / read,
                "speedup": statistics.median(rates) / full_rate}
         row["share_of_bound"] = row["speedup"] / row["bound"]
+        row["time_bound"] = time_bound(full_rate, out["floor"], read - weights, full_kv)
+        row["share_of_time_bound"] = row["speedup"] / row["time_bound"]
         out[label] = row
         print(f"{name}, choosing {label}: {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f}); "
               f"{row['choices_per_token']:.2f} choices a token; {row['speedup']:.2f}x of the byte bound's "
-              f"{row['bound']:.2f}x ({row['share_of_bound']:.0%})", flush=True)
+              f"{row['bound']:.2f}x ({row['share_of_bound']:.0%}), of the time bound's {row['time_bound']:.2f}x "
+              f"({row['share_of_time_bound']:.0%})", flush=True)
     policy, make = louiskv(at_boundaries, keep)
     make()
     step = keep[0]

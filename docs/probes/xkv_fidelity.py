@@ -41,6 +41,10 @@ def main() -> None:
     parser.add_argument("--lookahead", type=int, default=None,
                         help="each policy's look-ahead (default: the policies' own, 16; 0: the window alone, as every "
                              "figure of docs/benchmarks.md's XKV section before \"XKV looking ahead\" was measured)")
+    parser.add_argument("--seed", type=int, default=0, help="the first chat's MT-Bench seed (chat i has seed + i)")
+    parser.add_argument("--keep-ahead", default=None, choices=["true", "false"],
+                        help="whether the look-ahead's tokens are the reply's start where the forced reply takes them "
+                             "(default: the policies' own, true; false: the choice alone, as measured before)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -49,6 +53,8 @@ def main() -> None:
     more = {"progressive": True} if args.progressive else {}
     if args.lookahead is not None:
         more["lookahead"] = args.lookahead
+    if args.keep_ahead is not None:
+        more["keep_ahead"] = args.keep_ahead == "true"
     label = "+p" if args.progressive else ""
     makers = {f"{name}{label}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b, **more))
               for b in budgets for name in args.policies.split(",")}
@@ -56,7 +62,7 @@ def main() -> None:
           flush=True)
     every: dict = {}
     for length in [int(x) for x in args.lengths.split(",")]:  # each length printed (and saved) as it ends
-        result = text_fidelity(engine, makers, [length], args.chats, args.positions,
+        result = text_fidelity(engine, makers, [length], args.chats, args.positions, seed=args.seed,
                                progress=lambda what, done, total: print(f"\r{done}/{total} {what:<60}", end="",
                                                                          file=sys.stderr, flush=True))
         d = result.as_dict()

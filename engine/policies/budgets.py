@@ -18,15 +18,16 @@ recall by at most one answer (docs/probes/xkv_score_variants.py). What the oracl
 reply's own start: with `head`, the reply's first tokens decode over every slot and then join the window, and the
 choice is made after them. It gained 3 answers of 6 on the development set at 4 tokens, and lost one on the report
 sets (docs/benchmarks.md, "With the window of 32"): it is off by default, and a short answer decoded mostly over
-the full cache says little of the choice. With `lookahead` (16 by default) the reply's start is found without being
-kept: at the reply's first token the full cache's own greedy continuation is decoded for 16 tokens, their queries
-join the window's, the tokens are taken back out of the cache, and the whole reply decodes over the kept slots
-(`LookAheadThenBudget`). On the model shipped since 2026-11-28, whose answers copy values of up to 16 characters,
-the window alone keeps 131 of the full cache's 166 development answers at 0.4, looking 8 tokens ahead 160, 16
-tokens ahead 166 (docs/benchmarks.md, "XKV looking ahead"). Its price is the 16 full-cache steps before the reply's
-second token (at 32k on the 8B shape on an H200, ~77 ms where the full cache's step is captured already; in a chat,
-whose cache grows to each message's need, each message captures it again: ~350 ms in all); the first token, which
-the prefill gives, is not delayed.
+the full cache says little of the choice. With `lookahead` (16 by default) the reply's start is found before the
+choice: at the reply's first token the full cache's own greedy continuation is decoded for 16 tokens and their
+queries join the window's (`LookAheadThenBudget`). On the model shipped since 2026-11-28, whose answers copy values
+of up to 16 characters, the window alone keeps 131 of the full cache's 166 development answers at 0.4, looking 8
+tokens ahead 160, 16 tokens ahead 166 (docs/benchmarks.md, "XKV looking ahead"). Those tokens are then the reply's
+own start wherever the sampler picks them (`keep_ahead`): nothing is decoded twice, and the choice is made where
+the reply leaves them (for a greedy reply, `head` 16 with the look-ahead's choice; what the choice alone keeps is
+measured with `keep_ahead=false`). The look-ahead runs in the budget's own step, so a message captures one graph:
+at 32k on the 8B shape on an H200 the reply's second token comes 136-180 ms after the first, its capture included
+(docs/benchmarks.md, "the look-ahead kept"); the first token, which the prefill gives, is not delayed.
 
 The pool takes its slots' mean (the paper's); `pooling="max"` takes the best of them instead (a value's slots each
 keep the score of its most attended token). Max was the default for a day: on the development set of the model
@@ -120,13 +121,17 @@ class LayerBudgetPolicy(KVPolicy):
     # Beyond the paper: the reply's first `head` tokens read every slot, and their queries join the window's in the
     # score (an answer's own start points at where it was told better than the question's words do). 0: the paper's.
     head: int = 0
-    # Beyond the paper: at the reply's first token (the prefill's), that token and the next `lookahead` - 1, decoded
-    # greedily over every slot, are put through the model and taken back; their queries join the window's in the
-    # score, and the whole reply is then decoded over the kept slots (the idea of Lookahead Q-Cache's pseudo
-    # queries, made by the model itself). Unlike `head`, no reply token is decoded over more than the budget. 16 by
-    # default (docs/benchmarks.md, "XKV looking ahead"); 0: the paper's. A policy with `head` uses that instead. A
-    # host-resident chat has no full cache on the device to look ahead over: it chooses from the window.
+    # Beyond the paper: at the reply's first token (the prefill's), that token and the next `lookahead` - 1 are
+    # decoded greedily over every slot; their queries join the window's in the score (the idea of Lookahead
+    # Q-Cache's pseudo queries, made by the model itself). 16 by default (docs/benchmarks.md, "XKV looking ahead");
+    # 0: the paper's. A policy with `head` uses that instead. A host-resident chat has no full cache on the device to
+    # look ahead over: it chooses from the window.
     lookahead: int = 16
+    # Beyond the paper: the look-ahead's tokens are the reply's first ones where the sampler picks them (handed the
+    # full cache's logits they were decoded with, not decoded again over the budget: exact, and 16 fewer steps); off:
+    # taken back, and the whole reply decodes over the kept slots — what a measure of the choice alone runs, since
+    # a short answer then never reads the budget (docs/benchmarks.md, "The look-ahead kept").
+    keep_ahead: bool = True
     # Beyond the paper: the reply decodes over a working set that holds each layer's kept slots alone, in a tensor of
     # its own (engine.kv.working_set: the device bytes are the budget's, and attention reads contiguous slots);
     # off: over the full cache through per-layer slot lists. Not with `progressive` (its choice changes).
@@ -198,11 +203,11 @@ class LayerBudgetPolicy(KVPolicy):
         return self.choice_from_scores(cfg, scores, first, n_win)
 
     @torch.inference_mode()
-    def choose_looking_ahead(self, model: Transformer, cache: KVCache, ahead: list[int]
+    def choose_looking_ahead(self, model: Transformer, cache: KVCache, ahead: list[int], kept: int = 0
                              ) -> tuple[BudgetChoice, list[Tensor | None]]:
         """`choose` with the cache's last len(ahead) slots holding `ahead`, reply tokens decoded over every slot
-        after the input: their queries join the window's in the score, then they are taken out of the cache (the
-        choice is over the input alone, as `choose`'s)."""
+        after the input: their queries join the window's in the score, then all but the first `kept` of them are
+        taken out of the cache (the choice is over the input alone, as `choose`'s)."""
         cfg, first = model.cfg, cache.length - len(ahead)
         n_win = min(len(self._window_tokens), first)
         try:
@@ -212,7 +217,7 @@ class LayerBudgetPolicy(KVPolicy):
             scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:] + list(ahead),
                                   len(ahead))
         finally:
-            cache.truncate(first)
+            cache.truncate(first + kept)
         return self.choice_from_scores(cfg, scores, first, n_win)
 
     def scores_needed(self, cfg, first: int, n_win: int) -> bool:
@@ -383,32 +388,73 @@ def lookahead_undoable(cache: KVCache, cfg, n: int) -> bool:
 
 
 class LookAheadThenBudget(BudgetAfterReplyStart):
-    """At the reply's first token: `policy.lookahead` tokens decoded greedily from it over the whole cache (the
-    cache's own step), the budgets chosen with their queries beside the window's, the tokens taken back out of the
-    cache; then the reply, from its first token, decodes over the kept slots."""
+    """At the reply's first token: `policy.lookahead` tokens decoded greedily from it over the whole cache, whose
+    queries join the window's when the budgets are chosen.
+
+    With `policy.keep_ahead` (the default) those tokens are the reply's own as far as the sampler picks them: each
+    is handed the logits the full cache gave it (they were computed already), and the budgets are chosen only when
+    the reply leaves the look-ahead — where the sampler picks another token, or after its last — with the tokens
+    kept so far staying in the cache and read by every later token. A reply that ends inside its look-ahead read the
+    whole cache; its choice is made after it, for the chat's figures (`finish`). Without it, the look-ahead is taken
+    back out of the cache and the reply decodes over the kept slots from its first token.
+
+    On the slot lists (the default decode) one step serves both, so a message captures one CUDA graph: the look-ahead
+    runs with every slot listed, and the choice rewrites the lists. A working set, or a progressive choice, looks
+    ahead through the cache's own step first (a working set holds the kept slots alone; progressive decoding
+    chooses from the reply's queries, so its look-ahead is always taken back)."""
+
+    def __init__(self, policy: LayerBudgetPolicy, model: Transformer, cache: KVCache, prompt_start: int,
+                 capacity: int, cuda_graph: bool | None):
+        super().__init__(policy, model, cache, prompt_start, capacity, cuda_graph)
+        self.first = cache.length  # the reply's first slot
+        self.ahead: list[int] = []  # the look-ahead's tokens, the reply's first one first
+        self.ahead_logits: list[Tensor] = []  # the full cache's logits after each of them
+        self.fed = 0  # reply tokens handed to this step so far
+        self.looked = False
+        self.lists = not (policy.working_set or policy.progressive)  # the look-ahead runs in the budget's step
+        self.keep = policy.keep_ahead and not policy.progressive
+        if self.lists:  # made (its graph captured) here, where a reply's decode step is set up; every slot listed
+            # until the choice rewrites the lists. A full-cache step an earlier reply left on the cache is let go
+            # first: the GPU memory plan counts one decode graph (app.session.memory).
+            if getattr(cache, "graphed_decode", None) is not None:
+                cache.graphed_decode = None
+            self.step = SlotListDecode(model, cache, prompt_start, capacity, None, cuda_graph)
 
     @torch.inference_mode()
     def __call__(self, token: int) -> Tensor:
-        if self.step is None:
-            self.step = self._choose(token)
+        if not self.looked:
+            self._look_ahead(token)
+            self.looked = True
+            if not self.ahead_logits:  # taken back (or no room to look ahead at all): chosen now
+                self._choose(0)
+        if self.ahead_logits:
+            if self.fed < len(self.ahead_logits) and token == self.ahead[self.fed]:
+                self.fed += 1
+                return self.ahead_logits[self.fed - 1]
+            self._choose(self.fed)  # the reply leaves the look-ahead here
+        self.fed += 1
         return self.step(token)
 
-    def _choose(self, token: int):
-        policy, model, cache = self.policy, self.model, self.cache
-        first = cache.length
+    def _look_ahead(self, token: int) -> None:
+        policy, model, cache, first = self.policy, self.model, self.cache, self.first
         n = min(policy.lookahead, self.capacity - first - 1)
-        ahead = [token]
+        ahead, logits = [token], []
         # The message's query tap is kept aside while looking ahead (as ReplyHeadThenBudget's): the look-ahead's
         # queries are run once, together, at the choice.
         tap, model.query_tap = model.query_tap, None
         graphed = getattr(cache, "graphed_decode", None)
         try:
-            look = cache.decode_step(model, n + 1, self.capacity, cuda_graph=self.cuda_graph)
+            if self.lists:
+                look = self.step
+            else:
+                look = cache.decode_step(model, n + 1, self.capacity, cuda_graph=self.cuda_graph)
             for i in range(n):
-                logits = look(ahead[i])
+                out = look(ahead[i])
+                # a clone: a captured step's logits are its graph's output, which its next replay overwrites
+                logits.append(out.clone() if self.keep else out)
                 if i + 1 < n:
-                    ahead.append(int(logits.argmax()))
-            look = logits = None  # (a graph this look-ahead captured is freed once nothing holds it)
+                    ahead.append(int(out.argmax()))
+            look = out = None  # (a graph this look-ahead captured is freed once nothing holds it)
         except BaseException:
             cache.truncate(first)  # nothing of a look-ahead that failed stays in the chat's cache
             raise
@@ -419,7 +465,43 @@ class LookAheadThenBudget(BudgetAfterReplyStart):
                 # memory plan counts one decode graph (app.session.memory), and a chat's cache grows to each
                 # message's need, so the next message could not replay it anyway.
                 cache.graphed_decode = None
-        return self.budget_step(policy.choose_looking_ahead(model, cache, ahead[:n]))
+        self.ahead, self.ahead_logits = ahead[:n], logits if self.keep else []
+
+    def _choose(self, kept: int) -> None:
+        """The budgets chosen with the look-ahead's queries; its first `kept` tokens stay in the cache as the reply's
+        (read by every later token), the rest are taken out."""
+        policy, first = self.policy, self.first
+        # no longer replaying, whatever the choice does: a choice that fails has taken the look-ahead's unkept
+        # tokens out already, and `finish` must not choose (and cut) again
+        self.ahead_logits = []
+        choice, slots = policy.choose_looking_ahead(self.model, self.cache, self.ahead, kept=kept)
+        if self.lists:
+            policy.last_choice = choice
+            for layer, chosen in enumerate(slots):
+                if chosen is not None:
+                    self.step.write(layer, chosen)  # then the reply's slots, those kept included
+            return
+        if kept:  # a working set gathers the reply's kept slots with the input's
+            reply = torch.arange(first, first + kept, dtype=torch.int32, device=self.model.device)
+            slots = [s if s is None else torch.cat([s, reply.to(s.device).expand(s.shape[0], -1)], 1)
+                     for s in slots]
+        self.step = self.budget_step((choice, slots))
+
+    def finish(self) -> None:
+        if self.ahead_logits:
+            # The reply ended inside its look-ahead, having read the whole cache. The choice is still made (after
+            # the reply, so nobody waits for it) for the figures a chat keeps of its budgets; what the reply did not
+            # take leaves the cache either way, and a choice that fails costs those figures alone.
+            self.ahead_logits = []
+            try:
+                if self.cache.length == self.first + len(self.ahead):  # the whole look-ahead still in the cache
+                    self.policy.last_choice = self.policy.choose_looking_ahead(self.model, self.cache, self.ahead,
+                                                                               kept=self.fed)[0]
+            except Exception:  # noqa: BLE001 - the reply stands; a failure of its own is reported by its caller
+                pass
+            finally:
+                self.cache.truncate(self.first + self.fed)
+        super().finish()
 
 
 @torch.inference_mode()
