@@ -28,7 +28,7 @@ from kvchat.app.bench.engine_speed import quantized_matrices
 from kvchat.engine.model.cuda_graph import decoder_step
 from kvchat.engine.policies import make_policy
 from kvchat.engine.policies.budgets import LayerBudgetPolicy, LookAheadThenBudget
-from kvchat.engine.timing import timed_runs
+from kvchat.engine.timing import sync, timed_runs
 
 # The new message: the context's last tokens, as many as the policies' observation window scores by default.
 MESSAGE_TOKENS = LayerBudgetPolicy.window
@@ -109,14 +109,12 @@ def decode_figures(engine: Engine, context: int, budgets: list[float], repeats: 
             def step(policy=policy, made=made, last_step=last_step, ready_s=ready_s, lookahead=lookahead):
                 cache.length = context
                 last_step.clear()  # the latest only: each holds a captured graph
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                sync(device)
                 t0 = time.perf_counter()
                 s = policy.decode_step(model, cache, context - len(window), None, capacity, None)
                 if lookahead:
                     s(1)  # the look-ahead, the choice and the budgeted step's first token
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                sync(device)
                 ready_s.append(time.perf_counter() - t0)
                 made.append(policy.last_choice)
                 last_step[:] = [s]
@@ -166,8 +164,7 @@ def kept_ahead_figures(engine: Engine, cache, context: int, window: list[int], b
     second, leave = [], []
 
     def clock() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         return time.perf_counter()
 
     for _ in range(runs + 1):  # the first warms up

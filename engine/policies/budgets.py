@@ -319,10 +319,15 @@ class LayerBudgetPolicy(KVPolicy):
                                      pool=self.pool, layer_budgets=choice.kept)
         else:
             step = SlotListDecode(model, cache, prompt_start, capacity, None, cuda_graph)
-        for layer, kept in enumerate(slots):
-            if kept is not None:
-                step.write(layer, kept)
+        write_lists(step, slots)
         return step
+
+
+def write_lists(step: SlotListDecode, slots: list[Tensor | None]) -> None:
+    """Each layer's kept input slots into a slot-list step (a layer without a list keeps what it lists)."""
+    for layer, kept in enumerate(slots):
+        if kept is not None:
+            step.write(layer, kept)
 
 
 class BudgetAfterReplyStart:
@@ -450,8 +455,9 @@ class LookAheadThenBudget(BudgetAfterReplyStart):
                 look = cache.decode_step(model, n + 1, self.capacity, cuda_graph=self.cuda_graph)
             for i in range(n):
                 out = look(ahead[i])
-                # a clone: a captured step's logits are its graph's output, which its next replay overwrites
-                logits.append(out.clone() if self.keep else out)
+                # kept as a clone: a captured step's logits are its graph's output, which its next replay overwrites
+                if self.keep:
+                    logits.append(out.clone())
                 if i + 1 < n:
                     ahead.append(int(out.argmax()))
             look = out = None  # (a graph this look-ahead captured is freed once nothing holds it)
@@ -465,7 +471,7 @@ class LookAheadThenBudget(BudgetAfterReplyStart):
                 # memory plan counts one decode graph (app.session.memory), and a chat's cache grows to each
                 # message's need, so the next message could not replay it anyway.
                 cache.graphed_decode = None
-        self.ahead, self.ahead_logits = ahead[:n], logits if self.keep else []
+        self.ahead, self.ahead_logits = ahead[:n], logits
 
     def _choose(self, kept: int) -> None:
         """The budgets chosen with the look-ahead's queries; its first `kept` tokens stay in the cache as the reply's
@@ -477,9 +483,7 @@ class LookAheadThenBudget(BudgetAfterReplyStart):
         choice, slots = policy.choose_looking_ahead(self.model, self.cache, self.ahead, kept=kept)
         if self.lists:
             policy.last_choice = choice
-            for layer, chosen in enumerate(slots):
-                if chosen is not None:
-                    self.step.write(layer, chosen)  # then the reply's slots, those kept included
+            write_lists(self.step, slots)  # each list then names the reply's slots, those kept included
             return
         if kept:  # a working set gathers the reply's kept slots with the input's
             reply = torch.arange(first, first + kept, dtype=torch.int32, device=self.model.device)
