@@ -28,6 +28,16 @@ def probe_engine(model: str | None, device: str) -> tuple[str, Engine]:
     return path, Engine(path, device=device)
 
 
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """xkv or xkv:layer_weight=0.5 (options as `kvchat eval --option`, several joined by ';') -> (name, options)."""
+    name, _, options = spec.partition(":")
+    parsed = {}
+    for option in filter(None, options.split(";")):
+        key, _, value = option.partition("=")
+        parsed[key] = float(value) if value.replace(".", "", 1).isdigit() else value
+    return name, parsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a GGUF file or gemma-3-270m (default: the embedded model)")
@@ -35,7 +45,8 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=2)
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--budgets", default="0.4,0.2,0.1")
-    parser.add_argument("--policies", default="xkv,uniform,pyramid")
+    parser.add_argument("--policies", default="xkv,uniform,pyramid",
+                        help="comma-separated; each NAME or NAME:key=value;key=value (e.g. xkv:layer_weight=0.5)")
     parser.add_argument("--progressive", action="store_true",
                         help="each policy with progressive=true (its slots chosen again as the reply goes)")
     parser.add_argument("--lookahead", type=int, default=None,
@@ -56,8 +67,9 @@ def main() -> None:
     if args.keep_ahead is not None:
         more["keep_ahead"] = args.keep_ahead == "true"
     label = "+p" if args.progressive else ""
-    makers = {f"{name}{label}@{b:g}": (lambda name=name, b=b: make_policy(name, engine, budget=b, **more))
-              for b in budgets for name in args.policies.split(",")}
+    makers = {f"{spec}{label}@{b:g}": (lambda spec=spec, b=b: make_policy(policy_spec(spec)[0], engine, budget=b,
+                                                                           **more, **policy_spec(spec)[1]))
+              for b in budgets for spec in args.policies.split(",")}
     print(f"model {path}  device {engine.device}  {args.chats} chats per length, up to {args.positions} positions",
           flush=True)
     every: dict = {}

@@ -31,7 +31,7 @@ from torch import Tensor
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.working_set import LayerWorkingSet, WorkingSetDecode, window_start
 from kvchat.engine.model.attention import Attend
-from kvchat.engine.model.decoder import Transformer
+from kvchat.engine.model.decoder import QueryTap, Transformer
 from kvchat.kernels.slot_mass import slot_mass
 
 
@@ -110,9 +110,15 @@ class HostResidentKV:
         cfg, end = model.cfg, self.host.length + len(tokens)
         n_win = min(self.policy.window, len(tokens), end)
         scored = self.policy.scores_needed(cfg, end, n_win)
-        h, masses = self._stream(model, tokens, self.host.length, n_win if scored else 0, chunk)
+        tap = model.query_tap = QueryTap(n_win) if scored else None  # the layers' attention shares, on the way
+        try:
+            h, masses = self._stream(model, tokens, self.host.length, n_win if scored else 0, chunk)
+        finally:
+            model.query_tap = None
         if scored:
-            choice, kept = self.policy.choice_from_scores(cfg, self.policy.pooled(torch.cat(masses)), end, n_win)
+            shares = tap.attention_shares(cfg.global_layers, end, n_win)
+            choice, kept = self.policy.choice_from_scores(cfg, self.policy.pooled(torch.cat(masses)), end, n_win,
+                                                          shares)
         else:
             choice, kept = self.policy.keep_everything(cfg, end)
         self.policy.last_choice = choice

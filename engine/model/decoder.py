@@ -183,12 +183,18 @@ def _optional_norm(weight: Tensor | None, eps: float) -> RMSNorm | None:
 class QueryTap:
     """Keeps, per layer, the queries of the last `rows` tokens a prefill ran (across its chunks), and where they end:
     what a KV policy scores after a message's prefill (XKV's observation window), read from the prefill itself
-    rather than by running those tokens through every layer again. Decode steps do not feed it."""
+    rather than by running those tokens through every layer again; and, for the same tokens, how far each layer's
+    attention moves the residual stream (`attention_shares`: XKV weighs its layers by it). Decode steps do not feed
+    it."""
 
     def __init__(self, rows: int):
         self.rows = rows
         self.kept: dict[int, Tensor] = {}  # layer -> queries [<= rows, H, D]
         self.end: dict[int, int] = {}  # layer -> the position after its last kept row
+        # layer -> [2, <= rows]: per row the norm of what the layer's attention adds to the residual stream (after
+        # Gemma's post-attention norm) and of the stream entering the layer (`attention_shares`)
+        self.norms: dict[int, Tensor] = {}
+        self.norms_end: dict[int, int] = {}
 
     def keep(self, layer: int, start: int, q: Tensor) -> None:
         """A prefill chunk's queries q [T, H, D] at positions [start, start + T) of `layer`."""
@@ -201,6 +207,29 @@ class QueryTap:
         if any(self.end.get(i) != end or self.kept[i].shape[0] < n for i in layers):
             return None
         return {i: self.kept[i][-n:] for i in layers}
+
+    def keep_norms(self, layer: int, start: int, added: Tensor, residual: Tensor) -> None:
+        """A prefill chunk's attention output as added to the residual stream, added [T, d], and the stream entering
+        the layer, residual [T, d], at positions [start, start + T) of `layer`: their norms per row."""
+        rows = self.rows
+        norms = torch.stack([added[-rows:].float().norm(dim=-1), residual[-rows:].float().norm(dim=-1)])  # [2, T']
+        before = self.norms.get(layer) if self.norms_end.get(layer) == start else None
+        kept = norms if before is None else torch.cat([before, norms], 1)
+        self.norms[layer], self.norms_end[layer] = kept[:, -rows:], start + added.shape[0]
+
+    def attention_shares(self, layers: list[int], end: int, n: int) -> Tensor | None:
+        """Per layer of `layers` [len(layers)] float32, over the n tokens before position `end`: the mean norm of
+        what its attention adds to the residual stream over the mean norm of the stream entering it (how much the
+        layer's attention moves the model's state there); None unless the tap kept all those rows."""
+        means = []
+        for i in layers:
+            rows, stop = self.norms.get(i), self.norms_end.get(i, -1)
+            if n < 1 or stop < end or stop - rows.shape[1] > end - n:
+                return None
+            at = rows.shape[1] - (stop - end)  # the kept rows may go on past `end` (a window run again with the reply)
+            means.append(rows[:, at - n : at].mean(1))
+        means = torch.stack(means)  # [L, 2]
+        return (means[:, 0] / means[:, 1].clamp_min(1e-30)).cpu()
 
 
 class DecoderLayer(nn.Module):
@@ -232,7 +261,10 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Tensor, layer: int, rot: Rotations, cache: KVCache, start: int,
                 attend: Tensor | None, step: DecodeStep | None = None, queries: list | None = None) -> Tensor:
         a = self._attention(self.attn_norm(h), layer, rot, cache, start, attend, step, queries)
-        h = h + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        a = a if self.post_attn_norm is None else self.post_attn_norm(a)
+        if step is None and self.query_tap is not None:
+            self.query_tap.keep_norms(layer, start, a, h)
+        h = h + a
         y = self._mlp(self.ffn_norm(h))
         return h + (y if self.post_ffn_norm is None else self.post_ffn_norm(y))
 
@@ -311,12 +343,14 @@ class DecoderLayer(nn.Module):
         """forward() for T new tokens on the GPU with the norms fused with their residual adds and SwiGLU in one
         kernel, (h, pending) as in fused_decode: a third fewer kernels, which a short prefill (a message over a
         chat, a restore's recomputed rounds) spends its time queuing."""
+        tap = self.query_tap
         return self._fused(h, pending, lambda x, xq: self._attention(x, layer, rot, cache, start, attend, None,
                                                                      queries),
-                           linear)
+                           linear, tap=None if tap is None else lambda a, h: tap.keep_norms(layer, start, a, h))
 
     def _fused(self, h: Tensor, pending: Tensor | None, attention: Callable[[Tensor, QuantX | None], Tensor],
-               linear: Callable[..., Tensor], decode: bool = False) -> tuple[Tensor, Tensor]:
+               linear: Callable[..., Tensor], decode: bool = False,
+               tap: Callable[[Tensor, Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
         # A decode step's x for an int8 product (kernels.quant_dot) is quantized by the norm or SwiGLU kernel that
         # makes it: three kernels a layer fewer than quantizing each x on its own.
         def int8(weight, rounding) -> bool:
@@ -327,6 +361,8 @@ class DecoderLayer(nn.Module):
         out = attention(x, xq[0] if xq else None)
         if self.post_attn_norm is not None:
             out = self.post_attn_norm(out)
+        if tap is not None:  # (a prefill's: h is now the stream entering the layer, its pending add done)
+            tap(out, h)
         h, x, *xq = add_rms_norm(out, h, self.ffn_norm.weight, self.ffn_norm.eps,
                                  quantize=int8(self.w_gate_up, self.round_gate_up))
         gate_up = linear(self.round_gate_up(x), self.w_gate_up, xq=xq[0] if xq else None)

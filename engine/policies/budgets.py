@@ -165,9 +165,11 @@ class LayerBudgetPolicy(KVPolicy):
                               f"{self.window} tokens")
 
     @abstractmethod
-    def allocate(self, scores: Tensor, total: int) -> list[int]:
+    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         """Share `total` slots among the global layers, given their pooled scores [G, N] (each row normalized to
-        sum to 1; N candidate slots per layer): n_i per layer, each at most N, summing to min(total, G * N)."""
+        sum to 1; N candidate slots per layer) and, where measured, how far each layer's attention moves the
+        residual stream over the window ([G], QueryTap.attention_shares): n_i per layer, each at most N, summing to
+        min(total, G * N)."""
 
     def kept_per_layer(self, input_slots: int) -> int:
         """Input slots a global layer keeps on average (window included) for an input of `input_slots`."""
@@ -198,9 +200,9 @@ class LayerBudgetPolicy(KVPolicy):
         n_win = min(len(self._window_tokens), first)
         if not self.scores_needed(cfg, first, n_win):
             return self.keep_everything(cfg, first)
-        scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:],
-                              min(self._decoded, n_win))  # [G, Hkv, N]
-        return self.choice_from_scores(cfg, scores, first, n_win)
+        scores, shares = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:],
+                                      min(self._decoded, n_win))  # [G, Hkv, N], [G]
+        return self.choice_from_scores(cfg, scores, first, n_win, shares)
 
     @torch.inference_mode()
     def choose_looking_ahead(self, model: Transformer, cache: KVCache, ahead: list[int], kept: int = 0
@@ -214,11 +216,11 @@ class LayerBudgetPolicy(KVPolicy):
             if not self.scores_needed(cfg, first, n_win):
                 return self.keep_everything(cfg, first)
             # [G, Hkv, first - n_win]: the window's and the look-ahead's tokens score the slots before the window
-            scores = self._scores(model, cache, cfg.global_layers, self._window_tokens[-n_win:] + list(ahead),
-                                  len(ahead))
+            scores, shares = self._scores(model, cache, cfg.global_layers,
+                                          self._window_tokens[-n_win:] + list(ahead), len(ahead))
         finally:
             cache.truncate(first + kept)
-        return self.choice_from_scores(cfg, scores, first, n_win)
+        return self.choice_from_scores(cfg, scores, first, n_win, shares)
 
     def scores_needed(self, cfg, first: int, n_win: int) -> bool:
         """Whether an input of `first` slots, the last n_win of them the window, is scored at all (else every
@@ -231,15 +233,16 @@ class LayerBudgetPolicy(KVPolicy):
         return (BudgetChoice(first, kept, [1.0] * len(cfg.global_layers), cfg.global_layers),
                 [None] * cfg.n_layers)
 
-    def choice_from_scores(self, cfg, scores: Tensor, first: int, n_win: int
+    def choice_from_scores(self, cfg, scores: Tensor, first: int, n_win: int, shares: Tensor | None = None
                            ) -> tuple[BudgetChoice, list[Tensor | None]]:
-        """`choose` from the global layers' pooled window scores [G, Hkv, first - n_win] (`pooled`)."""
+        """`choose` from the global layers' pooled window scores [G, Hkv, first - n_win] (`pooled`) and their
+        attention's shares of the residual stream over the window ([G] or None: `allocate`)."""
         globals_ = cfg.global_layers
         candidates, average = first - n_win, self.kept_per_layer(first)
         per_layer = scores.sum(1)
         per_layer = per_layer / per_layer.sum(1, keepdim=True).clamp_min(1e-30)
         total = len(globals_) * (average - n_win)
-        counts = self.allocate(per_layer, total)
+        counts = self.allocate(per_layer, total, shares)
         if len(counts) != len(globals_) or any(not 0 <= n <= candidates for n in counts):
             raise RuntimeError(f"{self.name} allocated {counts} for {len(globals_)} layers of {candidates} slots")
         # R_i(n_i) of every layer read back at once (one wait for the device, not one a layer)
@@ -261,18 +264,19 @@ class LayerBudgetPolicy(KVPolicy):
         return BudgetChoice(first, kept, retention, globals_), slots
 
     def _scores(self, model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0
-                ) -> Tensor:
+                ) -> tuple[Tensor, Tensor | None]:
         """Pooled window scores [G, Hkv, N] of the global `layers` over the input before the window (its last
-        `after` tokens the reply's, decoded since the message's prefill)."""
+        `after` tokens the reply's, decoded since the message's prefill), and the layers' attention shares of the
+        residual stream over the window's input tokens ([G]: QueryTap.attention_shares)."""
         cfg = model.cfg
         first, n_win = cache.length, len(tokens)
-        queries = prefill_queries(model, cache, layers, tokens, after)  # [L, T, H, D]
+        queries, shares = prefill_window(model, cache, layers, tokens, after)  # [L, T, H, D], [G]
         out = []
         per_layer_bytes = cfg.n_heads * n_win * first * 4
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
             keys = cache.keys_of(group, first)
             out.append(slot_mass(queries[at], keys, first - n_win, None, cfg.softmax_scale))
-        return self.pooled(torch.cat(out))  # [G, Hkv, N]
+        return self.pooled(torch.cat(out)), shares  # [G, Hkv, N], [G]
 
     def pooled(self, mass: Tensor) -> Tensor:
         """Window scores [G, Hkv, N] averaged (or maxed) over `pool` neighbouring slots."""
@@ -515,18 +519,32 @@ def prefill_queries(model: Transformer, cache: KVCache, layers: list[int], token
     those the message's prefill kept (the model's QueryTap, read once: no later prefill feeds it), the last `after`
     (reply tokens decoded since the prefill, which decode steps do not tap) run once together; or, if the tap did not
     keep the rest, `window_queries`' (every layer, run again)."""
+    return prefill_window(model, cache, layers, tokens, after)[0]
+
+
+def prefill_window(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0
+                   ) -> tuple[Tensor, Tensor]:
+    """`prefill_queries`' queries, and `layers`' attention shares of the residual stream [len(layers)] over the
+    window's tokens before the reply's `after` (QueryTap.attention_shares), from the same place: the message's
+    prefill, or the window run again."""
     tap, model.query_tap = model.query_tap, None
     ours = tap is not None and after < len(tokens)
     kept = tap.queries(layers, cache.length - after, len(tokens) - after) if ours else None
-    if kept is None:
-        return window_queries(model, cache, tokens)
+    shares = tap.attention_shares(layers, cache.length - after, len(tokens) - after) if kept is not None else None
+    if kept is None or shares is None:
+        rerun = model.query_tap = QueryTap(len(tokens))
+        try:
+            queries = window_queries(model, cache, tokens)
+        finally:
+            model.query_tap = None
+        return queries, rerun.attention_shares(layers, cache.length - after, len(tokens) - after)
     cfg = model.cfg
     queries = next(iter(kept.values())).new_zeros(cfg.n_layers, len(tokens), cfg.n_heads, cfg.head_dim)
     for layer, q in kept.items():
         queries[layer, : len(tokens) - after] = q
     if after:  # the reply's tokens decoded since the prefill (a policy's `head`): run once, all together
         queries[:, len(tokens) - after :] = window_queries(model, cache, tokens[len(tokens) - after :])
-    return queries
+    return queries, shares
 
 
 def window_queries(model: Transformer, cache: KVCache, tokens: list[int]) -> Tensor:

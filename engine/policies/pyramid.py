@@ -50,6 +50,6 @@ class PyramidBudget(LayerBudgetPolicy):
             raise KvchatError(f"beta (the first layer's budget over the last's, kvpress's) is at least 1, not "
                               f"{self.beta}")
 
-    def allocate(self, scores: Tensor, total: int) -> list[int]:
+    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         g, n = scores.shape
         return pyramid_counts(g, min(total, g * n) / g, n, self.beta)

@@ -15,7 +15,7 @@ from kvchat.engine.policies.budgets import LayerBudgetPolicy
 class UniformBudget(LayerBudgetPolicy):
     name = "uniform"
 
-    def allocate(self, scores: Tensor, total: int) -> list[int]:
+    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         g, n = scores.shape
         share, extra = divmod(min(total, g * n), g)
         return [min(n, share + (1 if j < extra else 0)) for j in range(g)]
