@@ -62,13 +62,17 @@ def main() -> None:
             if not window.scores_needed(cfg, first, n_win):
                 return window.keep_everything(cfg, first)
             tokens = window._window_tokens[-n_win:]
+            # each (pooled scores [G, Hkv, N], the layers' attention shares [G])
             scores = {"window": window_scores(model, cache, cfg.global_layers, tokens, 0),
                       "oracle": oracle._scores(model, cache, cfg.global_layers, tokens, 0)}
+            shares = scores["window"][1]
+            scores = {k: v[0] for k, v in scores.items()}
             per_layer = scores[args.counts_from].sum(1)
             per_layer = per_layer / per_layer.sum(1, keepdim=True).clamp_min(1e-30)
-            counts = window.allocate(per_layer, len(cfg.global_layers) * (window.kept_per_layer(first) - n_win))
+            counts = window.allocate(per_layer, len(cfg.global_layers) * (window.kept_per_layer(first) - n_win),
+                                     shares)
             allocate = window.allocate
-            window.allocate = lambda _scores, _total: counts  # the counts given; choice_from_scores ranks by these
+            window.allocate = lambda _scores, _total, _shares=None: counts  # the counts given; ranked by the scores
             try:
                 return type(window).choice_from_scores(window, cfg, scores[args.ranks_from], first, n_win)
             finally:

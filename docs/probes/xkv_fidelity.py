@@ -31,11 +31,9 @@ def probe_engine(model: str | None, device: str) -> tuple[str, Engine]:
 def policy_spec(spec: str) -> tuple[str, dict]:
     """xkv or xkv:layer_weight=0.5 (options as `kvchat eval --option`, several joined by ';') -> (name, options)."""
     name, _, options = spec.partition(":")
-    parsed = {}
-    for option in filter(None, options.split(";")):
-        key, _, value = option.partition("=")
-        parsed[key] = float(value) if value.replace(".", "", 1).isdigit() else value
-    return name, parsed
+    from kvchat.app.bench.eval_command import _parse_options
+
+    return name, _parse_options(tuple(filter(None, options.split(";"))))
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from kvchat.app.bench.evaluate import evaluate, heldout_chats
 from kvchat.assets import DEFAULT_MODEL
 from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
-from kvchat.engine.policies.budgets import SCORE_BYTES, prefill_queries
+from kvchat.engine.policies.budgets import SCORE_BYTES, prefill_window
 from kvchat.engine.policies.progressive_decode import layer_groups
 from kvchat.engine.text.chat_format import Conversation, Round
 from kvchat.kernels.slot_mass import slot_mass
@@ -55,7 +55,7 @@ def oracle(policy, engine: Engine, expected: ExpectedReplies):
     @torch.inference_mode()
     def scores(model_, cache, layers, tokens, after=0):
         cfg, first, n_win = model_.cfg, cache.length, len(tokens)
-        window = prefill_queries(model_, cache, layers, tokens, after)  # [L, T, H, D]
+        window, shares = prefill_window(model_, cache, layers, tokens, after)  # [L, T, H, D], [G]
         answer = answer_tokens(prompts[0]) if prompts else []
         queries = window
         if answer:
@@ -70,7 +70,7 @@ def oracle(policy, engine: Engine, expected: ExpectedReplies):
             keys = cache.keys_of(group, end)
             out.append(slot_mass(queries[at], keys, first - n_win, None, cfg.softmax_scale))
         cache.truncate(first)
-        return policy.pooled(torch.cat(out))
+        return policy.pooled(torch.cat(out)), shares
 
     policy.visible_slots = visible_slots
     policy._scores = scores
