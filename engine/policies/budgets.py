@@ -519,24 +519,28 @@ def prefill_queries(model: Transformer, cache: KVCache, layers: list[int], token
     those the message's prefill kept (the model's QueryTap, read once: no later prefill feeds it), the last `after`
     (reply tokens decoded since the prefill, which decode steps do not tap) run once together; or, if the tap did not
     keep the rest, `window_queries`' (every layer, run again)."""
-    return prefill_window(model, cache, layers, tokens, after)[0]
+    return prefill_window(model, cache, layers, tokens, after, with_shares=False)[0]
 
 
-def prefill_window(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0
-                   ) -> tuple[Tensor, Tensor]:
+def prefill_window(model: Transformer, cache: KVCache, layers: list[int], tokens: list[int], after: int = 0,
+                   with_shares: bool = True) -> tuple[Tensor, Tensor | None]:
     """`prefill_queries`' queries, and `layers`' attention shares of the residual stream [len(layers)] over the
     window's tokens before the reply's `after` (QueryTap.attention_shares), from the same place: the message's
-    prefill, or the window run again."""
+    prefill, or the window run again (`with_shares=False`: the queries alone, and None)."""
     tap, model.query_tap = model.query_tap, None
     ours = tap is not None and after < len(tokens)
     kept = tap.queries(layers, cache.length - after, len(tokens) - after) if ours else None
-    shares = tap.attention_shares(layers, cache.length - after, len(tokens) - after) if kept is not None else None
-    if kept is None or shares is None:
-        rerun = model.query_tap = QueryTap(len(tokens))
+    shares = None
+    if kept is not None and with_shares:
+        shares = tap.attention_shares(layers, cache.length - after, len(tokens) - after)
+    if kept is None or (with_shares and shares is None):
+        rerun = model.query_tap = QueryTap(len(tokens)) if with_shares else None  # the shares on the way
         try:
             queries = window_queries(model, cache, tokens)
         finally:
             model.query_tap = None
+        if rerun is None:
+            return queries, None
         return queries, rerun.attention_shares(layers, cache.length - after, len(tokens) - after)
     cfg = model.cfg
     queries = next(iter(kept.values())).new_zeros(cfg.n_layers, len(tokens), cfg.n_heads, cfg.head_dim)
