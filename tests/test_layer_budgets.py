@@ -85,7 +85,7 @@ def test_the_prefill_taps_each_layers_attention_share_across_chunks_and_again_wh
     rerun, shares = budgets.window_queries, {}
     for how in ("one piece", "chunks of 5", "run again"):
         cache = m.new_cache(256)
-        m.query_tap = None if how == "run again" else QueryTap(8)
+        m.query_tap = None if how == "run again" else QueryTap(8, norms=True)
         cache.prefill_prompt(m, prompt, chunk=5 if "chunks" in how else 4096)
         if how != "run again":  # the tap's rows, across the chunks: the window is not run again
             monkeypatch.setattr(budgets, "window_queries", lambda *a: pytest.fail("the window ran again"))
@@ -701,7 +701,7 @@ def test_gpu_the_fused_prefill_taps_the_attention_shares_the_cpu_prefill_does(en
     for e in (engine, Engine(DEFAULT_MODEL, device="cuda")):
         m, prompt = e.model, e.encode_prompt(QUESTION)
         cache = m.new_cache(256)
-        m.query_tap = tap = QueryTap(8)
+        m.query_tap = tap = QueryTap(8, norms=True)
         cache.prefill_prompt(m, prompt)
         m.query_tap = None
         shares.append(tap.attention_shares(list(range(e.config.n_layers)), len(prompt), 8))

@@ -35,7 +35,7 @@ def main() -> None:
         for chat in text_chats(engine, length, args.chats, 1, args.seed):
             tokens = [t for r in chat.history for t in r] + chat.prompt
             cache = m.new_cache(len(tokens) + 1)
-            m.query_tap = tap = QueryTap(args.window)
+            m.query_tap = tap = QueryTap(args.window, norms=True)
             with torch.inference_mode():
                 cache.prefill_prompt(m, tokens)
             m.query_tap = None

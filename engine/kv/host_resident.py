@@ -110,15 +110,16 @@ class HostResidentKV:
         cfg, end = model.cfg, self.host.length + len(tokens)
         n_win = min(self.policy.window, len(tokens), end)
         scored = self.policy.scores_needed(cfg, end, n_win)
-        # the layers' attention shares, measured on the way (whatever tap the model had is put back after)
-        before, tap = model.query_tap, QueryTap(n_win) if scored else None
+        # the layers' attention shares, measured on the way where the policy weighs its layers (whatever tap the
+        # model had is put back after)
+        before, tap = model.query_tap, QueryTap(n_win, norms=True) if scored and self.policy.weighs_layers() else None
         model.query_tap = tap
         try:
             h, masses = self._stream(model, tokens, self.host.length, n_win if scored else 0, chunk)
         finally:
             model.query_tap = before
         if scored:
-            shares = tap.attention_shares(cfg.global_layers, end, n_win)
+            shares = tap.attention_shares(cfg.global_layers, end, n_win) if tap is not None else None
             choice, kept = self.policy.choice_from_scores(cfg, self.policy.pooled(torch.cat(masses)), end, n_win,
                                                           shares)
         else:

@@ -187,8 +187,9 @@ class QueryTap:
     attention moves the residual stream (`attention_shares`: XKV weighs its layers by it). Decode steps do not feed
     it."""
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, norms: bool = False):
         self.rows = rows
+        self.measures_norms = norms  # whether `keep_norms` keeps anything (only xkv's layer_weight reads them)
         self.kept: dict[int, Tensor] = {}  # layer -> queries [<= rows, H, D]
         self.end: dict[int, int] = {}  # layer -> the position after its last kept row
         # layer -> [2, <= rows]: per row the norm of what the layer's attention adds to the residual stream (after
@@ -210,7 +211,10 @@ class QueryTap:
 
     def keep_norms(self, layer: int, start: int, added: Tensor, residual: Tensor) -> None:
         """A prefill chunk's attention output as added to the residual stream, added [T, d], and the stream entering
-        the layer, residual [T, d], at positions [start, start + T) of `layer`: their norms per row."""
+        the layer, residual [T, d], at positions [start, start + T) of `layer`: their norms per row (a tap made
+        without `norms` keeps nothing: the prefill does no work for shares nobody reads)."""
+        if not self.measures_norms:
+            return
         rows = self.rows
         norms = torch.stack([added[-rows:].float().norm(dim=-1), residual[-rows:].float().norm(dim=-1)])  # [2, T']
         before = self.norms.get(layer) if self.norms_end.get(layer) == start else None

@@ -171,6 +171,11 @@ class LayerBudgetPolicy(KVPolicy):
         residual stream over the window ([G], QueryTap.attention_shares): n_i per layer, each at most N, summing to
         min(total, G * N)."""
 
+    def weighs_layers(self) -> bool:
+        """Whether `allocate` reads the layers' attention shares (else they are not measured: none of the
+        prefill's or the choice's work goes to them)."""
+        return False
+
     def kept_per_layer(self, input_slots: int) -> int:
         """Input slots a global layer keeps on average (window included) for an input of `input_slots`."""
         wanted = self.tokens or math.ceil(self.budget * input_slots)
@@ -189,7 +194,7 @@ class LayerBudgetPolicy(KVPolicy):
         self._decoded = 0
         self.last_choice = None  # until this message's reply chooses
         if model is not None and not self.host_resident:  # a host-resident chat scores as it streams the message
-            model.query_tap = QueryTap(self.window)
+            model.query_tap = QueryTap(self.window, norms=self.weighs_layers())
         return None
 
     @torch.inference_mode()
@@ -270,7 +275,8 @@ class LayerBudgetPolicy(KVPolicy):
         residual stream over the window's input tokens ([G]: QueryTap.attention_shares)."""
         cfg = model.cfg
         first, n_win = cache.length, len(tokens)
-        queries, shares = prefill_window(model, cache, layers, tokens, after)  # [L, T, H, D], [G]
+        queries, shares = prefill_window(model, cache, layers, tokens, after,
+                                         with_shares=self.weighs_layers())  # [L, T, H, D], [G] or None
         out = []
         per_layer_bytes = cfg.n_heads * n_win * first * 4
         for group, at in layer_groups(model, cache, layers, per_layer_bytes, SCORE_BYTES):
@@ -534,7 +540,7 @@ def prefill_window(model: Transformer, cache: KVCache, layers: list[int], tokens
     if kept is not None and with_shares:
         shares = tap.attention_shares(layers, cache.length - after, len(tokens) - after)
     if kept is None or (with_shares and shares is None):
-        rerun = model.query_tap = QueryTap(len(tokens)) if with_shares else None  # the shares on the way
+        rerun = model.query_tap = QueryTap(len(tokens), norms=True) if with_shares else None  # the shares too
         try:
             queries = window_queries(model, cache, tokens)
         finally:

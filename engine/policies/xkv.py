@@ -57,10 +57,10 @@ class XKV(LayerBudgetPolicy):
     # the layer's attention share of the residual stream over the window (the mean norm of what its attention adds
     # over the mean norm of the stream entering it: QueryTap.attention_shares). The paper's mean retention counts a
     # share of every layer's attention alike, but on gemma-3-270m the first global layer's attention adds ~1.5x the
-    # stream's norm and the last's ~0.07x. 0 (the default): the paper's equal weights. 0.5 lowered gemma-3-270m's KL
-    # at budgets 0.4 and 0.2 on every set of chats measured, but raised it at 0.1 on two of four and cost the
-    # embedded model one answer of 488 at 0.4 (docs/benchmarks.md, "XKV: layers weighed by how far their attention
-    # moves the residual stream").
+    # stream's norm and the last's ~0.07x. 0 (the default): the paper's equal weights, and the shares are not
+    # measured. 0.5 lowered gemma-3-270m's KL at 0.4 on 4 of 6 sets of chats and at 0.2 on 5 of 6, but raised it at
+    # 0.1 on 2 of 6 (by up to 9%) and cost the embedded model one answer of 488 at 0.4 (docs/benchmarks.md, "XKV:
+    # the first token in eight runs, ... and layers weighed by their attention").
     layer_weight: float = 0.0
 
     def __post_init__(self):
@@ -68,6 +68,9 @@ class XKV(LayerBudgetPolicy):
         if not 0 <= self.layer_weight <= 4:
             raise KvchatError(f"layer_weight is the power the layers' attention shares are raised to, in [0, 4], "
                               f"not {self.layer_weight}")
+
+    def weighs_layers(self) -> bool:
+        return self.layer_weight > 0
 
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         if shares is not None and self.layer_weight:
