@@ -72,6 +72,7 @@ class PolicyFidelity:
     # over the global layers, window included) and the mean share of the window's scored attention kept
     kept: list[float] = field(default_factory=list)
     retention: list[float] = field(default_factory=list)
+    kept_by_layer: list[list[int]] = field(default_factory=list)  # per chat: each global layer's kept input slots
 
     def add(self, position: int, kl: float, agree: bool, nll: float, nll_full: float) -> None:
         self.overall.add(kl, agree, nll, nll_full)
@@ -87,6 +88,7 @@ class PolicyFidelity:
         if self.kept:
             extra["kept_share"] = round(sum(self.kept) / len(self.kept), 4)
             extra["retention"] = round(sum(self.retention) / len(self.retention), 4)
+            extra["kept_by_layer"] = self.kept_by_layer
         return {"policy": self.policy, **extra, **self.overall.as_dict(),
                 "by_position": {k: v.as_dict() for k, v in self.by_position.items()}}
 
@@ -222,6 +224,7 @@ def text_fidelity(engine: Engine, policies: dict[str, Callable[[], KVPolicy]], l
                     if choice is not None:
                         fid.kept.append(choice.kept_share)
                         fid.retention.append(sum(choice.retention) / max(len(choice.retention), 1))
+                        fid.kept_by_layer.append([choice.kept[i] for i in choice.global_layers])
                 except KvchatError as exc:
                     fid.error = str(exc)
                     continue

@@ -20,7 +20,7 @@
 #              processes, one thread each): xkv at 0.4 / 0.2 / 0.1 as the app answers (one process per report set)
 #              and in comparison, and the choice alone (keep_ahead=false) at 0.4 in comparison
 #   xkv-weighted issue 43, xkv's layers weighed by their attention's share of the residual stream (layer_weight
-#              0.5; the default stays 0): the same 16 evals as xkv-kept
+#              $LAYER_WEIGHT, 0.5 unless set): the same 16 evals as xkv-kept
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
 # the device tool brings back at most 8 files.
 set -uo pipefail
@@ -100,16 +100,16 @@ for part in "$@"; do
       ev xkv-0.4-choice-compare --kv-policy xkv --kv-budget 0.4 --option keep_ahead=false --mode compare --report \
         --chats 5 ;;
     xkv-weighted)
-      export OMP_NUM_THREADS=1
+      export OMP_NUM_THREADS=1; W=${LAYER_WEIGHT:-0.5}
       for b in 0.4 0.2 0.1; do
         for set in 53296 87351 387785 874335; do  # app.bench.evaluate.REPORT_SEEDS
-          ev xkv-$b-weighted-app-set$set --kv-policy xkv --kv-budget $b --option layer_weight=0.5 --mode app \
+          ev xkv-$b-w$W-app-set$set --kv-policy xkv --kv-budget $b --option layer_weight=$W --mode app \
             --seed $set --chats 10
         done
-        ev xkv-$b-weighted-compare --kv-policy xkv --kv-budget $b --option layer_weight=0.5 --mode compare --report \
+        ev xkv-$b-w$W-compare --kv-policy xkv --kv-budget $b --option layer_weight=$W --mode compare --report \
           --chats 5
       done
-      ev xkv-0.4-weighted-choice-compare --kv-policy xkv --kv-budget 0.4 --option layer_weight=0.5 \
+      ev xkv-0.4-w$W-choice-compare --kv-policy xkv --kv-budget 0.4 --option layer_weight=$W \
         --option keep_ahead=false --mode compare --report --chats 5 ;;
   esac
 done

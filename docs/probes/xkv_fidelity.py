@@ -13,18 +13,23 @@ import argparse
 import json
 import sys
 
+import torch
+
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.engine.engine import Engine
 from kvchat.engine.policies import make_policy
 
 
-def probe_engine(model: str | None, device: str) -> tuple[str, Engine]:
+def probe_engine(model: str | None, device: str, fp32: bool = False) -> tuple[str, Engine]:
     """(the model file, its engine): a GGUF file, a known model's short name (gemma-3-270m) or, without one, the
-    embedded model."""
+    embedded model. `fp32`: float32 activations over dequantized weights on any device (the CPU's default; on CUDA
+    the default is bf16 over the 4-bit blocks, whose rounding would add to every policy's KL)."""
     from kvchat.assets import DEFAULT_MODEL
     from kvchat.storage.known_models import is_known_model, resolve_model
 
     path = str(resolve_model(model)) if model and is_known_model(model) else model or str(DEFAULT_MODEL)
+    if fp32:
+        return path, Engine(path, device=device, dtype=torch.float32, quantized=False)
     return path, Engine(path, device=device)
 
 
@@ -55,9 +60,11 @@ def main() -> None:
                         help="whether the look-ahead's tokens are the reply's start where the forced reply takes them "
                              "(default: the policies' own, true; false: the choice alone, as measured before)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fp32", action="store_true",
+                        help="float32 over dequantized weights on CUDA too (as on the CPU), not bf16 over 4-bit blocks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    path, engine = probe_engine(args.model, args.device)
+    path, engine = probe_engine(args.model, args.device, args.fp32)
     budgets = [float(b) for b in args.budgets.split(",")]
     more = {"progressive": True} if args.progressive else {}
     if args.lookahead is not None:
