@@ -100,13 +100,12 @@ def test_bad_lengths_are_one_line_errors(lengths, kvchat_home):
 
 
 def test_layer_budgets_report_each_global_layers_kept_slots_per_chat(embedded):
-    """xkv's rows carry, per chat, the input slots each global layer kept (the allocation itself, not only its mean),
-    and their mean over the layers is the kept share the row reports."""
-    makers = {"xkv": lambda: make_policy("xkv", embedded, budget=0.4)}
+    """xkv's rows carry, per chat, the input slots each global layer kept: the allocation itself, not only its mean.
+    xkv's counts differ between layers where uniform's are alike, and both share the same total (one budget)."""
+    makers = {p: (lambda p=p: make_policy(p, embedded, budget=0.4)) for p in ("xkv", "uniform")}
     result = text_fidelity(embedded, makers, lengths=(700,), chats=1, max_positions=24)
-    _, xkv = result.lengths[700]
-    [counts] = xkv.kept_by_layer
-    assert len(counts) == len(embedded.config.global_layers) and len(set(counts)) > 1  # not an even share
-    inputs = result.chat_tokens[700][0] - 24  # the kept share is of the input: the chat less the forced reply
-    assert sum(counts) / len(counts) / inputs == pytest.approx(xkv.kept[0], rel=0.02)
+    _, xkv, uniform = result.lengths[700]
+    [counts], [even] = xkv.kept_by_layer, uniform.kept_by_layer
+    assert len(counts) == len(even) == len(embedded.config.global_layers)
+    assert len(set(even)) == 1 and len(set(counts)) > 1 and sum(counts) == sum(even)
     assert xkv.as_dict()["kept_by_layer"] == [counts]
