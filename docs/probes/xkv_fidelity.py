@@ -41,6 +41,20 @@ def policy_spec(spec: str) -> tuple[str, dict]:
     return name, _parse_options(tuple(filter(None, options.split(";"))))
 
 
+def make_probe_policy(spec: str, engine: Engine, budget: float, more: dict):
+    """A policy of the engine's registry, or `xkv-costs:b=COSTS;...` (docs/probes/xkv_layer_costs.py: xkv with fixed
+    per-layer costs, COSTS "a/b/c" for each budget b given)."""
+    name, options = policy_spec(spec)
+    if name == "xkv-costs":
+        from xkv_layer_costs import CostWeightedXKV
+
+        costs = options.get(f"{budget:g}")
+        if costs is None:
+            raise SystemExit(f"xkv-costs names no costs for budget {budget:g}")
+        return CostWeightedXKV(budget=budget, costs=str(costs), **more)
+    return make_policy(name, engine, budget=budget, **more, **options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None, help="a GGUF file or gemma-3-270m (default: the embedded model)")
@@ -72,8 +86,7 @@ def main() -> None:
     if args.keep_ahead is not None:
         more["keep_ahead"] = args.keep_ahead == "true"
     label = "+p" if args.progressive else ""
-    makers = {f"{spec}{label}@{b:g}": (lambda spec=spec, b=b: make_policy(policy_spec(spec)[0], engine, budget=b,
-                                                                           **more, **policy_spec(spec)[1]))
+    makers = {f"{spec}{label}@{b:g}": (lambda spec=spec, b=b: make_probe_policy(spec, engine, b, more))
               for b in budgets for spec in args.policies.split(",")}
     print(f"model {path}  device {engine.device}  {args.chats} chats per length, up to {args.positions} positions",
           flush=True)

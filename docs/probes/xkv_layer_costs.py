@@ -1,0 +1,107 @@
+"""What each global layer's budget costs on its own: one layer keeps the budget's share of its input slots (chosen as
+every layer-budget policy chooses: its window and its best-scored slots per KV head), every other layer keeps
+everything, in `kvchat eval --text`'s harness. The KL that layer alone adds, and the share of its window's
+attention it loses (1 - R_j), give its cost per lost share of attention: what a per-model calibration of XKV's
+layer weights would measure (docs/benchmarks.md, "XKV on 46 chats", names it as the next step).
+
+    python docs/probes/xkv_layer_costs.py --model gemma-3-270m --length 2000 --chats 3 --seed 100 --budgets 0.4,0.1
+
+Prints per budget and layer: the KL, top-1 agreement, the layer's kept share of its window's attention, and the
+KL per lost share (KL / (1 - R_j)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+import torch
+
+from kvchat.app.bench.fidelity import text_fidelity
+from kvchat.engine.policies.budgets import LayerBudgetPolicy
+from kvchat.engine.policies.xkv import XKV, allocate_top_n
+
+
+@dataclass(eq=False)
+class OneLayerBudget(LayerBudgetPolicy):
+    """Global layer number `index` (0 = the first global layer) keeps the budget's share of its input slots; every
+    other global layer keeps all of them."""
+
+    name = "one-layer"
+    index: int = 0
+    retained: list = field(default_factory=list)  # per chat: the budgeted layer's R_j
+
+    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
+        g, n = scores.shape
+        counts = [n] * g
+        counts[self.index] = min(n, total // g)  # what an even share of the budget gives one layer
+        kept = scores[self.index].sort(descending=True).values[: counts[self.index]].sum()
+        self.retained.append(float(kept / scores[self.index].sum().clamp_min(1e-30)))
+        return counts
+
+
+@dataclass(eq=False)
+class CostWeightedXKV(XKV):
+    """xkv whose layers' normalized scores are multiplied by fixed costs (KL per lost share of attention, one per
+    global layer, as this probe measures them) before the global top-N: Alg. 1's greedy then minimizes the summed
+    cost-weighted loss of attention, sum_j c_j (1 - R_j), instead of the mean loss. `costs` "a/b/c" first to last."""
+
+    name = "xkv-costs"
+    costs: str = ""
+
+    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
+        weights = torch.tensor([float(c) for c in self.costs.split("/")], device=scores.device)
+        if weights.numel() != scores.shape[0]:
+            raise SystemExit(f"costs gives {weights.numel()} layers' costs, the model has {scores.shape[0]}")
+        return allocate_top_n(scores * weights[:, None], total)
+
+
+def main() -> None:
+    from xkv_fidelity import probe_engine
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--budgets", default="0.4,0.1")
+    parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument("--positions", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fp32", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    path, engine = probe_engine(args.model, args.device, args.fp32)
+    layers = engine.config.global_layers
+    made: dict[str, list[OneLayerBudget]] = {}
+
+    def maker(name: str, budget: float, index: int):
+        def make() -> OneLayerBudget:
+            policy = OneLayerBudget(budget=budget, index=index)
+            made.setdefault(name, []).append(policy)
+            return policy
+        return make
+
+    makers = {f"L{layer}@{b:g}": maker(f"L{layer}@{b:g}", b, j)
+              for b in [float(x) for x in args.budgets.split(",")] for j, layer in enumerate(layers)}
+    print(f"model {path}  global layers {layers}  {args.length} tokens, {args.chats} chats from seed {args.seed}",
+          flush=True)
+    result = text_fidelity(engine, makers, [args.length], args.chats, args.positions, seed=args.seed).as_dict()
+    for entry in result["lengths"].values():
+        for p in entry["policies"]:
+            if p["policy"] == "full":
+                continue
+            kept = [r for policy in made[p["policy"]] for r in policy.retained]
+            r = sum(kept) / max(len(kept), 1)
+            p["layer_retention"] = r
+            print(f"  {p['policy']:<10} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  attention kept {r:.1%}  "
+                  f"KL per lost share {p['mean_kl'] / max(1 - r, 1e-9):.4f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
