@@ -48,6 +48,11 @@ def make_probe_policy(spec: str, engine: Engine, budget: float, more: dict):
     if name == "xkv-costs":
         from xkv_layer_costs import CostWeightedXKV
 
+        for key in options:
+            try:
+                float(key)
+            except ValueError:
+                raise SystemExit(f"xkv-costs takes BUDGET=a/b/c costs only, not {key}") from None
         costs = options.get(f"{budget:g}")
         if costs is None:
             raise SystemExit(f"xkv-costs names no costs for budget {budget:g}")

@@ -4,7 +4,7 @@ everything, in `kvchat eval --text`'s harness. The KL that layer alone adds, and
 attention it loses (1 - R_j), give its cost per lost share of attention: what a per-model calibration of XKV's
 layer weights would measure (docs/benchmarks.md, "XKV on 46 chats", names it as the next step).
 
-    python docs/probes/xkv_layer_costs.py --model gemma-3-270m --length 2000 --chats 3 --seed 100 --budgets 0.4,0.1
+    python docs/probes/xkv_layer_costs.py --model gemma-3-270m --length 2000 --chats 3 --seed 100 --budgets 0.4,0.2,0.1
 
 Prints per budget and layer: the KL, top-1 agreement, the layer's kept share of its window's attention, and the
 KL per lost share (KL / (1 - R_j)).
@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--length", type=int, default=2000)
-    parser.add_argument("--budgets", default="0.4,0.1")
+    parser.add_argument("--budgets", default="0.4,0.2,0.1")
     parser.add_argument("--chats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=100)
     parser.add_argument("--positions", type=int, default=128)
