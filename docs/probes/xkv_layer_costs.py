@@ -7,7 +7,9 @@ layer weights would measure (docs/benchmarks.md, "XKV on 46 chats", names it as 
     python docs/probes/xkv_layer_costs.py --model gemma-3-270m --length 2000 --chats 3 --seed 100 --budgets 0.4,0.2,0.1
 
 Prints per budget and layer: the KL, top-1 agreement, the layer's kept share of its window's attention, and the
-KL per lost share (KL / (1 - R_j)).
+KL per lost share (KL / (1 - R_j)). With `--added A` the cost is measured where the policy works instead: every layer
+at the even share, then each layer in turn given A of it more, its cost the KL that removes over the share of its
+window's attention it adds.
 """
 
 from __future__ import annotations
@@ -27,19 +29,26 @@ from kvchat.engine.policies.xkv import XKV, allocate_top_n
 
 @dataclass(eq=False)
 class OneLayerBudget(LayerBudgetPolicy):
-    """Global layer number `index` (0 = the first global layer) keeps the budget's share of its input slots; every
-    other global layer keeps all of them."""
+    """Global layer number `index` (0 = the first global layer) keeps the budget's even share of its input slots
+    and every other global layer keeps all of them; or, with `added` > 0 (the operating point), every layer keeps the
+    even share and layer `index` that share and `added` of it more (index -1: none more)."""
 
     name = "one-layer"
     index: int = 0
-    retained: list = field(default_factory=list)  # per chat: the budgeted layer's R_j
+    added: float = 0.0
+    retained: list = field(default_factory=list)  # per choice: layer `index`'s R at its count
+    retained_even: list = field(default_factory=list)  # per choice: its R at the even share
 
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         g, n = scores.shape
-        counts = [n] * g
-        counts[self.index] = min(n, total // g)  # what an even share of the budget gives one layer
-        kept = scores[self.index].sort(descending=True).values[: counts[self.index]].sum()
-        self.retained.append(float(kept / scores[self.index].sum().clamp_min(1e-30)))
+        even = min(n, total // g)  # what an even share of the budget gives one layer
+        counts = [even] * g if self.added else [n] * g
+        if self.index >= 0:
+            counts[self.index] = min(n, even + round(self.added * even)) if self.added else even
+            ranked = scores[self.index].sort(descending=True).values
+            whole = scores[self.index].sum().clamp_min(1e-30)
+            self.retained.append(float(ranked[: counts[self.index]].sum() / whole))
+            self.retained_even.append(float(ranked[:even].sum() / whole))
         return counts
 
 
@@ -71,6 +80,9 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fp32", action="store_true")
+    parser.add_argument("--added", type=float, default=0.0,
+                        help="measure at the operating point: every layer at the even share, each layer in turn this "
+                             "share of it more (e.g. 0.5); 0: each layer budgeted alone")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path, engine = probe_engine(args.model, args.device, args.fp32)
@@ -79,25 +91,37 @@ def main() -> None:
 
     def maker(name: str, budget: float, index: int):
         def make() -> OneLayerBudget:
-            policy = OneLayerBudget(budget=budget, index=index)
+            policy = OneLayerBudget(budget=budget, index=index, added=args.added)
             made.setdefault(name, []).append(policy)
             return policy
         return make
 
-    makers = {f"L{layer}@{b:g}": maker(f"L{layer}@{b:g}", b, j)
-              for b in [float(x) for x in args.budgets.split(",")] for j, layer in enumerate(layers)}
-    print(f"model {path}  global layers {layers}  {args.length} tokens, {args.chats} chats from seed {args.seed}",
-          flush=True)
+    budgets = [float(x) for x in args.budgets.split(",")]
+    makers = {f"L{layer}@{b:g}": maker(f"L{layer}@{b:g}", b, j) for b in budgets for j, layer in enumerate(layers)}
+    if args.added:
+        makers.update({f"even@{b:g}": maker(f"even@{b:g}", b, -1) for b in budgets})
+    print(f"model {path}  global layers {layers}  {args.length} tokens, {args.chats} chats from seed {args.seed}"
+          + (f", each layer in turn {args.added:g} of the even share more" if args.added else ""), flush=True)
     result = text_fidelity(engine, makers, [args.length], args.chats, args.positions, seed=args.seed).as_dict()
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     for entry in result["lengths"].values():
+        rows = {p["policy"]: p for p in entry["policies"]}
         for p in entry["policies"]:
-            if p["policy"] == "full":
+            if p["policy"] == "full" or p["policy"].startswith("even@"):
                 continue
-            kept = [r for policy in made[p["policy"]] for r in policy.retained]
-            r = sum(kept) / max(len(kept), 1)
+            policies = made[p["policy"]]
+            r = mean([x for policy in policies for x in policy.retained])
             p["layer_retention"] = r
-            print(f"  {p['policy']:<10} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  attention kept {r:.1%}  "
-                  f"KL per lost share {p['mean_kl'] / max(1 - r, 1e-9):.4f}", flush=True)
+            if args.added:  # the KL the added slots remove, per share of attention they add
+                r0 = mean([x for policy in policies for x in policy.retained_even])
+                base = rows["even@" + p["policy"].rpartition("@")[2]]["mean_kl"]
+                p["cost"] = (base - p["mean_kl"]) / max(r - r0, 1e-9)
+                print(f"  {p['policy']:<10} KL {p['mean_kl']:.4f} (all even: {base:.4f})  attention kept {r0:.1%} -> "
+                      f"{r:.1%}  KL removed per share added {p['cost']:.4f}", flush=True)
+            else:
+                p["cost"] = p["mean_kl"] / max(1 - r, 1e-9)
+                print(f"  {p['policy']:<10} KL {p['mean_kl']:.4f}  top-1 {p['top1']:.1%}  attention kept {r:.1%}  "
+                      f"KL per lost share {p['cost']:.4f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
