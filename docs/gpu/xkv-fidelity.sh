@@ -13,8 +13,9 @@
 # (docs/probes/xkv_fidelity_table.py) in $OUT/$SET-table.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ ! -d /tmp/site/sqlite_utils ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then  # once a machine, as embedded-evals.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || exit 1
 fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvchat
 # 16 processes at once left one 24k chat out of memory on an H200's 140 GiB (each caching allocator held 8-9.5 GiB,

@@ -18,9 +18,8 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.engine.policies.budgets import LayerBudgetPolicy
@@ -61,11 +60,18 @@ class CostWeightedXKV(XKV):
     name = "xkv-costs"
     costs: str = ""
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.weights = torch.tensor([float(c) for c in self.costs.split("/")])  # [G], parsed once
+
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
-        weights = torch.tensor([float(c) for c in self.costs.split("/")], device=scores.device)
-        if weights.numel() != scores.shape[0]:
-            raise SystemExit(f"costs gives {weights.numel()} layers' costs, the model has {scores.shape[0]}")
-        return allocate_top_n(scores * weights[:, None], total)
+        if self.weights.numel() != scores.shape[0]:
+            raise SystemExit(f"costs gives {self.weights.numel()} layers' costs, the model has {scores.shape[0]}")
+        return allocate_top_n(scores * self.weights.to(scores.device)[:, None], total)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
 
 
 def main() -> None:
@@ -103,7 +109,6 @@ def main() -> None:
     print(f"model {path}  global layers {layers}  {args.length} tokens, {args.chats} chats from seed {args.seed}"
           + (f", each layer in turn {args.added:g} of the even share more" if args.added else ""), flush=True)
     result = text_fidelity(engine, makers, [args.length], args.chats, args.positions, seed=args.seed).as_dict()
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     for entry in result["lengths"].values():
         rows = {p["policy"]: p for p in entry["policies"]}
         for p in entry["policies"]:
