@@ -49,10 +49,10 @@ def kv_stored(store, segments: list[dict]) -> bool:
 
 
 def calibrating(done: int, total: int) -> None:
-    """Progress of the calibration a model gets the first time a round policy, layer merging or louiskv runs on it
-    (on stderr): chats measured for the watershed layer or the retrieval trigger, or layer pairs checked for
-    merging."""
-    click.echo(f"\rcalibrating this model (first use of a round policy, of merging or of louiskv): {done}/{total}",
+    """Progress of the calibration a model gets the first time a round policy, layer merging, louiskv or xkv runs on
+    it (on stderr): chats measured for the watershed layer or the retrieval trigger, layer pairs checked for merging,
+    or runs measuring xkv's layer costs."""
+    click.echo(f"\rcalibrating this model (first use of a round policy, merging, louiskv or xkv): {done}/{total}",
                err=True, nl=done == total)
 
 

@@ -191,16 +191,19 @@ def info(model_path, as_json) -> None:
 @main.command()
 @_model_option
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--chats", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Calibration chats (memory dialogues on the embedded model, MT-Bench chats otherwise).")
+@click.option("--chats", default=None, type=click.IntRange(min=1),
+              help="Calibration chats (memory dialogues on the embedded model, MT-Bench chats otherwise) for each "
+                   "measure. Default: each its own (the watershed 8; the trigger 16; the layer costs 16 dialogues "
+                   "or 3 MT-Bench chats).")
 @click.option("--png", "png_path", default=None, type=click.Path(dir_okay=False),
               help="Where the curve's plot goes (default: next to the stored calibration).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level `watershed`).")
 def calibrate(model_path, device, chats, png_path, as_json) -> None:
-    """Find the model's watershed layer for Round Attention and LouisKV's retrieval thresholds, and store them (used
-    automatically from then on)."""
+    """Find the model's watershed layer for Round Attention, LouisKV's retrieval thresholds and XKV's layer costs,
+    and store them (used automatically from then on)."""
     from kvchat.app.cli_progress import terminal_progress
-    from kvchat.app.session.artifacts import save_calibration, save_trigger_calibration
+    from kvchat.app.session.artifacts import save_calibration, save_layer_costs, save_trigger_calibration
+    from kvchat.engine.calibrate.layer_costs import calibrate_layer_costs, cost_lines
     from kvchat.engine.calibrate.retrieval_trigger import calibrate_trigger
     from kvchat.app.session.progress import Reporter
     from kvchat.engine.calibrate.watershed import calibrate as measure
@@ -214,14 +217,17 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
     fingerprint = model_fingerprint(Path(model_path), Store())
     with terminal_progress() as shown:  # a bar with the time left on a terminal; nothing on a pipe
         try:
-            cal = measure(engine, fingerprint, chats=chats,
+            cal = measure(engine, fingerprint, **({"chats": chats} if chats else {}),
                           progress=Reporter("calibrating the watershed layer (chats)", shown))
-            trigger = calibrate_trigger(engine, fingerprint,
+            trigger = calibrate_trigger(engine, fingerprint, **({"chats": chats} if chats else {}),
                                         progress=Reporter("calibrating the retrieval trigger (chats)", shown))
+            costs = calibrate_layer_costs(engine, fingerprint, chats,
+                                          progress=Reporter("measuring XKV's layer costs (runs)", shown))
         except KeyboardInterrupt:
             raise InterruptedByUser("interrupted: the calibration stopped; nothing was stored") from None
     stored = save_calibration(cal)
     trigger_stored = save_trigger_calibration(trigger)
+    costs_stored = save_layer_costs(costs)
     png = Path(png_path) if png_path else stored.with_suffix(".png")
     try:
         plot_curve(cal, png)
@@ -236,7 +242,8 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
         from dataclasses import asdict
 
         click.echo(json.dumps({**asdict(cal), "path": str(stored), "png": str(png) if png else None,
-                               "trigger": {**trigger.to_dict(), "path": str(trigger_stored)}}))
+                               "trigger": {**trigger.to_dict(), "path": str(trigger_stored)},
+                               "layer_costs": {**costs.to_dict(), "path": str(costs_stored)}}))
         return
     click.echo(f"model {model_path}  {cal.n_layers} layers  {cal.chats} {cal.source} chats  device {engine.device}")
     for line in curve_lines(cal):
@@ -247,6 +254,11 @@ def calibrate(model_path, device, chats, png_path, as_json) -> None:
         f"{layer}:{tau:.2f}" for layer, tau in zip(trigger.layers, trigger.tau))
         + f"  (retrieving at {trigger.share:.0%} of {trigger.steps} reply steps)")
     click.echo(f"stored {trigger_stored}")
+    click.echo(f"xkv's layer costs, per global layer relative to the budget's largest, over {costs.positions} reply "
+               f"positions of {costs.chats} {costs.source} chats:")
+    for line in cost_lines(costs):
+        click.echo(line)
+    click.echo(f"stored {costs_stored}")
 
 
 @main.command()

@@ -263,7 +263,7 @@ def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home)
     watershed = int(re.search(r"^watershed layer: (\d+)$", out, re.M).group(1))
     assert 1 <= watershed <= 6
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    stored, trigger = sorted((kvchat_home / "calibrations").glob("*.json"), key=lambda p: len(p.name))
+    stored, trigger, _ = sorted((kvchat_home / "calibrations").glob("*.json"), key=lambda p: len(p.name))
     assert json.loads(stored.read_text())["watershed"] == watershed
     # LouisKV's retrieval thresholds, one per global layer (all 8 of the embedded model's), stored beside it
     thresholds = re.search(r"^retrieval trigger \(louiskv\), per global layer: (.*)  \(", out, re.M).group(1)
@@ -271,3 +271,11 @@ def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home)
     tau = json.loads(trigger.read_text())["tau"]
     assert trigger.name.endswith(".trigger.json") and len(tau) == 8
     assert all(abs(a - float(t.split(":")[1])) <= 0.005 + 1e-9 for a, t in zip(tau, thresholds.split()))
+    # XKV's layer costs, a line per budget, each global layer's cost relative to the budget's largest, stored
+    lines = re.findall(r"^  budget ([\d.]+): (.*)  \(KL at the even share", out, re.M)
+    assert [float(b) for b, _ in lines] == [0.4, 0.2, 0.1]
+    for _, row in lines:
+        assert [int(part.split(":")[0]) for part in row.split()] == list(range(8))
+        assert max(float(part.split(":")[1]) for part in row.split()) == 1.0
+    costs = json.loads((kvchat_home / "calibrations" / f"{stored.stem}.layer-costs.json").read_text())
+    assert costs["chats"] == 1 and len(costs["costs"]) == 3 and f"stored {stored.parent}" in out

@@ -10,7 +10,8 @@ import pytest
 import torch
 from cli_run import kvchat
 
-from kvchat.app.bench.fidelity import PolicyFidelity, compare, forced_logits, text_chats, text_fidelity
+from kvchat.app.bench.fidelity import PolicyFidelity, compare, text_fidelity
+from kvchat.engine.teacher_forcing import forced_logits, text_chats
 from kvchat.engine.policies import make_policy
 from kvchat.engine.train.synthetic import REFERENCE_MODELS
 

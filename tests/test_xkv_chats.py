@@ -30,13 +30,14 @@ def test_a_chat_under_xkv_answers_and_keeps_its_budgets(kvchat_home):
     n = budgets["input_slots"]
     kept = budgets["kept"]
     assert len(kept) == 8 and sum(kept) == 8 * max(8, -(-4 * n // 10))  # the budget, spent across the layers
-    assert all(0 < r <= 1 for r in budgets["retention"])
+    # a layer may keep its window alone (the model's layer costs weigh some layers at 1% of others): R = 0 there
+    assert all(0 <= r <= 1 for r in budgets["retention"]) and max(budgets["retention"]) > 0
     shown = kvchat("show", sid).stdout
     assert "KV budgets (xkv 0.4, at round 3)" in shown and "per layer: " + " ".join(map(str, kept)) in shown
     # the model's average over every reply of every chat on it (XKV's sampling mode): 4 replies, then 8
     average = json.loads(kvchat("show", sid, "--json").stdout)["model_kv_budgets"]
     assert average["policy"] == "xkv" and average["replies"] == 4 and len(average["kept_share"]) == 8
-    assert all(0 < x <= 1 for x in average["kept_share"]) and all(0 < r <= 1 for r in average["retention"])
+    assert all(0 < x <= 1 for x in average["kept_share"]) and all(0 <= r <= 1 for r in average["retention"])
     assert "this model's average (xkv, 4 replies of every chat)" in kvchat("show", sid).stdout
     other, _ = chat_under(["--kv-policy", "xkv", "--kv-budget", "0.4"])
     assert json.loads(kvchat("show", sid, "--json").stdout)["model_kv_budgets"]["replies"] == 8

@@ -2,10 +2,8 @@
 from the full cache's, on long chats of real text.
 
 Chats are built from MT-Bench questions and reference answers as `kvchat bench` builds them (engine.data.workloads), at
-a few lengths. Each chat's last reply is teacher-forced: the history is read round by round (a tiered policy's
-cache closes each round, as in a chat), the last round's prompt is prefilled under the policy, and then the
-reply's own tokens are fed one decode step at a time through the policy's decode path (its CUDA graphs, progressive
-selection and rechecks included), so what is measured is what a user's reply would be computed from. At every
+a few lengths. Each chat's last reply is teacher-forced through each policy (engine.teacher_forcing: the history
+read round by round, the prompt prefilled under the policy, the reply's tokens fed through its decode path). At every
 reply position: KL(full || policy) of the next-token distributions, whether their top tokens agree, and the
 negative log-likelihood of the reply's actual next token (perplexity), grouped by position in the reply.
 
@@ -22,12 +20,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine.data.workloads import mt_bench_workload
 from kvchat.engine.engine import Engine
-from kvchat.engine.generate import decode_steps, prefill
-from kvchat.engine.kv.tiered import TieredKV
 from kvchat.engine.policies import KVPolicy
-from kvchat.engine.text.chat_format import Conversation
+from kvchat.engine.teacher_forcing import forced_logits, text_chats
 from kvchat.errors import KvchatError
 
 LENGTHS = (2000, 8000, 24000)
@@ -91,70 +86,6 @@ class PolicyFidelity:
             extra["kept_by_layer"] = self.kept_by_layer
         return {"policy": self.policy, **extra, **self.overall.as_dict(),
                 "by_position": {k: v.as_dict() for k, v in self.by_position.items()}}
-
-
-@dataclass
-class TextChat:
-    """One chat's teacher-forcing material: the history's rounds, the last round's prompt, its reply tokens."""
-
-    name: str
-    history: list[list[int]]
-    prompt: list[int]
-    reply: list[int]
-
-    @property
-    def tokens(self) -> int:
-        return sum(map(len, self.history)) + len(self.prompt) + len(self.reply)
-
-
-def text_chats(engine: Engine, length: int, count: int, max_positions: int, seed: int = 0) -> list[TextChat]:
-    """`count` MT-Bench chats of about `length` tokens, each cut to at most `max_positions` reply tokens."""
-    chats = []
-    for i in range(count):
-        work = mt_bench_workload(engine.chat, f"text-{length}-{i}", seed=seed + i, target=length)
-        conv = work.conversation
-        spans = engine.chat.round_spans(conv)
-        head = Conversation(conv.rounds[:-1], conv.system)
-        prompt = engine.chat.open_round_tokens(head, conv.rounds[-1].user)
-        last = spans[-1]
-        if last[: len(prompt)] != prompt or len(last) <= len(prompt):
-            raise KvchatError(f"the chat template splits the last round of a {length}-token chat unevenly")
-        chats.append(TextChat(work.name, spans[:-1], prompt, last[len(prompt):][:max_positions]))
-    return chats
-
-
-@torch.inference_mode()
-def forced_logits(engine: Engine, policy: KVPolicy, chat: TextChat) -> torch.Tensor:
-    """The next-token logits [len(reply), V] (float32, on the model's device) at each reply position, the reply's
-    tokens fed through the policy's decode path one at a time."""
-    model, n = engine.model, len(chat.reply)
-    capacity = chat.tokens + 8
-    round_starts: list[int] = []
-    visible, undo = None, None
-    if policy.tiered:
-        cache = TieredKV(model, policy, capacity)
-        for span in chat.history:
-            cache.prefill(span)
-            cache.close_round()
-        rows = [cache.prefill(chat.prompt)]
-    else:
-        cache = policy.chat_cache(model, capacity) or model.new_cache(capacity)
-        for span in chat.history:
-            round_starts.append(cache.length)
-            prefill(model, cache, span)
-        undo = policy.prepare(model, cache, round_starts, [t for span in chat.history for t in span])
-    try:
-        if not policy.tiered:
-            visible = policy.visible_slots(cache, round_starts, chat.prompt, model=model)
-            rows = [prefill(model, cache, chat.prompt, attend=visible)]
-        # the prompt's view of the history goes on as it grows (restricted views); graphs, tiered steps otherwise
-        step = decode_steps(model, cache, n, capacity, visible, first=sum(map(len, chat.history)), policy=policy)
-        for token in chat.reply[:-1]:
-            rows.append(step(token).clone())
-    finally:
-        if undo is not None:  # a model-wide setting (LoopServe's sparse prefill) ends with the chat
-            undo()
-    return torch.stack(rows).float()
 
 
 def compare(policy: PolicyFidelity, ref: torch.Tensor, got: torch.Tensor, reply: list[int]) -> None:

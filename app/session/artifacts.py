@@ -7,6 +7,8 @@ it is written (atomically: a reader never sees half a file).
   calibrations/<fingerprint>.merges.json;
 - LouisKV's retrieval trigger (engine.calibrate.retrieval_trigger.TriggerCalibration):
   calibrations/<fingerprint>.trigger.json;
+- XKV's layer costs (engine.calibrate.layer_costs.LayerCostCalibration): calibrations/<fingerprint>.layer-costs.json
+  (the embedded model's shipped beside it);
 - this machine's hardware profile of a model on a device (engine.restore.plan.HardwareProfile):
   profiles/<fingerprint[:16]>-<device kind>-<hash of the device's name>.json.
 
@@ -23,6 +25,7 @@ import json
 from pathlib import Path
 
 from kvchat.assets import DEFAULT_MODEL
+from kvchat.engine.calibrate.layer_costs import LAYER_COSTS_VERSION, LayerCostCalibration
 from kvchat.engine.calibrate.merge_check import MERGE_CALIBRATION_VERSION, MergeCalibration
 from kvchat.engine.calibrate.retrieval_trigger import TRIGGER_VERSION, TriggerCalibration
 from kvchat.engine.calibrate.watershed import CALIBRATION_VERSION, Calibration
@@ -156,6 +159,33 @@ def load_trigger_calibration(fingerprint: str, n_layers: int) -> TriggerCalibrat
     """The stored thresholds of this model's retrieval trigger; None when there are none (or of an older version)."""
     return _load_model_file(trigger_calibration_path(fingerprint), "trigger calibration", TRIGGER_VERSION,
                             TriggerCalibration.from_dict, fingerprint, n_layers)
+
+
+# ---------------------------------------------------------------- XKV's layer costs
+
+
+def layer_costs_path(fingerprint: str) -> Path:
+    return data_dir() / "calibrations" / f"{fingerprint}.layer-costs.json"
+
+
+# The embedded model's layer costs, measured once when they were shipped (`kvchat calibrate`: 16 dialogues, seconds
+# on a 2-core CPU): used for that model alone, by fingerprint (tests/test_layer_costs.py checks it is the shipped
+# model's), so that its first xkv chat, and every eval of it, weighs the layers as the measured figures did.
+SHIPPED_LAYER_COSTS = DEFAULT_MODEL.with_suffix(".layer-costs.json")
+
+
+def save_layer_costs(cal: LayerCostCalibration) -> Path:
+    return write_json_atomically(layer_costs_path(cal.fingerprint), cal.to_dict(), "layer-cost calibration")
+
+
+def load_layer_costs(fingerprint: str, n_layers: int) -> LayerCostCalibration | None:
+    """The stored layer costs of this model (the home's, else the shipped ones of the embedded model); None when
+    there are none (or of an older version)."""
+    path = layer_costs_path(fingerprint)
+    if not path.exists():
+        path = _shipped(SHIPPED_LAYER_COSTS, fingerprint) or path
+    return _load_model_file(path, "layer-cost calibration", LAYER_COSTS_VERSION, LayerCostCalibration.from_dict,
+                            fingerprint, n_layers)
 
 
 # ---------------------------------------------------------------- the hardware profile

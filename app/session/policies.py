@@ -1,9 +1,10 @@
 """Building a KV policy for a model, with what its calibration gives: the one place policies meet the files.
 
-engine.policies are pure (their parameters and their hooks); a round policy needs the model's watershed layer and a
-checked Krul policy the model's checked layer pairs. `build_policy` hands them in: read from $KVCHAT_HOME
-(app/session/artifacts.py) or, on the model's first use, measured now (engine/calibrate/, seconds to minutes,
-reported to `progress(done, total)`) and stored for every later use. `chat_policy` is what a chat runs under.
+engine.policies are pure (their parameters and their hooks); a round policy needs the model's watershed layer, a
+checked Krul policy the model's checked layer pairs, and XKV weighs its layers by the model's layer costs.
+`build_policy` hands them in: read from $KVCHAT_HOME (app/session/artifacts.py) or, on the model's first use,
+measured now (engine/calibrate/, seconds to minutes, reported to `progress(done, total)`) and stored for every later
+use. `chat_policy` is what a chat runs under.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from typing import Callable
 
 from kvchat.app.session.artifacts import (
     load_calibration,
+    load_layer_costs,
     load_merge_calibration,
     load_trigger_calibration,
     save_calibration,
+    save_layer_costs,
     save_merge_calibration,
     save_trigger_calibration,
 )
+from kvchat.engine.calibrate.layer_costs import LayerCostCalibration, calibrate_layer_costs
 from kvchat.engine.calibrate.merge_check import MergeCalibration, calibrate_merges, default_check_chats
 from kvchat.engine.calibrate.retrieval_trigger import TriggerCalibration, calibrate_trigger
 from kvchat.engine.calibrate.watershed import DEFAULT_CHATS, Calibration, calibrate
@@ -66,6 +70,15 @@ def ensure_trigger_calibration(engine, fingerprint: str, progress: Progress | No
     return cal
 
 
+def ensure_layer_costs(engine, fingerprint: str, progress: Progress | None = None) -> LayerCostCalibration:
+    """The model's stored layer costs for XKV; on its first use of xkv, measured now (progress per run) and stored."""
+    cal = load_layer_costs(fingerprint, engine.config.n_layers)
+    if cal is None:
+        cal = calibrate_layer_costs(engine, fingerprint, progress=progress)
+        save_layer_costs(cal)
+    return cal
+
+
 def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None):
     """The value of the calibrated parameter `option` for the engine's model."""
     if option == "watershed":
@@ -74,6 +87,8 @@ def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None
         return ensure_merge_calibration(engine, fingerprint, progress).pairs
     if option == "tau":
         return tuple(ensure_trigger_calibration(engine, fingerprint, progress).tau)
+    if option == "costs":
+        return ensure_layer_costs(engine, fingerprint, progress).spec()
     raise ValueError(f"no calibration gives a policy's {option!r}")
 
 
@@ -84,13 +99,15 @@ def build_policy(name: str, engine=None, progress: Progress | None = None, **opt
     # The options are checked before any calibration: a bad one is refused at once, not after minutes of measuring.
     policy = policy_class(name).construct(**options)
     missing = policy.calibration_needed()
-    if missing:
-        if engine is None:
-            raise KvchatError(NEEDS_A_MODEL[missing[0]].format(name=name))
+    if missing and engine is None:
+        raise KvchatError(NEEDS_A_MODEL[missing[0]].format(name=name))
+    # what a calibration improves but the policy runs without (XKV's layer costs) is handed in where there is a model
+    wanted = (*missing, *policy.calibration_wanted()) if engine is not None else ()
+    if wanted:
         from kvchat.storage.fingerprint import model_fingerprint
 
         fingerprint = model_fingerprint(Path(engine.path))
-        policy = replace(policy, **{option: _calibrated(option, engine, fingerprint, progress) for option in missing})
+        policy = replace(policy, **{option: _calibrated(option, engine, fingerprint, progress) for option in wanted})
     if engine is not None:
         policy.check_model(engine.model)
     return policy

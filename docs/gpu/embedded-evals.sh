@@ -19,6 +19,8 @@
 #   xkv-kept   issue 43, the look-ahead kept as the reply's start (the default since 2026-11-28, evening; 16
 #              processes, one thread each): xkv at 0.4 / 0.2 / 0.1 as the app answers (one process per report set)
 #              and in comparison, and the choice alone (keep_ahead=false) at 0.4 in comparison
+#   xkv-costs  issue 43, the same 16 evals as xkv-kept under xkv's default since 2026-11-29 (the layers weighed by
+#              the model's layer costs: for the embedded model those shipped with it; CALIBRATE=0 then saves minutes)
 #   xkv-weighted issue 43, xkv's layers weighed by their attention's share of the residual stream (layer_weight
 #              $LAYER_WEIGHT, 0.5 unless set): the same 16 evals as xkv-kept
 # Results land in $OUT/embedded-evals.tgz (eval-*.json and .err, calibrate.json, the calibrations the evals made):
@@ -37,8 +39,12 @@ ev() {  # name, then eval's options
   python3 -m kvchat.app.cli eval --model "$MODEL" --device cpu --json "$@" > "$RES/eval-$name.json" \
     2> "$RES/eval-$name.err" &
 }
-# The policies calibrate on first use; one process makes each calibration before the others read it.
-python3 -m kvchat.app.cli calibrate --model "$MODEL" --device cpu --json > "$RES/calibrate.json" 2> "$RES/calibrate.err"
+# The policies calibrate on first use; one process makes each calibration before the others read it (CALIBRATE=0:
+# not, where the evals need only what is shipped with the embedded model: its watershed and its layer costs).
+if [ "${CALIBRATE:-1}" = 1 ]; then
+  python3 -m kvchat.app.cli calibrate --model "$MODEL" --device cpu --json > "$RES/calibrate.json" \
+    2> "$RES/calibrate.err"
+fi
 for part in "$@"; do
   case "$part" in
     base)
@@ -89,16 +95,16 @@ for part in "$@"; do
         ev xkv-0.4-lookahead$n-dev1-app --kv-policy xkv --kv-budget 0.4 --option lookahead=$n --mode app --seed 1 \
           --chats 20
       done ;;
-    xkv-kept)
-      export OMP_NUM_THREADS=1
+    xkv-kept|xkv-costs)
+      export OMP_NUM_THREADS=1; tag=${part#xkv-}
       for b in 0.4 0.2 0.1; do
         for set in 53296 87351 387785 874335; do  # app.bench.evaluate.REPORT_SEEDS
-          ev xkv-$b-kept-app-set$set --kv-policy xkv --kv-budget $b --mode app --seed $set --chats 10
+          ev xkv-$b-$tag-app-set$set --kv-policy xkv --kv-budget $b --mode app --seed $set --chats 10
         done
-        ev xkv-$b-kept-compare --kv-policy xkv --kv-budget $b --mode compare --report --chats 5
+        ev xkv-$b-$tag-compare --kv-policy xkv --kv-budget $b --mode compare --report --chats 5
       done
-      ev xkv-0.4-choice-compare --kv-policy xkv --kv-budget 0.4 --option keep_ahead=false --mode compare --report \
-        --chats 5 ;;
+      ev xkv-0.4-$tag-choice-compare --kv-policy xkv --kv-budget 0.4 --option keep_ahead=false --mode compare \
+        --report --chats 5 ;;
     xkv-weighted)
       export OMP_NUM_THREADS=1; W=${LAYER_WEIGHT:-0.5}
       for b in 0.4 0.2 0.1; do

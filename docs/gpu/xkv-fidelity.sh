@@ -7,6 +7,8 @@
 #   SET=dev SEED=100 POLICIES="xkv,xkv:layer_weight=0.25,xkv:layer_weight=0.5,uniform,pyramid" \
 #     bash docs/gpu/xkv-fidelity.sh smoke run    # the CUDA float32 path on the embedded model, then the chats
 #   SET=test SEED=200 POLICIES=... bash docs/gpu/xkv-fidelity.sh run
+#   SET=fresh SEED=500 POLICIES="xkv,xkv:costs=equal,uniform,pyramid" bash docs/gpu/xkv-fidelity.sh costs run
+#                                                  # `costs`: the model's layer costs, measured once before the chats
 # CHATS="24000:3 8000:6 2000:12" (length:count; chat i of a length has MT-Bench seed SEED + i), JOBS (12 at a time:
 # 21 chats of five policies at three budgets took 312 s on an H200, 26 chats 16 at a time 378 s),
 # LIMIT (seconds for the whole set). Every chat's JSON and log come back in $OUT/$SET.tgz; the table
@@ -30,6 +32,16 @@ for part in "$@"; do
     smoke)  # the embedded model (in the tree): one 2k chat, every policy at one budget, float32 on CUDA
       (cd docs/probes && timeout 120 python3 xkv_fidelity.py --device cuda --fp32 --lengths 2000 --chats 1 \
         --budgets 0.2 --policies "$POLICIES") 2>&1 | tail -8 | tee "$OUT/smoke.txt" ;;
+    costs)  # the model's layer costs, measured once here (as its first xkv would: build_policy) for every chat to read
+      (cd docs/probes && python3 -c "
+from xkv_fidelity import probe_engine
+from kvchat.app.session.policies import ensure_layer_costs
+from kvchat.engine.calibrate.layer_costs import cost_lines
+from kvchat.storage.fingerprint import model_fingerprint
+import time; t = time.time(); path, engine = probe_engine('gemma-3-270m', 'cuda', True)
+cal = ensure_layer_costs(engine, model_fingerprint(path))
+print(cal.spec(), cal.positions, 'positions', round(time.time() - t), 's'); print(*cost_lines(cal), sep=chr(10))
+") 2>&1 | tee "$OUT/costs.txt" ;;
     run)
       mkdir -p "$RES"
       for spec in $CHATS; do
@@ -45,6 +57,6 @@ for part in "$@"; do
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$RES/gpu.txt"; nproc --all >> "$RES/gpu.txt"
       tar -czf "$OUT/$SET.tgz" -C /tmp/xkv-fidelity "$SET"
       python3 docs/probes/xkv_fidelity_table.py "$RES"/*.json | tee "$OUT/$SET-table.txt" ;;
-    *) echo "usage: $0 [smoke|run]..." >&2; exit 2 ;;
+    *) echo "usage: $0 [smoke|costs|run]..." >&2; exit 2 ;;
   esac
 done

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from kvchat.app.bench.fidelity import text_chats
+from kvchat.engine.teacher_forcing import text_chats
 from kvchat.engine.model.decoder import QueryTap
 from xkv_fidelity import probe_engine
 

@@ -2,7 +2,7 @@
 of every layer: the rounds holding any slot louiskv's choices read (issue 44's target, bytes read before the first
 token <= 0.15x kv-load's, is then bounded below by their share of the chat).
 
-Each MT-Bench chat (app/bench/fidelity.text_chats) is prefilled under the full cache, its last message too; then
+Each MT-Bench chat (engine/teacher_forcing.text_chats) is prefilled under the full cache, its last message too; then
 louiskv's first choice (the last input token's queries, per global layer and KV head: the sinks, the buffer of the
 latest slots and `tokens` slots of the best units) and the choices its reply makes as it is teacher-forced. Printed
 per chat: the rounds whose slots the first choice reads (and their share of the chat's tokens), the same for every
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from kvchat.app.bench.fidelity import text_chats
+from kvchat.engine.teacher_forcing import text_chats
 from kvchat.app.session.policies import build_policy
 from kvchat.engine.generate import prefill
 from xkv_fidelity import probe_engine  # this folder's: the probes run as scripts from it

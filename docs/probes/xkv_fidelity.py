@@ -17,7 +17,6 @@ import torch
 
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.engine.engine import Engine
-from kvchat.engine.policies import make_policy
 
 
 def probe_engine(model: str | None, device: str, fp32: bool = False) -> tuple[str, Engine]:
@@ -42,22 +41,16 @@ def policy_spec(spec: str) -> tuple[str, dict]:
 
 
 def make_probe_policy(spec: str, engine: Engine, budget: float, more: dict):
-    """A policy of the engine's registry, or `xkv-costs:b=COSTS;...` (docs/probes/xkv_layer_costs.py: xkv with fixed
-    per-layer costs, COSTS "a/b/c" for each budget b given)."""
-    name, options = policy_spec(spec)
-    if name == "xkv-costs":
-        from xkv_layer_costs import CostWeightedXKV
+    """A policy as `kvchat eval` builds it (app.session.policies.build_policy: `xkv` with the model's calibrated
+    layer costs, measured on its first use; `xkv:costs=equal` the paper's weights), or `xkv-costs:B=COSTS;...` (xkv
+    with the layer costs given, COSTS "a/b/c" first global layer to last for each budget B)."""
+    from kvchat.app.session.policies import build_policy
 
-        for key in options:
-            try:
-                float(key)
-            except ValueError:
-                raise SystemExit(f"xkv-costs takes BUDGET=a/b/c costs only, not {key}") from None
-        costs = options.get(f"{budget:g}")
-        if costs is None:
-            raise SystemExit(f"xkv-costs names no costs for budget {budget:g}")
-        return CostWeightedXKV(budget=budget, costs=str(costs), **more)
-    return make_policy(name, engine, budget=budget, **more, **options)
+    name, _, rest = spec.partition(":")
+    if name == "xkv-costs":
+        return build_policy("xkv", engine, budget=budget, costs=rest, **more)
+    name, options = policy_spec(spec)
+    return build_policy(name, engine, budget=budget, **more, **options)
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ layer weights would measure (docs/benchmarks.md, "XKV on 46 chats", names it as 
 Prints per budget and layer: the KL, top-1 agreement, the layer's kept share of its window's attention, and the
 KL per lost share (KL / (1 - R_j)). With `--added A` the cost is measured where the policy works instead: every layer
 at the even share, then each layer in turn given A of it more, its cost the KL that removes over the share of its
-window's attention it adds.
+window's attention it adds — what engine/calibrate/layer_costs.py now measures for every model on its first xkv use
+(and what `xkv-costs:` in docs/probes/xkv_fidelity.py, now XKV's own `costs`, was given by hand).
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.engine.policies.budgets import LayerBudgetPolicy
-from kvchat.engine.policies.xkv import XKV, allocate_top_n
 
 
 @dataclass(eq=False)
@@ -49,25 +48,6 @@ class OneLayerBudget(LayerBudgetPolicy):
             self.retained.append(float(ranked[: counts[self.index]].sum() / whole))
             self.retained_even.append(float(ranked[:even].sum() / whole))
         return counts
-
-
-@dataclass(eq=False)
-class CostWeightedXKV(XKV):
-    """xkv whose layers' normalized scores are multiplied by fixed costs (KL per lost share of attention, one per
-    global layer, as this probe measures them) before the global top-N: Alg. 1's greedy then minimizes the summed
-    cost-weighted loss of attention, sum_j c_j (1 - R_j), instead of the mean loss. `costs` "a/b/c" first to last."""
-
-    name = "xkv-costs"
-    costs: str = ""
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.weights = torch.tensor([float(c) for c in self.costs.split("/")])  # [G], parsed once
-
-    def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
-        if self.weights.numel() != scores.shape[0]:
-            raise SystemExit(f"costs gives {self.weights.numel()} layers' costs, the model has {scores.shape[0]}")
-        return allocate_top_n(scores * self.weights.to(scores.device)[:, None], total)
 
 
 def mean(xs: list[float]) -> float:

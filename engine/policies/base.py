@@ -40,6 +40,11 @@ class KVPolicy(ABC):
         measures or reads them and hands them in (dataclasses.replace). Empty: the policy is ready to run."""
         return ()
 
+    def calibration_wanted(self) -> tuple[str, ...]:
+        """Parameters left unset that the model's calibration improves but the policy runs without (XKV's layer
+        costs): a builder with the model measures or reads them and hands them in; make_policy leaves them unset."""
+        return ()
+
     def check_model(self, model: Transformer) -> None:
         """Refuse, in one line (KvchatError), a model this policy cannot run on; nothing to check by default."""
 

@@ -4,14 +4,20 @@ slot adds most to the mean retention R_avg = mean_i R_i(n_i), R_i(n) the share o
 held by its n best slots. Each layer's gains sum(w_i)-normalized and sorted are decreasing, so the greedy is exactly
 a global top-N over every layer's w_i / sum(w_i), then a count per layer (`allocate`; the greedy form,
 `allocate_greedy`, is what a test checks it against — the paper's pseudocode indexes its lists inconsistently).
-Beyond the paper, each layer's scores can be weighted by how far its attention moves the residual stream
-(`layer_weight`, off by default). Everything else (scores, window, decode) is engine.policies.budgets'.
+Beyond the paper, each layer's normalized scores are weighted by what losing its attention costs (`costs`: the KL a
+layer's missing slots add to the next-token distribution per share of its window's attention they hold, measured per
+model and budget by engine/calibrate/layer_costs.py). The top-N then minimizes the cost-weighted loss of attention,
+sum_i c_i (1 - R_i), instead of the mean loss: on gemma-3-270m the paper's equal weights give the first global layer
+fewer slots than its attention is worth (docs/benchmarks.md, "XKV with each layer's cost measured"). Each layer's
+scores can also be weighted by how far its attention moves the residual stream (`layer_weight`, off by default).
+Everything else (scores, window, decode) is engine.policies.budgets'.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -46,10 +52,47 @@ def allocate_greedy(scores: Tensor, total: int) -> list[int]:
     return counts
 
 
+def parse_costs(spec: str) -> dict[float, list[float]]:
+    """`costs` as written ("0.4=5.76/3.81/1;0.2=10.07/13.26/1": per budget, each global layer's cost, first to last)
+    -> {budget: costs}; a KvchatError naming what does not fit."""
+    table: dict[float, list[float]] = {}
+    try:
+        for part in spec.split(";"):
+            budget, _, values = part.partition("=")
+            costs = [float(c) for c in values.split("/")]
+            b = float(budget)
+            if not 0 < b <= 1 or not all(math.isfinite(c) and c > 0 for c in costs) or b in table:
+                raise ValueError
+            table[b] = costs
+    except ValueError:
+        raise KvchatError(f"costs is 'equal' (the paper's weights) or BUDGET=COST/COST/...;... with one budget in "
+                          f"(0, 1] each and a positive cost per global layer, not {spec!r}") from None
+    if len({len(c) for c in table.values()}) != 1:
+        raise KvchatError(f"costs gives a different number of layers at different budgets: {spec!r}")
+    return table
+
+
+def costs_at(table: dict[float, list[float]], budget: float) -> list[float]:
+    """Each global layer's cost at `budget`: the measured ones at a measured budget; between two, interpolated
+    log-linearly in both the budget and the costs (their ratios, which alone weigh the top-N, move geometrically);
+    outside the measured budgets, the nearest's."""
+    budgets = sorted(table)
+    if budget <= budgets[0]:
+        return table[budgets[0]]
+    if budget >= budgets[-1]:
+        return table[budgets[-1]]
+    hi = next(b for b in budgets if b >= budget)
+    lo = budgets[budgets.index(hi) - 1]
+    if hi == budget:
+        return table[hi]
+    t = math.log(budget / lo) / math.log(hi / lo)
+    return [a ** (1 - t) * b ** t for a, b in zip(table[lo], table[hi])]
+
+
 @dataclass(eq=False)
 class XKV(LayerBudgetPolicy):
-    """Per-layer budgets from a global top-N over the layers' normalized window scores (with `layer_weight`, each
-    layer's weighted by how far its attention moves the residual stream)."""
+    """Per-layer budgets from a global top-N over the layers' normalized window scores, each layer's weighted by its
+    measured cost (`costs`; with `layer_weight`, also by how far its attention moves the residual stream)."""
 
     name = "xkv"
 
@@ -65,12 +108,39 @@ class XKV(LayerBudgetPolicy):
     # past the 1-point target the paper's allocation meets (within that eval's noise: docs/benchmarks.md, "XKV on
     # 46 chats").
     layer_weight: float = 0.0
+    # Beyond the paper: each global layer's cost per share of its attention lost, per budget ("0.4=5.76/3.81/1;0.2=
+    # ...", first global layer to last; engine/calibrate/layer_costs.py measures them per model), by which its
+    # normalized scores are multiplied before the top-N. "equal": the paper's equal weights. None: not handed in —
+    # app/session/policies.build_policy (what chats, `kvchat eval` and the app use) hands in the model's calibrated
+    # costs, measured on its first use; a policy built without a model (make_policy) weighs the layers equally.
+    # On 26 MT-Bench chats new to them, gemma-3-270m's calibrated costs gave 33-60% less KL than the better of
+    # uniform and PyramidKV at 0.4 and 9-31% less at 0.2 at 2k, 8k and 24k (the paper's weights: 5% more to 33% less);
+    # at 0.1 its costs are equal, the paper's allocation (docs/benchmarks.md, "XKV's layer costs").
+    costs: str | None = None
+    _cost_table: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
         if not 0 <= self.layer_weight <= 4:
             raise KvchatError(f"layer_weight is the power the layers' attention shares are raised to, in [0, 4], "
                               f"not {self.layer_weight}")
+        if self.costs is not None and not isinstance(self.costs, str):
+            raise KvchatError(f"costs is 'equal' or BUDGET=COST/COST/...;..., not {self.costs!r}")
+        self._cost_table = {} if self.costs in (None, "equal") else parse_costs(self.costs)
+
+    def calibration_wanted(self) -> tuple[str, ...]:
+        return ("costs",) if self.costs is None else ()
+
+    def check_model(self, model) -> None:
+        n_global = sum(1 for layer in model.layers if not layer.window)
+        widths = {len(c) for c in self._cost_table.values()}
+        if widths and widths != {n_global}:
+            raise KvchatError(f"the xkv policy's costs are for {widths.pop()} global layers; this model has "
+                              f"{n_global} (measure its own: kvchat calibrate)")
+
+    def layer_costs(self, share: float) -> list[float] | None:
+        """Each global layer's cost at a budget of `share`, or None for equal weights."""
+        return costs_at(self._cost_table, share) if self._cost_table else None
 
     def weighs_layers(self) -> bool:
         return self.layer_weight > 0
@@ -78,6 +148,12 @@ class XKV(LayerBudgetPolicy):
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         if shares is not None and self.layer_weight:
             scores = scores * layer_weights(shares, self.layer_weight).to(scores.device)[:, None]
+        # the budget the costs are read at: the policy's share, or with `tokens` the share of the candidates given
+        costs = self.layer_costs(self.budget if not self.tokens else total / max(scores.numel(), 1))
+        if costs is not None:
+            if len(costs) != scores.shape[0]:
+                raise KvchatError(f"the xkv policy's costs are for {len(costs)} global layers, not {scores.shape[0]}")
+            scores = scores * torch.tensor(costs, dtype=scores.dtype, device=scores.device)[:, None]
         return allocate_top_n(scores, total)
 
 
