@@ -213,3 +213,19 @@ def test_the_embedded_models_costs_are_shipped_with_it(kvchat_home):
     assert shipped == LayerCostCalibration.from_dict(json.loads(SHIPPED_LAYER_COSTS.read_text()))
     assert shipped.source == "memory-dialogues" and shipped.chats == DIALOGUE_CHATS and shipped.layers == list(range(8))
     assert load_layer_costs("f" * 64, 8) is None
+
+
+def test_a_model_of_sliding_window_layers_alone_has_no_costs_to_measure(kvchat_home, models):
+    """Every layer keeps its window (nothing is budgeted), so its first xkv measures nothing and stores nothing."""
+    sliding = Engine(models.get(arch="gemma3", style="gemma", n_layers=2, d_model=64, n_heads=2, n_kv_heads=1,
+                                ffn_dim=128, sliding_window=8), device="cpu")
+    assert sliding.config.global_layers == []
+    assert session_policies.build_policy("xkv", sliding, budget=0.2).costs == "equal"
+    assert not (kvchat_home / "calibrations").exists() or not list((kvchat_home / "calibrations").iterdir())
+    # a chat under xkv on it reads the full cache, and says so once
+    from kvchat.app.session.service import ChatService
+
+    service, said = ChatService(kvchat_home, device="cpu"), []
+    service.notice = said.append
+    assert service.policy(sliding, "xkv") is None and service.policy(sliding, "xkv") is None
+    assert len(said) == 1 and "nothing to budget; its chats read the full cache" in said[0]

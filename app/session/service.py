@@ -236,7 +236,14 @@ class ChatService:
             with self._state_lock:
                 if key in self._policies:
                     return self._policies[key]
-            policy = chat_policy(base, engine, calibrating, self.kv_budget, host_resident=host_resident)
+            if base in BUDGET_POLICIES and not engine.config.global_layers:
+                # every layer attends within a window of its own: there is no budget to choose, nothing to score
+                policy = None
+                if self.notice is not None:
+                    self.notice(f"{Path(engine.path).name}: every layer reads only its sliding window, so {base} has "
+                                f"nothing to budget; its chats read the full cache")
+            else:
+                policy = chat_policy(base, engine, calibrating, self.kv_budget, host_resident=host_resident)
             with self._state_lock:
                 self._policies[key] = policy
             return policy
