@@ -79,16 +79,19 @@ def forced_logits(engine, policy: KVPolicy, chat: TextChat, read: KVCache | None
     round_starts: list[int] = []  # a plain cache's, where each history round begins
     visible, undo = None, None
     if policy.tiered:
+        if read is not None:
+            raise ValueError("a tiered policy reads the history round by round into its own cache")
         cache = TieredKV(model, policy, capacity)
         for span in chat.history:
             cache.prefill(span)
             cache.close_round()
         rows = [cache.prefill(chat.prompt)]
     else:
-        own = policy.chat_cache(model, capacity)
-        if read is not None and (own is not None or read.length != chat.history_tokens or read.ring_size):
-            raise ValueError("a read history is for a policy on a plain cache, and must hold the chat's history")
-        cache = read if read is not None else (own or model.new_cache(capacity))
+        if read is not None and (not _leaves_history_alone(policy) or read.length != chat.history_tokens
+                                 or read.ring_size):
+            raise ValueError("a read history is for the full cache or a layer budget on a plain cache, and must "
+                             "hold the chat's history")
+        cache = read if read is not None else (policy.chat_cache(model, capacity) or model.new_cache(capacity))
         round_starts = _round_starts(chat.history)
         if read is None:
             for span in chat.history:
@@ -108,6 +111,15 @@ def forced_logits(engine, policy: KVPolicy, chat: TextChat, read: KVCache | None
         if read is not None:
             read.truncate(chat.history_tokens)
     return torch.stack(rows).float()
+
+
+def _leaves_history_alone(policy: KVPolicy) -> bool:
+    """The policies a read history is shared by: the full cache and the layer budgets on the device (they read the
+    history and write only after it; a host-resident one keeps a cache of its own)."""
+    from kvchat.engine.policies.budgets import LayerBudgetPolicy
+    from kvchat.engine.policies.full import FullKV
+
+    return isinstance(policy, FullKV) or (isinstance(policy, LayerBudgetPolicy) and not policy.host_resident)
 
 
 def _round_starts(history: list[list[int]]) -> list[int]:

@@ -278,4 +278,4 @@ def test_calibrate_command_prints_the_curve_and_stores_it(tmp_path, kvchat_home)
         assert [int(part.split(":")[0]) for part in row.split()] == list(range(8))
         assert max(float(part.split(":")[1]) for part in row.split()) == 1.0
     costs = json.loads((kvchat_home / "calibrations" / f"{stored.stem}.layer-costs.json").read_text())
-    assert costs["chats"] == 1 and len(costs["costs"]) == 3 and f"stored {stored.parent}" in out
+    assert costs["chats"] == 1 and len(costs["costs"]) == 3 and f"{stored.stem}.layer-costs.json" in out

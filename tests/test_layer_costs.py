@@ -82,6 +82,9 @@ def test_costs_weigh_each_layers_scores_before_the_global_top_n():
     # with a budget in tokens, the costs are read at the share of the candidates given: 40 of 128 here
     assert XKV(tokens=40, costs="0.4=3/1;0.1=1/3").allocate(scores, 40) == allocate_top_n(
         scores * torch.tensor(costs_at({0.4: [3, 1], 0.1: [1, 3]}, 40 / 128))[:, None], 40)
+    in_a_choice = XKV(tokens=40, costs="0.4=3/1;0.1=1/3")
+    in_a_choice.choice_share = 0.4  # what choice_from_scores sets: the kept share, window included
+    assert in_a_choice.allocate(scores, 40) == allocate_top_n(scores * torch.tensor([[3.0], [1.0]]), 40)
 
 
 def test_costs_for_another_number_of_layers_are_refused(embedded):
@@ -103,6 +106,8 @@ def test_a_history_read_once_gives_every_policy_the_same_logits_as_reading_it_ag
         assert torch.equal(again, forced_logits(embedded, policy(), chat))
     with pytest.raises(ValueError):
         forced_logits(embedded, FullKV(), chat, embedded.model.new_cache(16))  # not the chat's history
+    with pytest.raises(ValueError):  # a policy that may change the history (Krul merges layers) reads its own
+        forced_logits(embedded, make_policy("krul", embedded, checked=False), chat, read)
 
 
 # ---- the calibration ----
@@ -204,6 +209,17 @@ def test_a_models_first_xkv_measures_its_costs_once_then_every_build_reads_them(
     assert session_policies.build_policy("uniform", small).__class__.__name__ == "UniformBudget" and len(calls) == 1
     # without a model the policy runs on equal weights (nothing to measure on)
     assert session_policies.build_policy("xkv").costs is None
+
+
+def test_costs_that_cannot_be_measured_leave_the_paper_s_weights_and_say_why(kvchat_home, small, monkeypatch,
+                                                                              caplog):
+    def no_reply(engine, fingerprint, chats=None, progress=None):
+        raise KvchatError("the model gave no reply to any calibration chat: its layer costs cannot be measured")
+
+    monkeypatch.setattr(session_policies, "calibrate_layer_costs", no_reply)
+    assert session_policies.build_policy("xkv", small, budget=0.2).costs == "equal"
+    assert "xkv: the model gave no reply" in caplog.text and "runs without it" in caplog.text
+    assert load_layer_costs(model_fingerprint(small.path), small.config.n_layers) is None  # nothing stored
 
 
 def test_the_embedded_models_costs_are_shipped_with_it(kvchat_home):

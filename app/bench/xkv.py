@@ -1,6 +1,8 @@
 """XKV's speed figures (`kvchat bench xkv`): decode over the full cache against decode over per-layer budgets
 (xkv, and the uniform baseline at the same budget), on a real chat's tokens (MT-Bench in the model's template),
-each pair in the same run.
+each pair in the same run. xkv here shares its budget by the paper's equal weights (`make_policy`: no layer costs
+are measured for a random-weight shape); the model's layer costs move slots between layers, not their number, so the
+bytes a step reads and its time are the same.
 
 Per context and budget: tokens/s of each (the median of `repeats` runs of `decode_tokens` greedy steps, the step
 built — a CUDA graph captured — before the clock starts); the bytes each step reads (the weights as placed, plus

@@ -168,9 +168,9 @@ def layer_costs_path(fingerprint: str) -> Path:
     return data_dir() / "calibrations" / f"{fingerprint}.layer-costs.json"
 
 
-# The embedded model's layer costs, measured once when they were shipped (`kvchat calibrate`: 16 dialogues, seconds
-# on a 2-core CPU): used for that model alone, by fingerprint (tests/test_layer_costs.py checks it is the shipped
-# model's), so that its first xkv chat, and every eval of it, weighs the layers as the measured figures did.
+# The embedded model's layer costs, measured once when they were shipped (144 dialogues, 396 s on a 2-core CPU):
+# used for that model alone, by fingerprint (tests/test_layer_costs.py checks it is the shipped model's), so that its
+# first xkv chat, and every eval of it, weighs the layers as the measured figures did.
 SHIPPED_LAYER_COSTS = DEFAULT_MODEL.with_suffix(".layer-costs.json")
 
 

@@ -9,6 +9,7 @@ use. `chat_policy` is what a chat runs under.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from kvchat.engine.policies.sparse_prefill import DEFAULT_MIN_KEYS
 from kvchat.errors import KvchatError
 
 Progress = Callable[[int, int], None]  # (done, total)
+log = logging.getLogger(__name__)
 
 # Why a policy that lacks a calibrated parameter cannot be built without a model to calibrate.
 NEEDS_A_MODEL = {
@@ -107,7 +109,14 @@ def build_policy(name: str, engine=None, progress: Progress | None = None, **opt
         from kvchat.storage.fingerprint import model_fingerprint
 
         fingerprint = model_fingerprint(Path(engine.path))
-        policy = replace(policy, **{option: _calibrated(option, engine, fingerprint, progress) for option in wanted})
+        values = {option: _calibrated(option, engine, fingerprint, progress) for option in missing}
+        for option in policy.calibration_wanted():
+            try:
+                values[option] = _calibrated(option, engine, fingerprint, progress)
+            except KvchatError as exc:  # what only improves the policy: it runs without it, and says why
+                log.warning("%s: %s; the policy runs without it", name, exc)
+                values[option] = policy.uncalibrated(option)
+        policy = replace(policy, **values)
     if engine is not None:
         policy.check_model(engine.model)
     return policy

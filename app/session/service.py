@@ -199,7 +199,7 @@ class ChatService:
         asked_tiered = cls is not None and cls.tiered
         split = self.policy(engine, kv_policy, calibrating).split if asked_tiered else None
         plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths, split)
-        if plan.kind != "full" and kv_policy in BUDGET_POLICIES:
+        if plan.kind != "full" and kv_policy in BUDGET_POLICIES and engine.config.global_layers:
             # A per-layer budget reads a share of the chat: its K/V can stay in host memory, streamed through the
             # GPU by each message (engine.kv.host_resident), before the tiered cache is tried.
             host = plan_host_chat(engine, budget, chat_tokens, new_tokens, lengths,

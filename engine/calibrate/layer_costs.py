@@ -18,7 +18,10 @@ different numerics, came out 1.34 : 1.46 : 1 and 2.7 : 1 : 1): so each cost is d
 as its standard error over the positions says it may be noise (`shrunk`), then floored at FLOOR of the budget's
 largest (and where none is positive, all are equal: the paper's weights). The
 choice is XKV's own (window, pooling, look-ahead) with the whole reply decoded over it (`keep_ahead=False`: a short
-reply would otherwise be decoded over the full cache and show no cost at all).
+reply would otherwise be decoded over the full cache and show no cost at all); its look-ahead reaches as far as the
+teacher-forced reply does (16 tokens, or fewer for a shorter reply: the embedded model's average ~10). The standard
+error counts every position as independent, which they are not (a chat's positions share one choice): it is a lower
+bound, and the shrinkage as light as the data allow, not more.
 
 The chats: any model's, MT-Bench chats of about 2,000 tokens (within half its context) with their reference answers,
 from seed 100 — the material gemma-3-270m's costs were measured on and then checked against on 26 new chats at 2k,
@@ -31,6 +34,7 @@ app/session/policies.py makes it on a model's first use of xkv and hands the cos
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -119,11 +123,12 @@ def shrunk(costs: list[float], errors: list[float], z: float = SHRINK_Z) -> list
     """Each cost drawn toward the budget's mean cost as far as its standard error says it may be noise: one that
     differs from the mean by d, with standard error s, keeps the share max(0, 1 - (z s / d)^2) of d (none within z
     standard errors of the mean; nearly all far beyond them)."""
-    mean = sum(costs) / len(costs)
+    measured = [c for c, e in zip(costs, errors) if math.isfinite(e)]  # a layer whose share could not grow: no cost
+    mean = sum(measured) / len(measured) if measured else 0.0
     out = []
     for cost, error in zip(costs, errors):
         d = cost - mean
-        out.append(mean + d * max(0.0, 1 - (z * error / d) ** 2) if d else mean)
+        out.append(mean + d * max(0.0, 1 - (z * error / d) ** 2) if d and math.isfinite(error) else mean)
     return out
 
 
@@ -196,6 +201,9 @@ def calibrate_layer_costs(engine, fingerprint: str, chats: int | None = None,
             se = float(removed.std()) / len(removed) ** 0.5 if len(removed) > 1 else float("inf")
             row.append(float(removed.mean()) / gained if gained > 1e-9 else 0.0)
             row_errors.append(se / gained if gained > 1e-9 else float("inf"))
+        if not all(math.isfinite(c) for c in row) or not math.isfinite(float(base.mean())):
+            raise KvchatError(f"the layer costs at budget {b:g} are not finite numbers (the model's logits overflowed "
+                              f"in its dtype?); measure them in float32 or run xkv with --option costs=equal")
         kept = shrunk(row, row_errors)
         top = max(kept)
         # no layer measurably costs anything (a model whose budgets change nothing): equal weights, the paper's

@@ -45,6 +45,10 @@ class KVPolicy(ABC):
         costs): a builder with the model measures or reads them and hands them in; make_policy leaves them unset."""
         return ()
 
+    def uncalibrated(self, option: str):
+        """The value of a wanted option (`calibration_wanted`) when its calibration cannot be made."""
+        raise ValueError(f"{self.name} wants no calibrated {option!r}")
+
     def check_model(self, model: Transformer) -> None:
         """Refuse, in one line (KvchatError), a model this policy cannot run on; nothing to check by default."""
 

@@ -142,6 +142,7 @@ class LayerBudgetPolicy(KVPolicy):
     host_resident: bool = False
     # the latest message's choice (for stats, the chat's stored budgets and tests): state, not parameters
     last_choice: BudgetChoice | None = field(default=None, init=False, repr=False)
+    choice_share: float = field(default=0.0, init=False, repr=False)  # the mean kept share of the choice being made
     _window_tokens: list[int] = field(default_factory=list, init=False, repr=False)
     _decoded: int = field(default=0, init=False, repr=False)  # of the window, reply tokens (`head`)
 
@@ -247,6 +248,7 @@ class LayerBudgetPolicy(KVPolicy):
         per_layer = scores.sum(1)
         per_layer = per_layer / per_layer.sum(1, keepdim=True).clamp_min(1e-30)
         total = len(globals_) * (average - n_win)
+        self.choice_share = average / max(first, 1)  # the kept share this choice gives (window included)
         counts = self.allocate(per_layer, total, shares)
         if len(counts) != len(globals_) or any(not 0 <= n <= candidates for n in counts):
             raise RuntimeError(f"{self.name} allocated {counts} for {len(globals_)} layers of {candidates} slots")

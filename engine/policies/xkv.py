@@ -131,6 +131,9 @@ class XKV(LayerBudgetPolicy):
     def calibration_wanted(self) -> tuple[str, ...]:
         return ("costs",) if self.costs is None else ()
 
+    def uncalibrated(self, option: str):
+        return "equal" if option == "costs" else super().uncalibrated(option)
+
     def check_model(self, model) -> None:
         n_global = sum(1 for layer in model.layers if not layer.window)
         widths = {len(c) for c in self._cost_table.values()}
@@ -148,8 +151,10 @@ class XKV(LayerBudgetPolicy):
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
         if shares is not None and self.layer_weight:
             scores = scores * layer_weights(shares, self.layer_weight).to(scores.device)[:, None]
-        # the budget the costs are read at: the policy's share, or with `tokens` the share of the candidates given
-        costs = self.layer_costs(self.budget if not self.tokens else total / max(scores.numel(), 1))
+        # the budget the costs are read at: the policy's share, or with `tokens` the share this choice keeps (window
+        # included, as the costs' budgets are; called alone, the share of the candidates given)
+        share = self.budget if not self.tokens else self.choice_share or total / max(scores.numel(), 1)
+        costs = self.layer_costs(share)
         if costs is not None:
             if len(costs) != scores.shape[0]:
                 raise KvchatError(f"the xkv policy's costs are for {len(costs)} global layers, not {scores.shape[0]}")
