@@ -240,8 +240,8 @@ class ChatService:
                 # every layer attends within a window of its own: there is no budget to choose, nothing to score
                 policy = None
                 if self.notice is not None:
-                    self.notice(f"{Path(engine.path).name}: every layer reads only its sliding window, so {base} has "
-                                f"nothing to budget; its chats read the full cache")
+                    self.notice(f"{terminal_line(Path(engine.path).name)}: every layer reads only its sliding "
+                                f"window, so {base} has nothing to budget; its chats read the full cache")
             else:
                 policy = chat_policy(base, engine, calibrating, self.kv_budget, host_resident=host_resident)
             with self._state_lock:
