@@ -113,6 +113,12 @@ def forced_logits(engine, policy: KVPolicy, chat: TextChat, read: KVCache | None
     return torch.stack(rows).float()
 
 
+def position_kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(ref || got) at each position of next-token logits [n, V] -> [n] (rounding can dip a hair below 0: clamped)."""
+    ref_lp, got_lp = ref.log_softmax(-1), got.log_softmax(-1)
+    return (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).clamp_min(0)
+
+
 def _leaves_history_alone(policy: KVPolicy) -> bool:
     """The policies a read history is shared by: the full cache and the layer budgets on the device (they read the
     history and write only after it; a host-resident one keeps a cache of its own)."""

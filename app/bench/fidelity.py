@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvchat.engine.engine import Engine
 from kvchat.engine.policies import KVPolicy
-from kvchat.engine.teacher_forcing import forced_logits, text_chats
+from kvchat.engine.teacher_forcing import forced_logits, position_kl, text_chats
 from kvchat.errors import KvchatError
 
 LENGTHS = (2000, 8000, 24000)
@@ -91,7 +91,7 @@ class PolicyFidelity:
 def compare(policy: PolicyFidelity, ref: torch.Tensor, got: torch.Tensor, reply: list[int]) -> None:
     """Add one chat's positions: ref / got logits [n, V] of the full cache and the policy."""
     ref_lp, got_lp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
-    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).clamp_min(0)  # [n]; rounding can dip a hair below 0
+    kl = position_kl(ref, got)  # [n]
     agree = ref.argmax(-1) == got.argmax(-1)
     target = torch.tensor(reply, device=ref.device)[:, None]
     nll, nll_full = -got_lp.gather(1, target)[:, 0], -ref_lp.gather(1, target)[:, 0]

@@ -89,8 +89,8 @@ def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None
         return ensure_merge_calibration(engine, fingerprint, progress).pairs
     if option == "tau":
         return tuple(ensure_trigger_calibration(engine, fingerprint, progress).tau)
-    if option == "costs":  # a model of sliding-window layers alone has nothing to budget: every layer keeps its window
-        return ensure_layer_costs(engine, fingerprint, progress).spec() if engine.config.global_layers else "equal"
+    if option == "costs":
+        return ensure_layer_costs(engine, fingerprint, progress).spec()
     raise ValueError(f"no calibration gives a policy's {option!r}")
 
 

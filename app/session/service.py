@@ -199,11 +199,11 @@ class ChatService:
         asked_tiered = cls is not None and cls.tiered
         split = self.policy(engine, kv_policy, calibrating).split if asked_tiered else None
         plan = plan_chat(engine, budget, chat_tokens, new_tokens, lengths, split)
-        if plan.kind != "full" and kv_policy in BUDGET_POLICIES and engine.config.global_layers:
+        if (plan.kind != "full" and kv_policy in BUDGET_POLICIES
+                and (budgeted := self.policy(engine, kv_policy, calibrating)) is not None):  # None: nothing to budget
             # A per-layer budget reads a share of the chat: its K/V can stay in host memory, streamed through the
             # GPU by each message (engine.kv.host_resident), before the tiered cache is tried.
-            host = plan_host_chat(engine, budget, chat_tokens, new_tokens, lengths,
-                                  self.policy(engine, kv_policy, calibrating))
+            host = plan_host_chat(engine, budget, chat_tokens, new_tokens, lengths, budgeted)
             if host.kind == "host":
                 plan, kv_policy = host, kv_policy + HOST_RESIDENT
                 if self._memory_notes.get(sid) is None and self.notice is not None:

@@ -17,36 +17,33 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from kvchat.app.bench.fidelity import text_fidelity
-from kvchat.engine.policies.budgets import LayerBudgetPolicy
+from kvchat.engine.calibrate.layer_costs import OperatingPoint
 
 
 @dataclass(eq=False)
-class OneLayerBudget(LayerBudgetPolicy):
+class OneLayerBudget(OperatingPoint):
     """Global layer number `index` (0 = the first global layer) keeps the budget's even share of its input slots
-    and every other global layer keeps all of them; or, with `added` > 0 (the operating point), every layer keeps the
-    even share and layer `index` that share and `added` of it more (index -1: none more)."""
+    and every other global layer keeps all of them; or, with `added` > 0, the calibration's operating point
+    (engine.calibrate.layer_costs.OperatingPoint: every layer at the even share, layer `index` `added` of it more)."""
 
     name = "one-layer"
     index: int = 0
     added: float = 0.0
-    retained: list = field(default_factory=list)  # per choice: layer `index`'s R at its count
-    retained_even: list = field(default_factory=list)  # per choice: its R at the even share
 
     def allocate(self, scores: Tensor, total: int, shares: Tensor | None = None) -> list[int]:
+        if self.added:
+            return super().allocate(scores, total, shares)
         g, n = scores.shape
         even = min(n, total // g)  # what an even share of the budget gives one layer
-        counts = [even] * g if self.added else [n] * g
+        counts = [n] * g
         if self.index >= 0:
-            counts[self.index] = min(n, even + round(self.added * even)) if self.added else even
-            ranked = scores[self.index].sort(descending=True).values
-            whole = scores[self.index].sum().clamp_min(1e-30)
-            self.retained.append(float(ranked[: counts[self.index]].sum() / whole))
-            self.retained_even.append(float(ranked[:even].sum() / whole))
+            counts[self.index] = even
+            self.record(scores[self.index], even, even)
         return counts
 
 

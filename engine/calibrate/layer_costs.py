@@ -44,7 +44,7 @@ from torch import Tensor
 
 from kvchat.engine.calibrate.watershed import ProgressCallback, calibration_chats, is_embedded_model, reference_reply
 from kvchat.engine.policies.budgets import LayerBudgetPolicy
-from kvchat.engine.teacher_forcing import TextChat, forced_logits, history_cache, text_chats
+from kvchat.engine.teacher_forcing import TextChat, forced_logits, history_cache, position_kl, text_chats
 from kvchat.errors import KvchatError
 
 # Bumped when what is measured changes: files of another version are measured again, not trusted.
@@ -74,11 +74,15 @@ class OperatingPoint(LayerBudgetPolicy):
         counts = [even] * g
         if self.index >= 0:
             counts[self.index] = min(n, even + round(self.added * even))
-            ranked = scores[self.index].sort(descending=True).values.cumsum(0)
-            whole = float(ranked[-1]) or 1e-30
-            self.retained.append(float(ranked[counts[self.index] - 1]) / whole if counts[self.index] else 0.0)
-            self.retained_even.append(float(ranked[even - 1]) / whole if even else 0.0)
+            self.record(scores[self.index], counts[self.index], even)
         return counts
+
+    def record(self, row: Tensor, count: int, even: int) -> None:
+        """Layer `index`'s R (its kept share of its normalized scores `row`) at `count` slots and at `even`."""
+        ranked = row.sort(descending=True).values.cumsum(0)
+        whole = float(ranked[-1]) or 1e-30
+        self.retained.append(float(ranked[count - 1]) / whole if count else 0.0)
+        self.retained_even.append(float(ranked[even - 1]) / whole if even else 0.0)
 
 
 @dataclass
@@ -147,12 +151,6 @@ def calibration_text_chats(engine, count: int | None = None) -> tuple[str, list[
     return "mt_bench", text_chats(engine, length, count or TEXT_CHATS, TEXT_POSITIONS, seed=TEXT_SEED)
 
 
-def _mean_kl(ref: Tensor, got: Tensor) -> Tensor:
-    """Per position KL(ref || got) of next-token logits [n, V] -> [n]."""
-    ref_lp, got_lp = ref.log_softmax(-1), got.log_softmax(-1)
-    return (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).clamp_min(0)
-
-
 @torch.inference_mode()
 def calibrate_layer_costs(engine, fingerprint: str, chats: int | None = None,
                           progress: ProgressCallback | None = None) -> LayerCostCalibration:
@@ -181,7 +179,7 @@ def calibrate_layer_costs(engine, fingerprint: str, chats: int | None = None,
         for b in BUDGETS:
             for j in range(-1, g):
                 policy = OperatingPoint(budget=b, index=j, keep_ahead=False)
-                kl[b, j].append(_mean_kl(ref, forced_logits(engine, policy, chat, read)).cpu())
+                kl[b, j].append(position_kl(ref, forced_logits(engine, policy, chat, read)).cpu())
                 if j >= 0:
                     retained[b, j][0].extend(policy.retained)
                     retained[b, j][1].extend(policy.retained_even)

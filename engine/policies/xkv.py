@@ -135,7 +135,7 @@ class XKV(LayerBudgetPolicy):
         return "equal" if option == "costs" else super().uncalibrated(option)
 
     def check_model(self, model) -> None:
-        n_global = sum(1 for layer in model.layers if not layer.window)
+        n_global = len(model.cfg.global_layers)
         widths = {len(c) for c in self._cost_table.values()}
         if widths and widths != {n_global}:
             raise KvchatError(f"the xkv policy's costs are for {widths.pop()} global layers; this model has "
