@@ -49,7 +49,7 @@ SEGMENT_MERGED = "merged"
 # row's layer range is the model's every layer, the G global ones inside it. An index, not K/V: a restore never
 # reads it as K/V, and a round without one gets it rebuilt from its K/V.
 SEGMENT_UNITS = "units"
-# A round's K/V a second time, in its units' order, each unit's rows a zstd frame readable alone (storage.unit_frames):
+# A round's K/V a second time, in its units' order, each unit's rows a frame readable alone (storage.unit_frames):
 # what a lazily resumed chat reads before its first token (app/session/lazy.py). A copy, not the chat's K/V: a restore
 # never reads it, a state file does not carry it, and a round without one is read whole.
 SEGMENT_UNIT_ROWS = "unit-rows"

@@ -1,25 +1,30 @@
-"""Unit-frame files: a round's K/V in its retrieval units' order, each unit's rows a zstd frame readable alone.
+"""Unit-frame files: a round's K/V in its retrieval units' order, each unit's rows readable alone, as they are.
 
 A lazily resumed chat (app/session/lazy.py, issue 44) reads, before its first token, only the rows of the units the
 message's layers choose; a K/V segment (storage.segments) is one frame per round and group of layers, so any row of
 it costs the whole round. This file holds the same K/V a second time, grouped so that a unit costs its own bytes:
 
     magic b"KVUF" | version u16 | fingerprint 32 bytes | dtype u8 | layers u16 | KV heads u16 | head size u16 |
-    token_start u32 | token_end u32 | frames u32 | (frames + 1) x u64 offsets into the frames | index sha256 32 |
-    frames ...
+    token_start u32 | token_end u32 | frames u32 | frames x u32 members | frames x i64 checksums |
+    index sha256 32 | zeros to a multiple of 4,096 bytes | rows ...
 
 Frame f = (g * heads + h) * units + u holds unit u of global layer g and KV head h: its members' K rows then their
-V rows ([2, members, head size], in slot order), split into byte planes and zstd-compressed (storage.codec), with
-zstd's own content checksum. Which slots a unit has is the round's units segment's business (its members plane),
-not this file's: the reader passes each frame's row count, and the frame must declare exactly those bytes.
+V rows ([2, members, head size], in slot order), uncompressed, so frame f's rows begin at row 2 * (members of the
+frames before it). Which slots a unit has is the round's units segment's business (its members plane); the file
+names each frame's member count, and the reader checks them against the units it holds.
+
+Why raw, where every other K/V file is compressed (version 1 held zstd frames): a lazy resume's first token waits on
+~1,000 frames a layer, 32 layers one after another, and decompressing them and merging their byte planes took ~240
+of the ~430 ms its reads took at 32k on the 8B shape (H200, 2026-11-28, docs/benchmarks.md). Raw, a frame is a run of
+rows at a known place, read by one pread into the layer's buffer (`gather_frames`). The price: the copy takes ~1.6x
+the disk of a compressed one (bfloat16 K/V compresses ~1.6x with planes+zstd), and what a lazy resume reads before
+its first token grows by the same factor (still ~0.12x of what a whole restore reads at 32k on the 8B shape).
 
 Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
-partial read checks the header and offsets against their own sha256, and each frame against the size it must have
-(zstd is handed it, so a frame declaring more is refused before anything past it is allocated) and its zstd
-checksum, so damage shows up as a StorageError, never as plausible wrong floats. Reading: `read_frames_of` reads
-frames of many files into one buffer (a run of consecutive frames in one read; what the page cache holds on the
-calling thread, the rest on reader threads), and `decompress_frames` decompresses many frames, of any files, in one
-call (python-zstandard's multi_decompress_to_buffer, on zstd's threads).
+partial read checks the header and index against their own sha256, the file's size against the index, and each
+frame read against its checksum (`frame_sums`: the frame's 16-bit words, each weighted by its place; computed where
+the rows land, on the GPU for a GPU's cache), so any damage to a word shows up as a StorageError, never as plausible
+wrong floats.
 """
 
 from __future__ import annotations
@@ -34,19 +39,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zstandard
 
-from kvchat.storage import codec as kvcodec
 from kvchat.storage.codec import StorageError
 from kvchat.storage.segments import (DTYPES, SUFFIX, SegmentCorrupt, SegmentMissing, SegmentRef, SegmentWrongModel,
                                      _reason, _whole_file_hash, place_content_addressed)
 
 MAGIC = b"KVUF"
-VERSION = 1
+VERSION = 2
+CODEC = "raw"  # what a unit-rows segment row of this version names as its codec (version 1's: "planes+zstd")
 _FIXED = struct.Struct("<4sH32sBHHHIII")  # magic .. frames
-_OFFSET = struct.Struct("<Q")
+_ALIGN = 4096  # the rows begin on a page: a unit's rows span as few pages as they can
 _MOST_FRAMES = 1 << 26  # a header naming more frames than this is damaged (a 128k-token round has ~2M at 8B)
-_DECOMPRESSOR = zstandard.ZstdDecompressor()
+_SUM_CHUNK = 1 << 16  # rows a checksum pass takes at once (int64 words: 8x the rows' bytes of bfloat16)
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,47 @@ class UnitFramesHeader:
     head_dim: int
     token_start: int
     token_end: int
-    offsets: np.ndarray  # frames + 1 (int64), into the frames (which start at `size`)
-    size: int  # bytes before the first frame
+    members: np.ndarray  # [frames] int64: each frame's member count (its rows: twice that)
+    sums: np.ndarray  # [frames] int64: each frame's checksum (`frame_sums`)
+    first_row: np.ndarray  # [frames + 1] int64: where each frame's rows begin (the last: the rows in all)
+    size: int  # bytes before the first row
 
     @property
     def frames(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.members)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * self.dtype.itemsize
+
+
+def frame_sums(rows: torch.Tensor, frame: torch.Tensor, place: torch.Tensor, frames: int) -> torch.Tensor:
+    """Each frame's checksum: rows [R, B] uint8 (B even: whole 16-bit words), frame[r] row r's frame, place[r] its
+    row within the frame -> [frames] int64, sum over a frame's little-endian 16-bit words w_i of (i + 1) * w_i (i
+    the word's place in the frame). Any change to one word changes it; two words swapped in place do too. Runs
+    where the rows are (a lazy resume checks a layer's frames on the GPU in a few kernels)."""
+    out = torch.zeros(frames, dtype=torch.int64, device=rows.device)
+    words = rows.shape[1] // 2
+    # a row's plain and weighted sums in one product: exact in float64 (|sum| < 2^31 * words^2 << 2^53)
+    weight = torch.stack([torch.ones(words, dtype=torch.float64, device=rows.device),
+                          torch.arange(1, words + 1, dtype=torch.float64, device=rows.device)], 1)  # [words, 2]
+    for a in range(0, rows.shape[0], _SUM_CHUNK):
+        plain, weighted = (rows[a : a + _SUM_CHUNK].view(torch.int16).to(torch.float64) @ weight).to(torch.int64).T
+        per_row = place[a : a + _SUM_CHUNK].to(torch.int64) * words * plain + weighted
+        out.index_add_(0, frame[a : a + _SUM_CHUNK].to(torch.int64), per_row)
+    return out
+
+
+def frame_rows(counts: torch.Tensor, rows_of: int = 2, total: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For frames of counts[f] members each (rows_of rows a member), laid back to back: (each frame's first row
+    [F], each row's frame [R], each row's place in its frame [R]). `total`: R where the caller knows it (on a GPU,
+    working it out waits for the device)."""
+    per = counts.to(torch.int64) * rows_of
+    first = torch.cumsum(per, 0) - per
+    total = int(per.sum()) if total is None else total
+    frame = torch.repeat_interleave(torch.arange(len(per), device=per.device), per, output_size=total)
+    return first, frame, torch.arange(total, device=per.device) - first[frame]
 
 
 def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *, fingerprint: str,
@@ -77,30 +116,31 @@ def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *,
             bool((counts.sum(2) != n).any()) or rows.dtype not in DTYPES:
         raise ValueError(f"unit rows {list(rows.shape)} of {rows.dtype} with counts {list(counts.shape)} do not "
                          f"make a round of {len(tokens)} tokens")
-    rows = rows.detach().cpu().contiguous()
-    size = rows.element_size()
-    bounds = torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2).tolist()
-    frames: list[bytes] = []
-    for gi in range(g):
-        for hi in range(h):
-            head = rows[gi, hi]
-            for a, b in zip(bounds[gi][hi], bounds[gi][hi][1:]):
-                raw = head[:, a:b].contiguous().view(torch.uint8).numpy().tobytes()
-                frames.append(kvcodec.encode(raw, size, "planes+zstd"))
-    offsets = np.zeros(len(frames) + 1, dtype=np.uint64)
-    np.cumsum([len(f) for f in frames], out=offsets[1:])
+    flat_counts = counts.detach().cpu().reshape(-1).to(torch.int64)  # [F] frames in file order
+    units = counts.shape[2]
+    # each frame's rows: its members' K rows then their V rows, taken from rows[g, h] viewed [2n, D] (K: 0..n-1)
+    first, frame, place = frame_rows(flat_counts)
+    block = frame // units  # (g, h) of each row
+    block_begin = torch.cumsum(flat_counts, 0) - flat_counts - (torch.arange(len(flat_counts)) // units) * n
+    member = flat_counts[frame]
+    is_v = place >= member
+    source = block * 2 * n + is_v * n + block_begin[frame] + place - is_v * member
+    flat = rows.detach().cpu().reshape(g * h * 2 * n, d)
+    ordered = flat.index_select(0, source).contiguous().view(torch.uint8).view(len(source), -1)
+    sums = frame_sums(ordered, frame, place, len(flat_counts))
     fixed = _FIXED.pack(MAGIC, VERSION, bytes.fromhex(fingerprint), DTYPES.index(rows.dtype), g, h, d,
-                        tokens.start, tokens.stop, len(frames))
-    index = fixed + offsets.astype("<u8").tobytes()
-    head_bytes = index + hashlib.sha256(index).digest()
-    payload = b"".join(frames)
-    name = place_content_addressed(Path(folder), (head_bytes, payload), "unit frames")
-    return SegmentRef(file=name, byte_size=len(head_bytes) + len(payload), raw_size=rows.numel() * size,
-                      checksum=hashlib.sha256(payload).hexdigest(), codec="planes+zstd")
+                        tokens.start, tokens.stop, len(flat_counts))
+    index = fixed + flat_counts.numpy().astype("<u4").tobytes() + sums.numpy().astype("<i8").tobytes()
+    head = index + hashlib.sha256(index).digest()
+    head += bytes(-len(head) % _ALIGN)
+    payload = ordered.numpy().tobytes()
+    name = place_content_addressed(Path(folder), (head, payload), "unit frames")
+    return SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=len(payload),
+                      checksum=hashlib.sha256(payload).hexdigest(), codec=CODEC)
 
 
 class UnitFramesFile:
-    """An open unit-frames file: its header read and checked once, frames read on demand (`read`)."""
+    """An open unit-frames file: its header read and checked once, frames read on demand (`gather_frames`)."""
 
     def __init__(self, path: Path, *, fingerprint: str):
         self.path = Path(path)
@@ -149,18 +189,29 @@ class UnitFramesFile:
         magic, version, fp, dtype_code, g, h, d, t0, t1, n_frames = _FIXED.unpack(fixed)
         if magic != MAGIC or version != VERSION:
             raise self._corrupt("it is not a unit-frames file of this version")
-        if dtype_code >= len(DTYPES) or n_frames > _MOST_FRAMES or t0 > t1:
+        if dtype_code >= len(DTYPES) or n_frames > _MOST_FRAMES or t0 > t1 or DTYPES[dtype_code].itemsize % 2:
             raise self._corrupt("its header is damaged")
-        rest = self._pread(_OFFSET.size * (n_frames + 1) + 32, _FIXED.size)
+        rest = self._pread(12 * n_frames + 32, _FIXED.size)
         index, digest = fixed + rest[:-32], rest[-32:]
         if hashlib.sha256(index).digest() != digest:
             raise self._corrupt("its index does not match its checksum")
         if fp.hex() != fingerprint.lower():
             raise SegmentWrongModel(f"unit frames {self.path.name} were computed by a different model.")
-        offsets = np.frombuffer(rest[:-32], dtype="<u8").astype(np.int64)
-        if bool((offsets[1:] < offsets[:-1]).any()) or offsets[0] != 0:
-            raise self._corrupt("its frame offsets go backwards")
-        return UnitFramesHeader(fp.hex(), DTYPES[dtype_code], g, h, d, t0, t1, offsets, _FIXED.size + len(rest))
+        members = np.frombuffer(rest, dtype="<u4", count=n_frames).astype(np.int64)
+        sums = np.frombuffer(rest, dtype="<i8", count=n_frames, offset=4 * n_frames).astype(np.int64)
+        first_row = np.zeros(n_frames + 1, dtype=np.int64)
+        np.cumsum(2 * members, out=first_row[1:])
+        size = _FIXED.size + len(rest)
+        size += -size % _ALIGN
+        dtype = DTYPES[dtype_code]
+        try:
+            length = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
+        expected = size + int(first_row[-1]) * d * dtype.itemsize
+        if length != expected:
+            raise self._corrupt(f"the file is {'shorter' if length < expected else 'longer'} than its index says")
+        return UnitFramesHeader(fp.hex(), dtype, g, h, d, t0, t1, members, sums, first_row, size)
 
     def frame_index(self, layer: int, head: int, unit: int, units: int) -> int:
         """The frame of unit `unit` of global layer `layer` (of the file's) and KV head `head`, a round whose units
@@ -170,170 +221,114 @@ class UnitFramesFile:
             raise self._corrupt(f"it holds {hd.frames} frames, not {hd.layers} x {hd.heads} x {units} units")
         return (layer * hd.heads + head) * units + unit
 
-    def read_frames(self, frames: list[int]) -> tuple[bytearray, np.ndarray]:
-        """Frames (indices, ascending) as read, still compressed: their bytes back to back, consecutive frames in
-        one read, and each frame's (offset, length) in them [F, 2] uint64 (`read_frames_of`, of this file alone)."""
-        return read_frames_of([self], [np.asarray(frames, dtype=np.int64)])
+    def check_members(self, counts: np.ndarray) -> None:
+        """That the file's frames have the member counts [frames] the round's units give them."""
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if counts.shape != self.header.members.shape or not np.array_equal(counts, self.header.members):
+            raise self._corrupt("its frames do not hold the members the round's units name")
 
-    def read_planes(self, frames: list[int], rows: list[int]) -> bytes:
-        """The frames decompressed, still in byte planes, back to back (`decompress_frames`)."""
-        try:
-            return decompress_frames(*self.read_frames(frames),
-                                     frame_sizes(rows, self.header.head_dim, self.header.dtype.itemsize))
-        except StorageError as e:
-            raise self._corrupt(str(e)) from None
-
-    def read(self, frames: list[int], rows: list[int]) -> list[torch.Tensor]:
-        """Frames (indices, ascending) as K/V rows [2, rows[i], head size] on the CPU (`read_planes`, merged)."""
+    def read(self, frames: list[int]) -> list[torch.Tensor]:
+        """Frames (indices, ascending) as K/V rows [2, members, head size] on the CPU, each checked."""
         hd = self.header
-        planes = np.frombuffer(self.read_planes(frames, rows), dtype=np.uint8)
-        out, at = [], 0
-        for n in rows:
-            size = 2 * n * hd.head_dim * hd.dtype.itemsize
-            if not size:
-                out.append(torch.empty(2, 0, hd.head_dim, dtype=hd.dtype))
-                continue
-            values = kvcodec.from_planes(planes[at : at + size], hd.dtype.itemsize)
-            out.append(torch.from_numpy(values).view(hd.dtype).view(2, n, hd.head_dim))
-            at += size
-        return out
+        data, first, counts = gather_frames([self], [np.asarray(frames, dtype=np.int64)])
+        _, frame, place = frame_rows(torch.from_numpy(counts))
+        expected = torch.from_numpy(hd.sums[np.asarray(frames, dtype=np.int64)])
+        bad = (frame_sums(data, frame, place, len(frames)) != expected).nonzero()
+        if bad.numel():
+            raise self._corrupt(f"frame {frames[int(bad[0])]} does not match its checksum")
+        return [data[a : a + 2 * n].view(hd.dtype).view(2, n, hd.head_dim)
+                for a, n in zip(first.tolist(), counts.tolist())]
 
 
-def read_frames_of(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
-                   jobs: int = 1) -> tuple[bytearray, np.ndarray]:
-    """Frames of several files read together, still compressed, into one buffer: files[i]'s frames `frames[i]`
-    (ascending indices) back to back, file after file. Consecutive frames of a file come in one read. Returns the
-    buffer and each frame's (offset, length) in it [F, 2] uint64 (`decompress_frames` checks them).
+def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
+                  jobs: int = 1, pin: bool = False) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Frames of several files read together into one host buffer: files[i]'s frames `frames[i]` (ascending
+    indices), back to back, file after file. Returns (their rows [R, row bytes] uint8, pinned with `pin`; each
+    frame's first row in it [F]; each frame's member count [F], as the files' indexes give them). The rows are
+    not checked here: `frame_sums` against each file's `header.sums` checks them where they land.
 
-    A layer of a lazy resume reads ~1,000 frames of ~50 files. From the page cache one thread reads them fastest
-    (~3-5 us a frame; more threads only hand the GIL around: 32 took ~10 us a frame on the H200 host, 2026-11-28);
-    from the disk they must be waited for side by side. So each read is first tried without waiting
-    (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the start), on
-    this thread; the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
-    starts them all) and read by `jobs` threads on `pool` (preads release the GIL). The per-frame work is numpy's
-    and the kernel's: Python work per frame or per file is what made those reads cost ~35 us a frame before
-    (docs/benchmarks.md)."""
-    run_file, run_at, run_len, frame_len = [], [], [], []
-    for k, (file, f) in enumerate(zip(files, frames)):
+    A layer of a lazy resume reads ~1,000 frames of ~50 files, a pread a run of consecutive frames. From the page
+    cache one thread reads them fastest: more threads only hand the GIL around (32 took ~10 us a frame on the H200
+    host where one took ~5, 2026-11-28), and gathering from memory mappings instead pays a page fault a page touched
+    (on the 2-core CPU 5.5-9.6 ms a layer against 3.2-3.4 by preads, docs/probes/lazy_frames_cost.py --ways,
+    2026-11-29). From the disk they must be waited for side by side. So each read is first tried on this thread
+    without waiting (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the
+    start); the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
+    starts them all) and read by `jobs` threads on `pool` (a pread releases the GIL)."""
+    if len(files) != len(frames):
+        raise ValueError("one frame list per file")
+    row_bytes = {f.header.row_bytes for f in files}
+    if len(row_bytes) > 1:
+        raise ValueError("unit frames of different row sizes cannot be gathered together")
+    parts = []  # per file: (its frames, their first rows in the file, their row counts)
+    for file, f in zip(files, frames):
         hd = file.header
         f = np.asarray(f, dtype=np.int64)
+        if f.size and (bool((f[1:] <= f[:-1]).any()) or f[0] < 0 or f[-1] >= hd.frames):
+            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {hd.frames} frames")
+        parts.append((f, hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]))
+    counts = np.concatenate([n for _, _, n in parts]) // 2 if parts else np.zeros(0, dtype=np.int64)
+    per_file = np.asarray([int(n.sum()) for _, _, n in parts], dtype=np.int64)
+    file_at = np.cumsum(per_file) - per_file
+    total = int(per_file.sum())
+    out = torch.empty(total, row_bytes.pop() if row_bytes else 0, dtype=torch.uint8, pin_memory=pin and total > 0)
+    first = np.cumsum(2 * counts) - 2 * counts
+    view = memoryview(out.numpy()).cast("B") if total else memoryview(b"")
+    nowait = getattr(os, "RWF_NOWAIT", 0)
+    waiting = []  # (file, at, length, into): the reads the page cache could not answer at once
+    for k, (file, (f, at, n)) in enumerate(zip(files, parts)):
         if not f.size:
             continue
-        if bool((f[1:] <= f[:-1]).any()) or f[0] < 0 or f[-1] >= hd.frames:
-            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {hd.frames} frames")
-        first = np.flatnonzero(np.r_[True, f[1:] != f[:-1] + 1])  # each run of consecutive frames: one read
-        last = np.r_[first[1:], f.size] - 1
-        at = hd.offsets[f[first]]
-        run_at.append(at + hd.size)
-        run_len.append(hd.offsets[f[last] + 1] - at)
-        run_file.append(np.full(first.size, k))
-        frame_len.append(hd.offsets[f + 1] - hd.offsets[f])
-    if not run_at:
-        return bytearray(), np.zeros((0, 2), dtype=np.uint64)
-    lengths = np.concatenate(run_len)
-    dest = np.cumsum(lengths) - lengths
-    buffer = bytearray(int(lengths.sum()))
-    view = memoryview(buffer)
-    which, at, length, dest = (np.concatenate(run_file).tolist(), np.concatenate(run_at).tolist(), lengths.tolist(),
-                               dest.tolist())
-    fds = [files[k]._fd for k in which]  # each read's
-
-    def failed(j: int, e: OSError) -> StorageError:
-        return StorageError(f"cannot read unit frames {files[which[j]].path.name}: {_reason(e)}.")
-
-    waiting = []  # the reads the page cache could not answer at once
-    nowait = getattr(os, "RWF_NOWAIT", 0)
-    for j in range(len(which)):
-        if not nowait:
-            waiting.append(j)
-            continue
+        hd = file.header
+        file.bytes_read += int(per_file[k]) * hd.row_bytes
+        breaks = np.empty(f.size, dtype=bool)  # runs of consecutive frames: one read each
+        breaks[0] = True
+        np.not_equal(f[1:], f[:-1] + 1, out=breaks[1:])
+        run_first = np.flatnonzero(breaks)
+        run_last = np.append(run_first[1:], f.size) - 1
+        starts = (hd.size + at[run_first] * hd.row_bytes).tolist()
+        lengths = ((at[run_last] + n[run_last] - at[run_first]) * hd.row_bytes).tolist()
+        dests = ((file_at[k] + (np.cumsum(n) - n)[run_first]) * hd.row_bytes).tolist()
+        fd = file._fd
+        for start, length, dest in zip(starts, lengths, dests):
+            into = view[dest : dest + length]
+            if nowait:
+                try:
+                    if os.preadv(fd, [into], start, nowait) == length:
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise StorageError(f"cannot read unit frames {file.path.name}: {_reason(e)}.") from e
+                    nowait = 0  # (a kernel or file system without it: every read waits)
+            waiting.append((k, start, length, into))  # (a short read too: the rest was not cached, or the file is
+    if waiting and hasattr(os, "posix_fadvise"):      # short: the wait tells)
         try:
-            if os.preadv(fds[j], [view[dest[j] : dest[j] + length[j]]], at[j], nowait) == length[j]:
-                continue
-        except BlockingIOError:
-            pass
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise failed(j, e) from e
-            nowait = 0  # (a kernel or file system without it: every read waits)
-        waiting.append(j)  # (a short read too: the rest was not cached, or the file is short; the wait tells)
-    if waiting and hasattr(os, "posix_fadvise"):
-        try:
-            for j in waiting:
-                os.posix_fadvise(fds[j], at[j], length[j], os.POSIX_FADV_WILLNEED)
+            for k, start, length, _ in waiting:
+                os.posix_fadvise(files[k]._fd, start, length, os.POSIX_FADV_WILLNEED)
         except OSError:  # (advice only: the reads below wait either way)
             pass
-
-    def read(part: list[int]) -> None:
-        for j in part:
-            try:
-                got = os.preadv(fds[j], [view[dest[j] : dest[j] + length[j]]], at[j])
-            except OSError as e:
-                raise failed(j, e) from e
-            if got != length[j]:
-                raise files[which[j]]._corrupt("the file is shorter than its index says")
-
-    parts = [part.tolist() for part in np.array_split(np.asarray(waiting, dtype=np.int64),
-                                                      max(1, min(jobs, len(waiting))))]
-    if pool is None or len(parts) == 1:
-        read(waiting)
+    if pool is None or jobs <= 1 or len(waiting) <= 1:
+        _preads(files, waiting)
     else:
-        reads = [pool.submit(read, p) for p in parts]
-        wait(reads)  # every share done before any error is raised: no read outlives the call (or its descriptors)
-        for part in reads:
-            part.result()
-    per_file = np.bincount(np.concatenate(run_file), weights=lengths, minlength=len(files))
-    for file, n in zip(files, per_file.tolist()):
-        file.bytes_read += int(n)
-    frame_len = np.concatenate(frame_len).astype(np.uint64)
-    return buffer, np.stack([np.cumsum(frame_len) - frame_len, frame_len], 1)
+        share = -(-len(waiting) // min(jobs, len(waiting)))
+        tasks = [pool.submit(_preads, files, waiting[a : a + share]) for a in range(0, len(waiting), share)]
+        wait(tasks)  # every share done before any error is raised: no read outlives the call (or its descriptors)
+        for task in tasks:
+            task.result()
+    return out, first, counts
 
 
-def frame_sizes(rows: list[int], head_dim: int, itemsize: int) -> list[int]:
-    """The decompressed bytes of frames of rows[i] K/V rows each."""
-    return [2 * n * head_dim * itemsize for n in rows]
-
-
-def decompress_frames(data: bytes | bytearray, segments: np.ndarray, sizes: list[int], threads: int = 0) -> bytearray:
-    """Frames (their bytes `data`, each frame's (offset, length) in them, any files') decompressed together, back to
-    back, each checked against its zstd checksum and against the size it must have (`sizes`: zstd is given them, so
-    a frame declaring more is refused without its size being allocated). zstd's `threads` (0: this one; more pay
-    off only for hundreds of frames)."""
-    if not len(sizes):
-        return bytearray()
-    try:
-        out = _DECOMPRESSOR.multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(data, np.ascontiguousarray(segments, dtype=np.uint64).tobytes()),
-            decompressed_sizes=np.asarray(sizes, dtype=np.uint64), threads=threads)
-    except (zstandard.ZstdError, ValueError) as e:
-        raise StorageError(f"a frame cannot be decoded ({e})") from None
-    return bytearray().join(out[k] for k in range(len(out)))
-
-
-def merge_planes(planes: torch.Tensor, values: torch.Tensor, itemsize: int, total: int | None = None) -> torch.Tensor:
-    """Frames' bytes as `read_planes` gives them (uint8, on any device) -> their values' bytes [sum(values),
-    itemsize] (uint8): frame i holds values[i] values, its j-th byte plane at j * values[i] within the frame. One
-    gather on the device, whatever the number of frames."""
-    total = int(values.sum()) if total is None else total  # (given: no wait for the device)
-    frame = torch.repeat_interleave(torch.arange(len(values), device=values.device), values, output_size=total)
-    first = torch.cumsum(values, 0) - values  # each frame's first value
-    within = torch.arange(total, device=values.device) - first[frame]
-    at = first[frame] * itemsize + within  # the value's byte in plane 0 (a frame: itemsize planes back to back)
-    return torch.stack([planes[at + p * values[frame]] for p in range(itemsize)], 1)
-
-
-def merge_planes_on_host(planes: bytes, values: list[int], itemsize: int) -> torch.Tensor:
-    """`merge_planes` on the CPU: frame by frame (a strided copy a plane, storage.codec.from_planes), which there
-    beats one gather of every byte by ~10x."""
-    flat = np.frombuffer(planes, dtype=np.uint8)
-    out = np.empty((sum(values), itemsize), dtype=np.uint8)
-    at = row = 0
-    for n in values:
-        src = flat[at : at + n * itemsize].reshape(itemsize, n)
-        for p in range(itemsize):
-            out[row : row + n, p] = src[p]
-        at, row = at + n * itemsize, row + n
-    return torch.from_numpy(out)
+def _preads(files: list[UnitFramesFile], reads) -> None:
+    for k, start, length, into in reads:
+        file = files[k]
+        try:
+            got = os.preadv(file._fd, [into], start)
+        except OSError as e:
+            raise StorageError(f"cannot read unit frames {file.path.name}: {_reason(e)}.") from e
+        if got != length:
+            raise file._corrupt("the file is shorter than its index says")
 
 
 def verify_unit_frames(path: Path) -> None:

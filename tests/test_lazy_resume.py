@@ -210,9 +210,9 @@ def test_damaged_unit_frames_stop_the_lazy_answer_and_the_chat_is_restored_whole
     with UnitFramesFile(path, fingerprint=probe.fingerprint) as file:
         header = file.header
     data = bytearray(path.read_bytes())
-    for a, b in zip(header.offsets, header.offsets[1:]):  # a byte of every frame flipped: what a partial read sees
-        if b > a:
-            data[header.size + (a + b) // 2] ^= 0x55
+    for a, b in zip(header.first_row, header.first_row[1:]):  # a byte of every frame flipped: what a partial read
+        if b > a:                                                # sees (rows, not byte offsets: frames are raw)
+            data[header.size + (a + b) // 2 * header.row_bytes] ^= 0x55
     path.chmod(0o644)
     path.write_bytes(bytes(data))
     session = continued(store, store.fork_session(sid, len(FACTS), "damaged frames"), LATER[:1], lazy=True)
@@ -251,6 +251,49 @@ def test_an_answered_lazy_message_leaves_the_policy_holding_no_cache(kvchat_home
     gc.disable()  # by reference counting alone: a cycle through the session kept a 32k cache on the GPU until the
     try:          # cycle collector ran, so the bench's next open allocated its cache beside it (19.1 GiB, not 10.4)
         del session
+        assert held() is None
+    finally:
+        gc.enable()
+
+
+def test_a_closed_chat_lets_go_of_its_unit_frames_before_its_resume_completed(kvchat_home):
+    """A chat closed before its lazy resume completed (closed, or its answer stopped at its first token outside
+    ChatSession.send, as the bench's warm-up runs are) must close the unit-frames files it opened and let go of the
+    session: left to Python's cycle collector, they kept their descriptors open and the chat's cache on the device
+    (the bench's peak GPU memory of 14.5-19.0 GiB against kv-split's 10.4, H200, 2026-11-29)."""
+    import gc
+    import os
+    import weakref
+    from pathlib import Path
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc/self/fd here")
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    files = {str(store.kv_dir / name) for name in unit_rows_of(store, sid).values()}
+
+    def opened() -> set[str]:
+        held = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return files & held
+
+    policy = louiskv()  # (it outlives the session, as the bench's and the app's policies do)
+    session = ChatSession(store, shared_engine(), sid, policy=policy, lazy_resume=True)
+    assert session.restore_lazily()
+    rows, n_heads = session.lazy_rows, session.cache.kv.shape[2]
+    chosen = torch.stack([torch.arange(h, session.cache.length, 5)[:20] for h in range(n_heads)])
+    rows.ensure(1, chosen)
+    assert rows.frames_read > 0 and opened() and policy.lazy is rows
+    held = weakref.ref(session.cache.kv)
+    session.close()
+    assert not opened() and not rows._files
+    gc.disable()  # by reference counting alone
+    try:
+        del session, rows
         assert held() is None
     finally:
         gc.enable()

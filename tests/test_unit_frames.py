@@ -38,16 +38,37 @@ def test_each_unit_reads_back_alone_bit_for_bit(tmp_path, dtype):
     kv, member, rows, counts = round_rows(dtype)
     ref = write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(100, 100 + N))
     verify_unit_frames(tmp_path / ref.file)
+    assert ref.codec == "raw" and ref.raw_size == G * H * 2 * N * D * dtype.itemsize
     with UnitFramesFile(tmp_path / ref.file, fingerprint=FP) as f:
         assert (f.header.layers, f.header.heads, f.header.frames) == (G, H, G * H * U)
+        f.check_members(counts.numpy())
         want = [(1, 2, 3), (0, 1, 0), (0, 1, 1), (1, 0, 4)]  # two adjacent frames: one read; an empty unit
         frames = sorted(f.frame_index(g, h, u, U) for g, h, u in want)
         by_frame = {f.frame_index(g, h, u, U): (g, h, u) for g, h, u in want}
-        got = f.read(frames, [int(counts[by_frame[i]]) for i in frames])
+        got = f.read(frames)
         for i, rows_read in zip(frames, got):
             assert torch.equal(rows_read, unit_of(kv, member, *by_frame[i]))
         assert f.bytes_read < ref.byte_size  # a part of the file, not all of it
     assert ref.file == write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(100, 100 + N)).file
+
+
+def test_a_frames_checksum_catches_any_one_word_changed_or_two_swapped():
+    from kvchat.storage.unit_frames import frame_rows, frame_sums
+
+    torch.manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 1])
+    rows = torch.randint(0, 256, (2 * int(counts.sum()), 2 * D), dtype=torch.uint8)
+    _, frame, place = frame_rows(counts)
+    good = frame_sums(rows, frame, place, len(counts))
+    for r, w in [(0, 0), (5, 3), (17, D - 1)]:
+        for bit in (0, 7, 15):
+            bad = rows.clone()
+            bad.view(torch.int16)[r, w] ^= 1 << bit if bit < 15 else -(1 << 15)
+            changed = frame_sums(bad, frame, place, len(counts)) != good
+            assert changed.tolist() == [i == int(frame[r]) for i in range(len(counts))]
+    swapped = rows.clone()
+    swapped[[6, 7]] = rows[[7, 6]]  # two rows of one frame in each other's place
+    assert not torch.equal(rows[6], rows[7]) and frame_sums(swapped, frame, place, len(counts))[2] != good[2]
 
 
 def test_damage_anywhere_is_an_error_never_wrong_rows(tmp_path):
@@ -64,17 +85,18 @@ def test_damage_anywhere_is_an_error_never_wrong_rows(tmp_path):
         path.chmod(0o644)
         path.write_bytes(bytes(data))
 
-    damaged(header.size - 40)  # the index
+    damaged(30 + 12 * header.frames)  # the index (its checksums)
     with pytest.raises(SegmentCorrupt, match="index"):
         UnitFramesFile(path, fingerprint=FP)
     frame = 7
-    damaged(header.size + (header.offsets[frame] + header.offsets[frame + 1]) // 2)
+    row_bytes = D * 2
+    damaged(header.size + int(header.first_row[frame] + header.first_row[frame + 1]) // 2 * row_bytes + 1)
     with UnitFramesFile(path, fingerprint=FP) as f:
-        with pytest.raises(SegmentCorrupt, match="cannot be decoded"):
-            f.read([frame], [int(counts.view(-1)[frame])])
-        assert f.read([frame + 1], [int(counts.view(-1)[frame + 1])])  # the others still read
-        with pytest.raises(SegmentCorrupt):  # a row count the frame does not hold
-            f.read([frame + 1], [int(counts.view(-1)[frame + 1]) + 1])
+        with pytest.raises(SegmentCorrupt, match="checksum"):
+            f.read([frame])
+        assert f.read([frame + 1])  # the others still read
+        with pytest.raises(SegmentCorrupt):  # members the round's units do not give its frames
+            f.check_members((counts + torch.eye(U, dtype=counts.dtype)[0]).numpy())
         with pytest.raises(SegmentCorrupt):  # units the file was not written with
             f.frame_index(0, 0, 0, U + 1)
     with pytest.raises(StorageError, match="content does not match"):
@@ -83,8 +105,14 @@ def test_damage_anywhere_is_an_error_never_wrong_rows(tmp_path):
     with pytest.raises(SegmentWrongModel):
         UnitFramesFile(path, fingerprint="cd" * 32)
     path.write_bytes(good[: header.size + 10])  # cut short
-    with UnitFramesFile(path, fingerprint=FP) as f, pytest.raises(SegmentCorrupt, match="shorter"):
-        f.read([G * H * U - 1], [int(counts.view(-1)[-1])])
+    with pytest.raises(SegmentCorrupt, match="shorter"):
+        UnitFramesFile(path, fingerprint=FP)
+    path.write_bytes(good + b"\0")  # or grown
+    with pytest.raises(SegmentCorrupt, match="longer"):
+        UnitFramesFile(path, fingerprint=FP)
+    path.write_bytes(good.replace(b"KVUF\x02\x00", b"KVUF\x01\x00", 1))  # version 1's zstd frames: not read here
+    with pytest.raises(SegmentCorrupt, match="version"):
+        UnitFramesFile(path, fingerprint=FP)
 
 
 def test_rows_that_do_not_make_the_round_are_refused(tmp_path):
@@ -97,15 +125,15 @@ def test_rows_that_do_not_make_the_round_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("first_pass", ["nowait", "none"])
-def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_path, monkeypatch, first_pass):
-    """`read_frames_of` (a lazy resume's reads of one layer): any frames of several files land back to back in one
+def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(tmp_path, monkeypatch, first_pass):
+    """`gather_frames` (a lazy resume's reads of one layer): any frames of several files land back to back in one
     buffer exactly as each file's frames read alone, runs of consecutive frames included — read without waiting
-    where the page cache holds them, on reader threads where it does not, and all on reader threads where the OS
-    has no reads that refuse to wait ("none")."""
+    where the page cache holds them, on reader threads where it does not, and all on reader threads where the OS has
+    no reads that refuse to wait ("none")."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvchat.storage.pagecache import evict
-    from kvchat.storage.unit_frames import read_frames_of
+    from kvchat.storage.unit_frames import gather_frames
 
     if first_pass == "none":
         monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
@@ -114,47 +142,36 @@ def test_frames_of_several_files_read_together_are_each_files_own_in_order(tmp_p
     paths = [tmp_path / write_unit_frames(tmp_path, r, counts, fingerprint=FP, tokens=range(N)).file
              for r in (rows, other)]
     chosen = [[0, 1, 2, 7, 9, 10], [3, 4, 11, G * H * U - 1]]  # runs and single frames
+    with UnitFramesFile(paths[0], fingerprint=FP) as f:
+        alone = [f.read([i])[0] for i in chosen[0]]
+    with UnitFramesFile(paths[1], fingerprint=FP) as f:
+        alone += [f.read([i])[0] for i in chosen[1]]
     files = [UnitFramesFile(p, fingerprint=FP) for p in paths]
     try:
-        alone = []
-        for f, frames in zip(files, chosen):
-            for frame in frames:
-                a, b = f.header.offsets[frame], f.header.offsets[frame + 1]
-                alone.append(f._pread(int(b - a), f.header.size + int(a)))
-        before = [f.bytes_read for f in files]
         with ThreadPoolExecutor(4) as pool:
-            for jobs in (1, 3, 16):  # one reader, several, more than the runs
-                # the files out of the page cache (where the OS can): the reads refused without waiting, then waited
-                # for on the pool's threads
-                evict(paths)
-                data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, jobs)
-                assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
-            data, segments = read_frames_of(files, [np.asarray(c) for c in chosen], pool, 4)  # from the page cache
-            assert [bytes(data[a : a + n]) for a, n in segments.tolist()] == alone
-        # each file counts the bytes read of it (four times over: the four reads above)
-        assert [f.bytes_read - b for f, b in zip(files, before)] == [4 * sum(
-            int(f.header.offsets[i + 1] - f.header.offsets[i]) for i in c) for f, c in zip(files, chosen)]
-        # and a frame of the second file decompresses to that round's rows of its unit
-        g, h, u = 11 // (H * U), 11 // U % H, 11 % U
-        got = files[1].read([11], [int(counts[g, h, u])])[0]
-        assert torch.equal(got, other[g, h][:, int(counts[g, h, :u].sum()) : int(counts[g, h, : u + 1].sum())])
+            for jobs, cold in [(1, True), (3, True), (16, True), (4, False)]:  # readers: one, several, more than reads
+                if cold:  # out of the page cache (where the OS can): refused without waiting, then waited for
+                    evict(paths)
+                before = [f.bytes_read for f in files]
+                data, first, members = gather_frames(files, [np.asarray(c) for c in chosen], pool, jobs)
+                got = [data[a : a + 2 * n].view(torch.bfloat16).view(2, n, D)
+                       for a, n in zip(first.tolist(), members.tolist())]
+                assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))
+                assert [f.bytes_read - b for f, b in zip(files, before)] == [  # each file counts its bytes read
+                    sum(4 * D * int(counts.view(-1)[i]) for i in c) for c in chosen]
     finally:
         for f in files:
             f.close()
 
 
-def test_a_file_cut_short_among_several_is_named(tmp_path):
-    from kvchat.storage.unit_frames import read_frames_of
+def test_a_file_cut_short_after_it_was_opened_is_named(tmp_path):
+    from kvchat.storage.unit_frames import gather_frames
 
     _, _, rows, counts = round_rows()
     good = tmp_path / write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(N)).file
     other = torch.flip(rows, dims=[3]).contiguous()
     cut = tmp_path / write_unit_frames(tmp_path, other, counts, fingerprint=FP, tokens=range(N)).file
-    data = cut.read_bytes()
-    cut.chmod(0o644)
-    with UnitFramesFile(cut, fingerprint=FP) as f:
-        size = f.header.size
-    cut.write_bytes(data[: size + 10])
     with UnitFramesFile(good, fingerprint=FP) as a, UnitFramesFile(cut, fingerprint=FP) as b:
+        os.truncate(cut, b.header.size + 10)
         with pytest.raises(SegmentCorrupt, match=f"{cut.name}.*shorter"):
-            read_frames_of([a, b], [np.asarray([0, 1]), np.asarray([G * H * U - 1])])
+            gather_frames([a, b], [np.asarray([0, 1]), np.asarray([G * H * U - 1])])

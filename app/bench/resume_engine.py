@@ -218,6 +218,11 @@ def _run_engine(spec: dict) -> dict:
     first_use_s = time.perf_counter() - t0 + answer(cache, closed, starts, wl["new_message"], 1).first_token_seconds
     close_sessions()
     del cache
+    if lazy:  # that resume was whole (it stored what a chat kept under kv-load lacks): the lazy path's first run too
+        cache, closed, starts = resume()
+        answer(cache, closed, starts, wl["new_message"], 1)
+        close_sessions()
+        del cache
     runs = []
     for run in range(1 + spec["repeats"]):
         dropped = evict_files(_chat_files(Path(wl["home"]))) if run == 0 else None
@@ -237,8 +242,12 @@ def _run_engine(spec: dict) -> dict:
                      **(_lazy_figures(sessions[-1]) if lazy and sessions else {})})
         close_sessions()
         del cache
-    if os.environ.get("KVCHAT_BENCH_PROFILE"):  # where a warm resume's time goes, for a developer (docs/gpu/)
+    if os.environ.get("KVCHAT_BENCH_PROFILE"):  # where a warm and a cold resume's time goes (docs/gpu/)
         _profile_run(os.environ["KVCHAT_BENCH_PROFILE"], method, lambda: answer(*resume(), wl["new_message"], 1))
+        close_sessions()
+        evict_files(_chat_files(Path(wl["home"])))
+        _profile_run(os.environ["KVCHAT_BENCH_PROFILE"], method, lambda: answer(*resume(), wl["new_message"], 1),
+                     cold=True)
         close_sessions()
     if os.environ.get("KVCHAT_BENCH_MEMORY") and engine.device.type == "cuda":  # what the peak is made of (docs/gpu/)
         _memory_run(os.environ["KVCHAT_BENCH_MEMORY"], method, engine.device,
@@ -365,9 +374,10 @@ def blocks_at_peak(events: list[dict], before: int, large: int) -> tuple[int, li
     return most, sorted(at_most, key=lambda e: -e["size"])
 
 
-def _profile_run(folder: str, method: str, run) -> None:
-    """One more warm resume and first token, after the measured runs, under cProfile: the main thread's functions
-    by their own time (a GPU wait shows in the call that synced), written to FOLDER/profile-METHOD.txt."""
+def _profile_run(folder: str, method: str, run, cold: bool = False) -> None:
+    """One more resume and first token, after the measured runs, under cProfile: the main thread's functions by
+    their own time (a GPU wait shows in the call that synced), written to FOLDER/profile-METHOD.txt (a cold run,
+    the chat's files out of the page cache first: profile-cold-METHOD.txt)."""
     import cProfile
     import io
     import pstats
@@ -380,7 +390,7 @@ def _profile_run(folder: str, method: str, run) -> None:
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
     name = "".join(c if c.isalnum() or c in "._-" else "_" for c in method)
-    Path(folder, f"profile-{name}.txt").write_text(text.getvalue())
+    Path(folder, f"profile-{'cold-' if cold else ''}{name}.txt").write_text(text.getvalue())
 
 
 def _lazy_figures(session) -> dict:

@@ -603,6 +603,10 @@ class ChatSession:
     def close(self) -> None:
         self.writer.drain()
         self.stop_reading()
+        if self.lazy_rows is not None:  # a lazy resume not completed (a closed chat, an answer cut short): its
+            self.lazy_rows.close()      # unit-frames files closed now, and the policy (which may outlive this
+            if getattr(self.message_policy, "lazy", None) is self.lazy_rows:  # session) no longer holding the
+                self._drop_lazy_resume()                                      # rows, and through them the cache
 
     def stop_reading(self) -> None:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""

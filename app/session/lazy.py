@@ -12,8 +12,9 @@ Reading less than a round: the store keeps a round's K/V as one compressed segme
 of it costs the whole round, and on a long chat the first choice alone touches 42–100% of the rounds (docs/
 benchmarks.md, "What a lazy resume would have to read"). A chat opened with lazy resumes on stores each round a second
 time in its units' order (storage.unit_frames, app/session/units.py `unit_rows`): each unit of each layer and KV
-head a zstd frame of its own. `ensure` reads only the frames of the units a layer's heads chose (the sinks' and the
-buffer's rows are units too, read the same way), and a round without unit frames whole.
+head a frame of its own, its rows as they are (version 2; version 1's zstd frames count as none: the round is read
+whole, and the chat gets version 2's once it is whole). `ensure` reads only the frames of the units a layer's heads
+chose (the sinks' and the buffer's rows are units too, read the same way), and a round without unit frames whole.
 
 Only chats whose every round has its units stored and its K/V in plain segments (no merged pairs), on a cache
 without sliding-window rings, are opened lazily; any other is restored whole, said in the restore's notes. A round
@@ -39,8 +40,8 @@ from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import (UnitFramesFile, decompress_frames, merge_planes, merge_planes_on_host,
-                                        read_frames_of)
+from kvchat.storage.unit_frames import CODEC as FRAMES_CODEC
+from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, gather_frames
 
 
 # Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.read_frames_of):
@@ -103,7 +104,7 @@ class StoredRows:
         for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-            elif seg["kind"] == SEGMENT_UNIT_ROWS:
+            elif seg["kind"] == SEGMENT_UNIT_ROWS and seg["codec"] == FRAMES_CODEC:  # (version 1's: read whole)
                 self.frames[seg["round_idx"]] = seg
             elif seg["kind"] == SEGMENT_UNITS:
                 units_bytes += seg["byte_size"]
@@ -117,8 +118,9 @@ class StoredRows:
         self.frames_read = 0
         self.read_s = 0.0
         # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
-        # work queued before it), their reads, decompression, and the merge and writes (queued on a GPU)
-        self.phase_s = {"index": 0.0, "io": 0.0, "decompress": 0.0, "place": 0.0}
+        # work queued before it), their reads, their checksums (the copy to the device and a wait for it), and the
+        # rows' writes (queued on a GPU)
+        self.phase_s = {"index": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
@@ -132,7 +134,7 @@ class StoredRows:
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         tiled = all(a.token_end == b.token_start for a, b in zip(rounds, rounds[1:])) and bool(rounds) and \
             rounds[0].token_start == 0
-        self._chat_member = None
+        self._chat_member, self._counts_np = None, None
         if tiled and all(r.idx in self._members for r in rounds):
             self._chat_units()
 
@@ -160,9 +162,9 @@ class StoredRows:
     @torch.inference_mode()
     def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
         """The unit frames of `wanted` [Hkv, n] (in `rounds`; both where the chat's members are) that no earlier
-        read brought in, written into the cache's rows of their members: the rounds' frames read into one buffer
-        (`read_frames_of`: from the page cache on this thread, from the disk on reader threads), decompressed in one
-        call, then one copy to the cache's device, where the byte planes are merged and the rows placed."""
+        read brought in, written into the cache's rows of their members: the rounds' frames read into one host
+        buffer (`gather_frames`: from the page cache on this thread, from the disk on reader threads), then one copy
+        to the cache's device, where each frame is checked against its checksum and the rows are placed."""
         g = self._globals[layer]
         n_heads, most, on = wanted.shape[0], self._most_units, wanted.device
         heads = torch.arange(n_heads, device=on)[:, None].expand_as(wanted)
@@ -190,60 +192,43 @@ class StoredRows:
         t1 = time.perf_counter()
         files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread: reads, as io
         before = sum(file.bytes_read for file in files)
+        per_file = np.split(frames, first[1:])
+        device = self.cache.kv.device
         try:
-            data, segments = read_frames_of(files, np.split(frames, first[1:]), self._pool, FRAME_READERS)
+            data, _, _ = gather_frames(files, per_file, self._pool, FRAME_READERS, pin=device.type == "cuda")
         except StorageError as exc:
             culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
             raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
         self.bytes_read += sum(file.bytes_read for file in files) - before
-        per_round = np.diff(np.r_[first, len(frames)]).tolist()
-        read = list(zip(touched, per_round))  # (round, its frames) in the order of `segments`
+        expected = np.concatenate([file.header.sums[f] for file, f in zip(files, per_file)])
         t2 = time.perf_counter()
-        self.frames_read += len(segments)
+        self.frames_read += len(frames)
         self._touched.update(touched)
-        device, head_dim = self.cache.kv.device, self.cache.kv.shape[-1]
         stored = files[0].header.dtype
-        values = (counts_np * 2 * head_dim).tolist()  # each frame: its K rows, then its V rows
-        try:  # one batch for the layer: zstd's threads pay off for hundreds of frames, not for one round's few
-            planes = decompress_frames(data, segments,
-                                       [n * stored.itemsize for n in values],
-                                       threads=READ_THREADS if len(values) >= 256 else 0)
-        except StorageError as exc:
-            raise LazyResumeFailed(f"round {self._culprit(read, data, segments, values, stored.itemsize)}: unit frames "
-                                   f"{exc}") from None
+        members = int(counts_np.sum())
+        rows = data.to(device, non_blocking=True)  # [2 * members, row bytes]: each frame's K rows, then its V rows
+        # each frame checked where its rows landed (storage.unit_frames.frame_sums): one wait for the device a layer
+        first_row, row_frame, row_place = frame_rows(counts, total=2 * members)
+        sums = frame_sums(rows, row_frame, row_place, len(frames))
+        bad = (sums != torch.from_numpy(expected).to(device, non_blocking=True)).nonzero()
+        if bad.numel():
+            i = touched[int(np.searchsorted(first, int(bad[0, 0]), side="right")) - 1]
+            raise LazyResumeFailed(f"round {self.rounds[i].idx}: unit frames {self._files[i].path.name} are "
+                                   f"corrupt: a frame does not match its checksum")
         t3 = time.perf_counter()
-        # every frame's values, their byte planes merged (on a GPU in one gather, on the CPU frame by frame)
-        if device.type == "cpu":
-            merged = merge_planes_on_host(planes, values, stored.itemsize)
-        else:
-            flat = torch.frombuffer(planes, dtype=torch.uint8).to(device)
-            merged = merge_planes(flat, torch.tensor(values, device=device), stored.itemsize, sum(values))
-        merged = merged.view(stored).view(-1)
+        values = rows.view(stored)  # [2 * members, D]
         counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
         frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts,
-                                        output_size=int(counts_np.sum()))  # each row's frame
-        first_row = torch.cumsum(counts, 0) - counts
-        row = torch.arange(len(frame), device=device) - first_row[frame]  # its row within the frame
-        k_at = (first_row[frame] * 2 + row)[:, None] * head_dim + torch.arange(head_dim, device=device)
-        kv = torch.stack([merged[k_at], merged[k_at + counts[frame, None] * head_dim]])  # [2, R, D]
+                                        output_size=members)  # each member's frame
+        row = torch.arange(members, device=device) - (torch.cumsum(counts, 0) - counts)[frame]  # its place there
+        k_at = first_row[frame] + row
+        kv = torch.stack([values[k_at], values[k_at + counts[frame]]])  # [2, members, D]
         slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]  # (where the members are)
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         t4 = time.perf_counter()
         for phase, took in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             self.phase_s[phase] += took
         self.read_s += t4 - t0
-
-    def _culprit(self, read: list[tuple[int, int]], data: bytearray, segments: np.ndarray, values: list[int],
-                 itemsize: int) -> int:
-        """The first round (its index) whose frames of a failed batch cannot be decoded alone."""
-        at = 0
-        for i, n in read:
-            try:
-                decompress_frames(data, segments[at : at + n], [v * itemsize for v in values[at : at + n]])
-            except StorageError:
-                return self.rounds[i].idx
-            at += n
-        return self.rounds[read[0][0]].idx
 
     def _chat_units(self) -> None:
         """The chat's members side by side, where they are (on a GPU: the cache's device) [G, Hkv, T]; each global
@@ -265,6 +250,7 @@ class StoredRows:
         counts = torch.zeros(g, h, len(self.rounds) * self._most_units, dtype=torch.long, device=member.device)
         counts.scatter_add_(2, key, torch.ones_like(key))
         self._unit_begin = torch.cat([counts.new_zeros(g, h, 1), counts.cumsum(2)], 2)
+        self._unit_counts, self._counts_np = counts, None  # [G, Hkv, rounds * most units]
         self._chat_member = member
 
     def _file(self, i: int) -> UnitFramesFile:
@@ -276,6 +262,10 @@ class StoredRows:
                                       fingerprint=self.fingerprint)
                 try:
                     file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
+                    if self._counts_np is None:  # (every round's members per unit, on the host: one copy)
+                        self._counts_np = self._unit_counts.cpu().numpy()
+                    most = self._most_units
+                    file.check_members(self._counts_np[:, :, i * most : i * most + self._n_units[i]])
                 except StorageError:
                     file.close()
                     raise

@@ -35,6 +35,7 @@ from kvchat.engine.kv.units import Units
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
+from kvchat.storage.unit_frames import CODEC as FRAMES_CODEC
 from kvchat.storage.unit_frames import write_unit_frames
 
 
@@ -59,19 +60,47 @@ def pack_units(units: Units) -> Tensor:
     return packed
 
 
-def unpack_units(packed: Tensor, start: int, end: int, device: torch.device | str = "cpu") -> Units:
-    """`pack_units`' inverse for a round of slots [start, end)."""
+@dataclass(frozen=True)
+class StoredUnits:
+    """A round's units as its segment holds them, on the host: the members as int16 (float32 segments: int64) and
+    the centroids in their stored precision. `on` makes them Units on a device, converting there: the copy moves
+    ~half the bytes of float32 centroids and int64 members (the lazy open copies a 32k chat's units, ~150 MB at the
+    8B shape, before its first token)."""
+
+    start: int
+    end: int
+    member: Tensor  # [G, Hkv, n]
+    centroid: Tensor  # [G, Hkv, U, D]
+
+    def on(self, device: torch.device | str) -> Units:
+        return Units(self.start, self.end, self.member.to(device).long(),
+                     self.centroid.to(device)[:, :, :, None].to(torch.float32))
+
+
+def _member_plane(packed: Tensor, n: int) -> Tensor:
+    """The members of a round of n slots as a units segment's tensor holds them [G, Hkv, n] (int16 bits of the
+    bfloat16 plane; float32 segments, before 2026-11-28: the floats), on its device, not yet checked."""
+    g, _, h, rows, d = packed.shape
+    plane = packed[:, 1].reshape(g, h, rows * d)[:, :, :n]
+    return plane.view(torch.int16) if packed.dtype == torch.bfloat16 else plane.long()
+
+
+def stored_units(packed: Tensor, start: int, end: int) -> StoredUnits:
+    """`pack_units`' inverse for a round of slots [start, end), still on the host (`StoredUnits.on`)."""
     g, _, h, rows, d = packed.shape
     n = end - start
     if n > rows * d:
         raise ValueError(f"a units segment of {rows} rows cannot hold {n} tokens' units")
-    plane = packed[:, 1].reshape(g, h, rows * d)[:, :, :n]
-    member = (plane.view(torch.int16) if packed.dtype == torch.bfloat16 else plane).long()  # float32: before 11-28
+    member = _member_plane(packed, n).contiguous()
     u = int(member.max()) + 1 if n else 1
     if u > rows or bool((member < 0).any()):
         raise ValueError("a units segment names units it does not hold")
-    summary = packed[:, 0, :, :u, None].to(device, torch.float32)
-    return Units(start, end, member.to(device), summary)
+    return StoredUnits(start, end, member, packed[:, 0, :, :u].contiguous())
+
+
+def unpack_units(packed: Tensor, start: int, end: int, device: torch.device | str = "cpu") -> Units:
+    """`pack_units`' inverse for a round of slots [start, end)."""
+    return stored_units(packed, start, end).on(device)
 
 
 def stores_units(policy) -> bool:
@@ -79,8 +108,9 @@ def stores_units(policy) -> bool:
     return callable(getattr(policy, "round_units", None))
 
 
-# Threads reading a chat's units files (each file is read, hashed and decompressed by one).
-READ_THREADS = min(8, os.cpu_count() or 1)
+# Threads reading a chat's units files (each file is read, hashed and decompressed by one; hashing, zstd and numpy's
+# copies release the GIL, so up to one a core pays: a lazy open waits on a 32k chat's 51 files).
+READ_THREADS = min(16, os.cpu_count() or 1)
 
 
 def unit_rows(cache, layers: list[int], units: Units) -> tuple[Tensor, Tensor]:
@@ -152,7 +182,7 @@ class ChatUnits:
             read = [f.result() for f in pending]
         for row, (units, problem) in zip(todo, read):
             if units is not None:
-                units = Units(units.start, units.end, units.member.to(device), units.summary.to(device))
+                units = units.on(device)
             else:
                 if problem:
                     damaged.append(problem)
@@ -163,7 +193,7 @@ class ChatUnits:
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
         if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
-            held = {s["round_idx"] for s in segments if s["kind"] == SEGMENT_UNIT_ROWS}
+            held = {s["round_idx"] for s in segments if s["kind"] == SEGMENT_UNIT_ROWS and s["codec"] == FRAMES_CODEC}
             for row in rounds:
                 units = cache.units.get((row.token_start, row.token_end))
                 if row.idx not in held and units is not None and row.token_end <= cache.length:
@@ -177,31 +207,56 @@ class ChatUnits:
 
     def load_stored(self, cache, rounds: list[RoundRow]) -> list[int]:
         """Hand the cache the units stored for the rounds, building none (a lazily opened chat has no K/V to build
-        them from yet); the rounds whose units could not be read, none handed over then."""
+        them from yet); the rounds whose units could not be read, none handed over then.
+
+        On a GPU this is the lazy open's whole cost (~140 ms of a 32k chat's ~100 MB of units at the 8B shape on
+        the H200 host, read and unpacked on the host, 2026-11-29): so there the reader threads only read, check and
+        decompress, their bytes go to the device through the pinned staging buffers, and the planes are merged and
+        the units unpacked there, with one wait for the device for every round's member range."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
+        device = cache.kv.device
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
-            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row), rounds))
+            read = list(pool.map(lambda row: self._read(rows.get(row.idx), row, device), rounds))
         missing = [row.idx for row, (units, _) in zip(rounds, read) if units is None]
         if missing:
             return missing
-        device = cache.kv.device
-        for row, (units, _) in zip(rounds, read):
-            cache.units[(row.token_start, row.token_end)] = Units(units.start, units.end, units.member.to(device),
-                                                                  units.summary.to(device))
+        if device.type == "cpu":
+            for row, (units, _) in zip(rounds, read):
+                cache.units[(row.token_start, row.token_end)] = units.on(device)
+            return []
+        packed = [p for p, _ in read]
+        members = [_member_plane(p, row.token_end - row.token_start) for p, row in zip(packed, rounds)]
+        ranges = torch.stack([torch.stack([m.max(), m.min()]) if m.numel() else m.new_zeros(2) for m in members])
+        ranges = ranges.cpu().tolist()  # the one wait
+        bad = [row.idx for row, (high, low), p in zip(rounds, ranges, packed) if high >= p.shape[3] or low < 0]
+        if bad:
+            return bad
+        for row, p, member, (high, _) in zip(rounds, packed, members, ranges):
+            u = int(high) + 1 if member.numel() else 1
+            cache.units[(row.token_start, row.token_end)] = Units(
+                row.token_start, row.token_end, member.long(), p[:, 0, :, :u, None].to(torch.float32))
         return []
 
-    def _read(self, seg: dict | None, row: RoundRow) -> tuple[Units | None, str]:
+    def _read(self, seg: dict | None, row: RoundRow, device: torch.device | None = None
+              ) -> tuple[StoredUnits | Tensor | None, str]:
         """A round's units on the CPU, read from its segment (on a reader thread), or None and why not ('' where
-        it has none)."""
+        it has none); with a CUDA `device`, the segment's tensor there as stored (`pack_units`' layout), planes
+        merged on the device, for `load_stored` to unpack."""
         if seg is None:
             return None, ""
         if (seg["token_start"], seg["token_end"]) != (row.token_start, row.token_end):
             return None, f"round {row.idx}: units of other tokens"
         try:
-            header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint)
+            on = device if device is not None and device.type == "cuda" else "cpu"
+            header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint, device=on)
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
-            return unpack_units(packed, row.token_start, row.token_end), ""
+            n = row.token_end - row.token_start
+            if n > header.shape[3] * header.shape[4]:
+                raise ValueError(f"a units segment of {header.shape[3]} rows cannot hold {n} tokens' units")
+            if on != "cpu":
+                return packed, ""
+            return stored_units(packed, row.token_start, row.token_end), ""
         except (StorageError, ValueError) as exc:
             return None, f"round {row.idx}: {exc}"
 

@@ -6,10 +6,12 @@ the last 256 slots (the buffer) and the first 4 (the sinks). The cache is a host
 and the rows written on the CPU (on a GPU both happen on the device). The frames are in the page cache (just
 written): warm reads.
 
-    python docs/probes/lazy_frames_cost.py [--rounds 51] [--dir /tmp/lazy-frames] [--profile]
+    python docs/probes/lazy_frames_cost.py [--rounds 51] [--dir /tmp/lazy-frames] [--profile] [--ways]
 
 Prints the layout's time (the open), the 32 layers' reads (frames, MB, per layer and per frame) and, with
---profile, where the reads' time went.
+--profile, where the reads' time went; with --ways, three ways of reading the same layers' frames from the page
+cache, each file mapped afresh: gathered from the mappings on one thread, the same with the files shared among 16
+threads, and a pread a run of frames on one thread.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def write_chat(folder: Path, rounds: int) -> tuple[list[dict], dict[int, torch.T
         rows = kv.gather(3, order[:, :, None, :, None].expand(-1, -1, 2, -1, D))
         counts = torch.zeros(G, H, U, dtype=torch.long).scatter_add_(2, member, torch.ones_like(member))
         ref = write_unit_frames(folder, rows, counts, fingerprint=FINGERPRINT, tokens=range(r * N, (r + 1) * N))
-        segments.append({"kind": SEGMENT_UNIT_ROWS, "round_idx": r, "file": ref.file, "byte_size": ref.byte_size})
+        segments.append({"kind": SEGMENT_UNIT_ROWS, "round_idx": r, "file": ref.file, "byte_size": ref.byte_size,
+                         "codec": ref.codec})
         members[r] = member
     return segments, members
 
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=51)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/lazy-frames"))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ways", action="store_true")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -116,6 +120,64 @@ def main() -> None:
           f"{1000 * took / G:.1f} ms a layer, {1e6 * took / max(rows.frames_read, 1):.0f} us a frame")
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    if args.ways:
+        compare_ways(args.dir, segments, members, rounds, picked)
+
+
+def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Tensor], rounds: list[RoundRow],
+                 picked: list[torch.Tensor], repeats: int = 3) -> None:
+    """Each layer's frames (as `StoredRows.ensure` finds them) read three ways from the page cache, mapped afresh."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from kvchat.storage.unit_frames import UnitFramesFile
+
+    rows = StoredRows(FolderStore(folder), segments, FINGERPRINT, rounds, HostCache(len(rounds) * N), Notes(),
+                      restore_whole=lambda: None, members=members, global_layers=list(range(G)))
+    layers = []  # per layer: each round's frames (ascending)
+    for layer in range(G):
+        wanted = picked[layer].long()
+        units = rows._chat_member[layer].gather(1, wanted)
+        round_of = wanted // N
+        keys = ((round_of * H + torch.arange(H)[:, None]) * rows._most_units + units).unique().numpy()
+        r, h, u = keys // (H * rows._most_units), keys // rows._most_units % H, keys % rows._most_units
+        frames = (layer * H + h) * U + u
+        layers.append([frames[r == i] for i in range(len(rounds))])
+    pool = ThreadPoolExecutor(16)
+
+    def mapped(files, per_round, threads: int) -> None:
+        def gather(ks):
+            for k in ks:
+                hd, f = files[k].header, per_round[k]
+                at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
+                index = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+                torch.index_select(files[k].rows(), 0, torch.from_numpy(index))
+        ks = list(range(len(files)))
+        share = -(-len(ks) // threads)
+        list(pool.map(gather, [ks[a : a + share] for a in range(0, len(ks), share)])) if threads > 1 else gather(ks)
+
+    def preads(files, per_round, threads: int) -> None:
+        for file, f in zip(files, per_round):
+            hd = file.header
+            at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
+            buffer = memoryview(bytearray(int(n.sum()) * hd.row_bytes))
+            into = 0
+            for start, length in zip((hd.size + at * hd.row_bytes).tolist(), (n * hd.row_bytes).tolist()):
+                os.preadv(file._fd, [buffer[into : into + length]], start)
+                into += length
+
+    for name, way, threads in [("mapped, one thread", mapped, 1), ("mapped, 16 threads", mapped, 16),
+                               ("a pread a run, one thread", preads, 1)] * repeats:
+        files = [UnitFramesFile(folder / s["file"], fingerprint=FINGERPRINT) for s in segments]
+        t0 = time.perf_counter()
+        for per_round in layers:
+            way(files, per_round, threads)
+        took = time.perf_counter() - t0
+        for file in files:
+            file.close()
+        print(f"{name}: {1000 * took / G:.1f} ms a layer ({sum(len(f) for f in layers[0]):,} frames in layer 0)")
 
 
 if __name__ == "__main__":
