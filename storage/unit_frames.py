@@ -5,7 +5,7 @@ message's layers choose; a K/V segment (storage.segments) is one frame per round
 it costs the whole round. This file holds the same K/V a second time, grouped so that a unit costs its own bytes:
 
     magic b"KVUF" | version u16 | fingerprint 32 bytes | dtype u8 | layers u16 | KV heads u16 | head size u16 |
-    token_start u32 | token_end u32 | frames u32 | frames x u32 members | frames x i64 checksums |
+    token_start u32 | token_end u32 | frames u32 | frames x u32 members | frames x 2 i64 checksums |
     index sha256 32 | zeros to a multiple of 4,096 bytes | rows ...
 
 Frame f = (g * heads + h) * units + u holds unit u of global layer g and KV head h: its members' K rows then their
@@ -22,9 +22,9 @@ its first token grows by the same factor (still ~0.12x of what a whole restore r
 
 Checks: the whole file hashes to its name (content-addressed, as segments; `verify_unit_frames` reads it all); a
 partial read checks the header and index against their own sha256, the file's size against the index, and each
-frame read against its checksum (`frame_sums`: the frame's 16-bit words, each weighted by its place; computed where
-the rows land, on the GPU for a GPU's cache), so any damage to a word shows up as a StorageError, never as plausible
-wrong floats.
+frame read against its two checksums (`frame_sums`: the frame's 16-bit words weighted by their place, and by its
+square; computed where the rows land, on the GPU for a GPU's cache), so damage to one or two words of a frame shows
+up as a StorageError, never as plausible wrong floats (wider damage, unless it cancels in both sums).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class UnitFramesHeader:
     token_start: int
     token_end: int
     members: np.ndarray  # [frames] int64: each frame's member count (its rows: twice that)
-    sums: np.ndarray  # [frames] int64: each frame's checksum (`frame_sums`)
+    sums: np.ndarray  # [frames, 2] int64: each frame's checksums (`frame_sums`)
     first_row: np.ndarray  # [frames + 1] int64: where each frame's rows begin (the last: the rows in all)
     size: int  # bytes before the first row
 
@@ -77,18 +77,22 @@ class UnitFramesHeader:
 
 
 def frame_sums(rows: torch.Tensor, frame: torch.Tensor, place: torch.Tensor, frames: int) -> torch.Tensor:
-    """Each frame's checksum: rows [R, B] uint8 (B even: whole 16-bit words), frame[r] row r's frame, place[r] its
-    row within the frame -> [frames] int64, sum over a frame's little-endian 16-bit words w_i of (i + 1) * w_i (i
-    the word's place in the frame). Any change to one word changes it; two words swapped in place do too. Runs
-    where the rows are (a lazy resume checks a layer's frames on the GPU in a few kernels)."""
-    out = torch.zeros(frames, dtype=torch.int64, device=rows.device)
+    """Each frame's two checksums: rows [R, B] uint8 (B even: whole 16-bit words), frame[r] row r's frame, place[r]
+    its row within the frame -> [frames, 2] int64: over a frame's little-endian int16 words w_i (i the word's place
+    in the frame), sum (i + 1) * w_i and sum (i + 1)^2 * w_i, modulo 2^64. A change to one word changes the first;
+    changes to two words at places i != j cancel in both only if (i + 1) d_i = -(j + 1) d_j and (i + 1)^2 d_i =
+    -(j + 1)^2 d_j modulo 2^64, which words of 16 bits at places below 2^23 cannot meet. Runs where the rows are (a
+    lazy resume checks a layer's frames on the GPU in a few kernels)."""
+    out = torch.zeros(frames, 2, dtype=torch.int64, device=rows.device)
     words = rows.shape[1] // 2
-    # a row's plain and weighted sums in one product: exact in float64 (|sum| < 2^31 * words^2 << 2^53)
-    weight = torch.stack([torch.ones(words, dtype=torch.float64, device=rows.device),
-                          torch.arange(1, words + 1, dtype=torch.float64, device=rows.device)], 1)  # [words, 2]
+    # a row's plain and weighted sums in one product, exact in float64 (|sum| < 2^15 * words^3 << 2^53)
+    d = torch.arange(1, words + 1, dtype=torch.float64, device=rows.device)
+    weight = torch.stack([torch.ones_like(d), d, d * d], 1)  # [words, 3]
     for a in range(0, rows.shape[0], _SUM_CHUNK):
-        plain, weighted = (rows[a : a + _SUM_CHUNK].view(torch.int16).to(torch.float64) @ weight).to(torch.int64).T
-        per_row = place[a : a + _SUM_CHUNK].to(torch.int64) * words * plain + weighted
+        plain, lin, sq = (rows[a : a + _SUM_CHUNK].view(torch.int16).to(torch.float64) @ weight).to(torch.int64).T
+        offset = place[a : a + _SUM_CHUNK].to(torch.int64) * words  # the place of the row's first word
+        # (offset + d)^2 = offset^2 + 2 offset d + d^2: int64 products wrap alike wherever they run
+        per_row = torch.stack([offset * plain + lin, offset * offset * plain + 2 * offset * lin + sq], 1)
         out.index_add_(0, frame[a : a + _SUM_CHUNK].to(torch.int64), per_row)
     return out
 
@@ -191,14 +195,15 @@ class UnitFramesFile:
             raise self._corrupt("it is not a unit-frames file of this version")
         if dtype_code >= len(DTYPES) or n_frames > _MOST_FRAMES or t0 > t1 or DTYPES[dtype_code].itemsize % 2:
             raise self._corrupt("its header is damaged")
-        rest = self._pread(12 * n_frames + 32, _FIXED.size)
+        rest = self._pread(20 * n_frames + 32, _FIXED.size)
         index, digest = fixed + rest[:-32], rest[-32:]
         if hashlib.sha256(index).digest() != digest:
             raise self._corrupt("its index does not match its checksum")
         if fp.hex() != fingerprint.lower():
             raise SegmentWrongModel(f"unit frames {self.path.name} were computed by a different model.")
         members = np.frombuffer(rest, dtype="<u4", count=n_frames).astype(np.int64)
-        sums = np.frombuffer(rest, dtype="<i8", count=n_frames, offset=4 * n_frames).astype(np.int64)
+        sums = np.frombuffer(rest, dtype="<i8", count=2 * n_frames, offset=4 * n_frames).astype(np.int64)
+        sums = sums.reshape(n_frames, 2)
         first_row = np.zeros(n_frames + 1, dtype=np.int64)
         np.cumsum(2 * members, out=first_row[1:])
         size = _FIXED.size + len(rest)
@@ -235,7 +240,7 @@ class UnitFramesFile:
         expected = torch.from_numpy(hd.sums[np.asarray(frames, dtype=np.int64)])
         bad = (frame_sums(data, frame, place, len(frames)) != expected).nonzero()
         if bad.numel():
-            raise self._corrupt(f"frame {frames[int(bad[0])]} does not match its checksum")
+            raise self._corrupt(f"frame {frames[int(bad[0, 0])]} does not match its checksum")
         return [data[a : a + 2 * n].view(hd.dtype).view(2, n, hd.head_dim)
                 for a, n in zip(first.tolist(), counts.tolist())]
 
@@ -250,7 +255,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     A layer of a lazy resume reads ~1,000 frames of ~50 files, a pread a run of consecutive frames. From the page
     cache one thread reads them fastest: more threads only hand the GIL around (32 took ~10 us a frame on the H200
     host where one took ~5, 2026-11-28), and gathering from memory mappings instead pays a page fault a page touched
-    (on the 2-core CPU 5.5-9.6 ms a layer against 3.2-3.4 by preads, docs/probes/lazy_frames_cost.py --ways,
+    (on the 2-core CPU 4.9-8.1 ms a layer against 3.1-3.8 by preads, docs/probes/lazy_frames_cost.py --ways,
     2026-11-29). From the disk they must be waited for side by side. So each read is first tried on this thread
     without waiting (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the
     start); the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which

@@ -297,3 +297,24 @@ def test_a_closed_chat_lets_go_of_its_unit_frames_before_its_resume_completed(kv
         assert held() is None
     finally:
         gc.enable()
+
+
+def test_unit_frames_of_another_precision_are_read_as_whole_rounds_not_misread(kvchat_home):
+    """A chat answered on a CPU (float32) and reopened on a GPU (bfloat16) holds frames of the other precision:
+    those rounds are read whole (and their frames written again once the chat is whole), never read as rows of the
+    cache's precision, nor gathered beside frames of another row size (which raised a ValueError past the lazy
+    answer's fallback)."""
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    seg = next(s for s in store.segments(sid) if s["kind"] == SEGMENT_UNIT_ROWS and s["round_idx"] == 0)
+    other = "bfloat16" if seg["dtype"] != "bfloat16" else "float32"
+    store.add_segment(sid, **{**{k: v for k, v in seg.items() if k not in ("session_id", "created")},
+                              "dtype": other})
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    assert session.restore_lazily()
+    rows, n_heads = session.lazy_rows, session.cache.kv.shape[2]
+    assert 0 not in rows.frames and 1 in rows.frames
+    chosen = torch.stack([torch.arange(h, session.cache.length, 3)[:40] for h in range(n_heads)])
+    rows.ensure(1, chosen)  # round 0 (slot 0 is chosen) whole, the others by frames
+    assert 0 in rows.loaded and rows.frames_read > 0
+    session.close()

@@ -64,11 +64,18 @@ def test_a_frames_checksum_catches_any_one_word_changed_or_two_swapped():
         for bit in (0, 7, 15):
             bad = rows.clone()
             bad.view(torch.int16)[r, w] ^= 1 << bit if bit < 15 else -(1 << 15)
-            changed = frame_sums(bad, frame, place, len(counts)) != good
+            changed = (frame_sums(bad, frame, place, len(counts)) != good).any(1)
             assert changed.tolist() == [i == int(frame[r]) for i in range(len(counts))]
     swapped = rows.clone()
     swapped[[6, 7]] = rows[[7, 6]]  # two rows of one frame in each other's place
-    assert not torch.equal(rows[6], rows[7]) and frame_sums(swapped, frame, place, len(counts))[2] != good[2]
+    assert not torch.equal(rows[6], rows[7]) and (frame_sums(swapped, frame, place, len(counts))[2] != good[2]).any()
+    # two words whose weighted changes cancel in the first sum (word 0: -2, word 1: +1) do not in the second
+    zeros = torch.zeros_like(rows)
+    zeros.view(torch.int16)[0, 0] = 2
+    other = torch.zeros_like(rows)
+    other.view(torch.int16)[0, 1] = 1
+    a, b = frame_sums(zeros, frame, place, len(counts))[0], frame_sums(other, frame, place, len(counts))[0]
+    assert a[0] == b[0] and a[1] != b[1]
 
 
 def test_damage_anywhere_is_an_error_never_wrong_rows(tmp_path):

@@ -252,6 +252,8 @@ class ChatSession:
         return True
 
     def _drop_lazy_resume(self) -> None:
+        if self.lazy_rows is not None:  # its files and reader threads let go now, not when the cycle collector runs
+            self.lazy_rows.close()      # (the rows keep their figures, for the bench and the tests)
         if isinstance(self.message_policy, UnitRetrievalPolicy):
             self.message_policy.lazy = None
 
@@ -606,7 +608,7 @@ class ChatSession:
         if self.lazy_rows is not None:  # a lazy resume not completed (a closed chat, an answer cut short): its
             self.lazy_rows.close()      # unit-frames files closed now, and the policy (which may outlive this
             if getattr(self.message_policy, "lazy", None) is self.lazy_rows:  # session) no longer holding the
-                self._drop_lazy_resume()                                      # rows, and through them the cache
+                self.message_policy.lazy = None                               # rows, and through them the cache
 
     def stop_reading(self) -> None:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""

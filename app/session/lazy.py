@@ -104,7 +104,10 @@ class StoredRows:
         for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-            elif seg["kind"] == SEGMENT_UNIT_ROWS and seg["codec"] == FRAMES_CODEC:  # (version 1's: read whole)
+            elif seg["kind"] == SEGMENT_UNIT_ROWS and seg["codec"] == FRAMES_CODEC and \
+                    seg.get("dtype") == str(cache.kv.dtype).removeprefix("torch."):
+                # (version 1's zstd frames, or frames of another precision — a chat answered on a CPU in float32
+                # and reopened on a GPU in bfloat16 — are not read: the round is read whole, then rewritten)
                 self.frames[seg["round_idx"]] = seg
             elif seg["kind"] == SEGMENT_UNITS:
                 units_bytes += seg["byte_size"]

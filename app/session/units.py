@@ -193,7 +193,9 @@ class ChatUnits:
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
         if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
-            held = {s["round_idx"] for s in segments if s["kind"] == SEGMENT_UNIT_ROWS and s["codec"] == FRAMES_CODEC}
+            dtype = str(cache.kv.dtype).removeprefix("torch.")  # (frames of version 1, or of another precision:
+            held = {s["round_idx"] for s in segments  # written again, as a lazy resume reads them)
+                    if s["kind"] == SEGMENT_UNIT_ROWS and s["codec"] == FRAMES_CODEC and s["dtype"] == dtype}
             for row in rounds:
                 units = cache.units.get((row.token_start, row.token_end))
                 if row.idx not in held and units is not None and row.token_end <= cache.length:
@@ -234,7 +236,8 @@ class ChatUnits:
         for row, p, member, (high, _) in zip(rounds, packed, members, ranges):
             u = int(high) + 1 if member.numel() else 1
             cache.units[(row.token_start, row.token_end)] = Units(
-                row.token_start, row.token_end, member.long(), p[:, 0, :, :u, None].to(torch.float32))
+                row.token_start, row.token_end, member.long(),
+                p[:, 0, :, :u, None].to(torch.float32).contiguous())  # (a copy: float32 segments, before 2026-11-28)
         return []
 
     def _read(self, seg: dict | None, row: RoundRow, device: torch.device | None = None

@@ -10,8 +10,8 @@ written): warm reads.
 
 Prints the layout's time (the open), the 32 layers' reads (frames, MB, per layer and per frame) and, with
 --profile, where the reads' time went; with --ways, three ways of reading the same layers' frames from the page
-cache, each file mapped afresh: gathered from the mappings on one thread, the same with the files shared among 16
-threads, and a pread a run of frames on one thread.
+cache, each file opened afresh: gathered from memory mappings on one thread, the same with the files shared among
+16 threads, and a pread a run of frames on one thread (storage.unit_frames.gather_frames, what the code does).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def write_chat(folder: Path, rounds: int) -> tuple[list[dict], dict[int, torch.T
         counts = torch.zeros(G, H, U, dtype=torch.long).scatter_add_(2, member, torch.ones_like(member))
         ref = write_unit_frames(folder, rows, counts, fingerprint=FINGERPRINT, tokens=range(r * N, (r + 1) * N))
         segments.append({"kind": SEGMENT_UNIT_ROWS, "round_idx": r, "file": ref.file, "byte_size": ref.byte_size,
-                         "codec": ref.codec})
+                         "codec": ref.codec, "dtype": "bfloat16"})
         members[r] = member
     return segments, members
 
@@ -127,12 +127,12 @@ def main() -> None:
 def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Tensor], rounds: list[RoundRow],
                  picked: list[torch.Tensor], repeats: int = 3) -> None:
     """Each layer's frames (as `StoredRows.ensure` finds them) read three ways from the page cache, mapped afresh."""
-    import os
+    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    from kvchat.storage.unit_frames import UnitFramesFile
+    from kvchat.storage.unit_frames import UnitFramesFile, gather_frames
 
     rows = StoredRows(FolderStore(folder), segments, FINGERPRINT, rounds, HostCache(len(rounds) * N), Notes(),
                       restore_whole=lambda: None, members=members, global_layers=list(range(G)))
@@ -153,28 +153,30 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
                 hd, f = files[k].header, per_round[k]
                 at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
                 index = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-                torch.index_select(files[k].rows(), 0, torch.from_numpy(index))
+                if k not in maps:  # each file mapped once a way's run (private: torch takes it without a copy)
+                    maps[k] = mmap.mmap(files[k]._fd, 0, flags=mmap.MAP_PRIVATE,
+                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                data = np.frombuffer(maps[k], dtype=np.uint8, offset=hd.size,
+                                     count=int(hd.first_row[-1]) * hd.row_bytes)
+                torch.index_select(torch.from_numpy(data).view(-1, hd.row_bytes), 0, torch.from_numpy(index))
         ks = list(range(len(files)))
         share = -(-len(ks) // threads)
         list(pool.map(gather, [ks[a : a + share] for a in range(0, len(ks), share)])) if threads > 1 else gather(ks)
 
-    def preads(files, per_round, threads: int) -> None:
-        for file, f in zip(files, per_round):
-            hd = file.header
-            at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
-            buffer = memoryview(bytearray(int(n.sum()) * hd.row_bytes))
-            into = 0
-            for start, length in zip((hd.size + at * hd.row_bytes).tolist(), (n * hd.row_bytes).tolist()):
-                os.preadv(file._fd, [buffer[into : into + length]], start)
-                into += length
+    def preads(files, per_round, threads: int) -> None:  # what the code does (gather_frames), from the page cache
+        gather_frames(files, per_round)
 
     for name, way, threads in [("mapped, one thread", mapped, 1), ("mapped, 16 threads", mapped, 16),
-                               ("a pread a run, one thread", preads, 1)] * repeats:
+                               ("a pread a run of frames, one thread (gather_frames)", preads, 1)] * repeats:
         files = [UnitFramesFile(folder / s["file"], fingerprint=FINGERPRINT) for s in segments]
+        maps: dict[int, mmap.mmap] = {}
         t0 = time.perf_counter()
-        for per_round in layers:
-            way(files, per_round, threads)
+        with torch.inference_mode():
+            for per_round in layers:
+                way(files, per_round, threads)
         took = time.perf_counter() - t0
+        for m in maps.values():
+            m.close()
         for file in files:
             file.close()
         print(f"{name}: {1000 * took / G:.1f} ms a layer ({sum(len(f) for f in layers[0]):,} frames in layer 0)")
