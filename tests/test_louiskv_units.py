@@ -93,6 +93,25 @@ def test_units_pack_into_a_segment_and_back_exactly():
             unpack_units(bad, 3, 40)
 
 
+def test_units_unpacked_where_their_segments_are_match_the_hosts_and_flag_the_bad_ones():
+    """`units_of_packed` (a lazy open on a GPU unpacks there, with one wait for every round) gives what the host's
+    `unpack_units` gives, for both formats, and None for a segment naming units it does not hold (run here on the
+    CPU: the same torch ops)."""
+    from kvchat.app.session.units import units_of_packed
+
+    units = round_units(keys(2, n=37), 3, 20, None, tokens_per_cluster=4, longest=6)
+    other = round_units(keys(2, n=37).flip(2), 3, 20, None, tokens_per_cluster=4, longest=6)
+    damaged = pack_units(other)
+    damaged[1, 1, 0, 0].view(torch.int16)[3] = 10_000
+    packed = [pack_units(units), pack_units_float32(units), damaged]
+    got = units_of_packed(packed, [(3, 40)] * 3)
+    for want, back in zip([unpack_units(p, 3, 40) for p in packed[:2]], got[:2]):
+        assert torch.equal(back.member, want.member) and torch.equal(back.summary, want.summary)
+        assert back.summary.is_contiguous() and back.summary.untyped_storage().data_ptr() != \
+            packed[1].untyped_storage().data_ptr()  # (its own copy, not a view holding the whole segment)
+    assert got[2] is None and units_of_packed([], []) == []
+
+
 def pack_units_float32(units: Units) -> Tensor:
     """The units segment's format before 2026-11-28: float32, members as float32 values."""
     g, h, u, _, d = units.summary.shape

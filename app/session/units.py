@@ -85,6 +85,25 @@ def _member_plane(packed: Tensor, n: int) -> Tensor:
     return plane.view(torch.int16) if packed.dtype == torch.bfloat16 else plane.long()
 
 
+def units_of_packed(packed: list[Tensor], spans: list[tuple[int, int]]) -> list[Units | None]:
+    """Rounds' units segments' tensors (`pack_units`' layout, on any device) unpacked where they are, with one wait
+    for the device for all of them (each round's member range); None for a round whose members name units its
+    segment does not hold. What `stored_units` then `StoredUnits.on` give, without the host's work."""
+    members = [_member_plane(p, end - start) for p, (start, end) in zip(packed, spans)]
+    ranges = torch.stack([torch.stack([m.max(), m.min()]).long() if m.numel() else torch.zeros(2, dtype=torch.long,
+                                                                                               device=m.device)
+                          for m in members]).cpu().tolist() if packed else []  # (the one wait)
+    out: list[Units | None] = []
+    for p, member, (start, end), (high, low) in zip(packed, members, spans, ranges):
+        if high >= p.shape[3] or low < 0:
+            out.append(None)
+            continue
+        u = int(high) + 1 if member.numel() else 1
+        out.append(Units(start, end, member.long(),
+                         p[:, 0, :, :u, None].to(torch.float32).contiguous()))  # (a copy: float32 segments too)
+    return out
+
+
 def stored_units(packed: Tensor, start: int, end: int) -> StoredUnits:
     """`pack_units`' inverse for a round of slots [start, end), still on the host (`StoredUnits.on`)."""
     g, _, h, rows, d = packed.shape
@@ -226,18 +245,12 @@ class ChatUnits:
             for row, (units, _) in zip(rounds, read):
                 cache.units[(row.token_start, row.token_end)] = units.on(device)
             return []
-        packed = [p for p, _ in read]
-        members = [_member_plane(p, row.token_end - row.token_start) for p, row in zip(packed, rounds)]
-        ranges = torch.stack([torch.stack([m.max(), m.min()]) if m.numel() else m.new_zeros(2) for m in members])
-        ranges = ranges.cpu().tolist()  # the one wait
-        bad = [row.idx for row, (high, low), p in zip(rounds, ranges, packed) if high >= p.shape[3] or low < 0]
+        units = units_of_packed([p for p, _ in read], [(row.token_start, row.token_end) for row in rounds])
+        bad = [row.idx for row, u in zip(rounds, units) if u is None]
         if bad:
             return bad
-        for row, p, member, (high, _) in zip(rounds, packed, members, ranges):
-            u = int(high) + 1 if member.numel() else 1
-            cache.units[(row.token_start, row.token_end)] = Units(
-                row.token_start, row.token_end, member.long(),
-                p[:, 0, :, :u, None].to(torch.float32).contiguous())  # (a copy: float32 segments, before 2026-11-28)
+        for row, u in zip(rounds, units):
+            cache.units[(row.token_start, row.token_end)] = u
         return []
 
     def _read(self, seg: dict | None, row: RoundRow, device: torch.device | None = None
