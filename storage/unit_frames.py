@@ -97,12 +97,11 @@ def frame_sums(rows: torch.Tensor, frame: torch.Tensor, place: torch.Tensor, fra
     return out
 
 
-def frame_rows(counts: torch.Tensor, rows_of: int = 2, total: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For frames of counts[f] members each (rows_of rows a member), laid back to back: (each frame's first row
-    [F], each row's frame [R], each row's place in its frame [R]). `total`: R where the caller knows it (on a GPU,
-    working it out waits for the device)."""
-    per = counts.to(torch.int64) * rows_of
+def frame_rows(counts: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For frames of counts[f] members each (two rows a member: its K row, its V row), laid back to back: (each
+    frame's first row [F], each row's frame [R], each row's place in its frame [R]). `total`: R where the caller
+    knows it (on a GPU, working it out waits for the device)."""
+    per = counts.to(torch.int64) * 2
     first = torch.cumsum(per, 0) - per
     total = int(per.sum()) if total is None else total
     frame = torch.repeat_interleave(torch.arange(len(per), device=per.device), per, output_size=total)
@@ -123,7 +122,7 @@ def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *,
     flat_counts = counts.detach().cpu().reshape(-1).to(torch.int64)  # [F] frames in file order
     units = counts.shape[2]
     # each frame's rows: its members' K rows then their V rows, taken from rows[g, h] viewed [2n, D] (K: 0..n-1)
-    first, frame, place = frame_rows(flat_counts)
+    _, frame, place = frame_rows(flat_counts)
     block = frame // units  # (g, h) of each row
     block_begin = torch.cumsum(flat_counts, 0) - flat_counts - (torch.arange(len(flat_counts)) // units) * n
     member = flat_counts[frame]
@@ -141,6 +140,13 @@ def write_unit_frames(folder: Path, rows: torch.Tensor, counts: torch.Tensor, *,
     name = place_content_addressed(Path(folder), (head, payload), "unit frames")
     return SegmentRef(file=name, byte_size=len(head) + len(payload), raw_size=len(payload),
                       checksum=hashlib.sha256(payload).hexdigest(), codec=CODEC)
+
+
+def readable_into(segment: dict, dtype: torch.dtype) -> bool:
+    """Whether a unit-rows segment row (storage.db) is a file this version reads, of a cache of `dtype`'s precision:
+    version 1's zstd frames, or frames of another precision (a chat answered on a CPU in float32 and reopened on a GPU
+    in bfloat16), are not (their rounds are read whole, and their frames written again)."""
+    return segment.get("codec") == CODEC and segment.get("dtype") == str(dtype).removeprefix("torch.")
 
 
 class UnitFramesFile:

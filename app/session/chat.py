@@ -252,9 +252,12 @@ class ChatSession:
         return True
 
     def _drop_lazy_resume(self) -> None:
-        if self.lazy_rows is not None:  # its files and reader threads let go now, not when the cycle collector runs
-            self.lazy_rows.close()      # (the rows keep their figures, for the bench and the tests)
-        if isinstance(self.message_policy, UnitRetrievalPolicy):
+        """This session's lazy resume let go: its files and reader threads closed now (not when the cycle collector
+        runs; the rows keep their figures, for the bench and the tests), and the policy, which may outlive the
+        session, no longer holding them, nor through them the cache."""
+        if self.lazy_rows is not None:
+            self.lazy_rows.close()
+        if isinstance(self.message_policy, UnitRetrievalPolicy) and self.message_policy.lazy is self.lazy_rows:
             self.message_policy.lazy = None
 
     def _restore_whole_into(self, cache: KVCache, stats: RestoreStats) -> None:
@@ -449,8 +452,6 @@ class ChatSession:
             try:
                 start, prompt, result = answer()
             except LazyResumeFailed as exc:  # raised in the message's prefill: no token is out yet
-                if self.lazy_rows is not None:
-                    self.lazy_rows.close()
                 self.cache, self.restored = self._new_cache(256), None
                 self.restore(cancel=cancel).notes.append(f"the lazy resume stopped ({exc}): restored whole")
                 start, prompt, result = answer()
@@ -605,10 +606,7 @@ class ChatSession:
     def close(self) -> None:
         self.writer.drain()
         self.stop_reading()
-        if self.lazy_rows is not None:  # a lazy resume not completed (a closed chat, an answer cut short): its
-            self.lazy_rows.close()      # unit-frames files closed now, and the policy (which may outlive this
-            if getattr(self.message_policy, "lazy", None) is self.lazy_rows:  # session) no longer holding the
-                self.message_policy.lazy = None                               # rows, and through them the cache
+        self._drop_lazy_resume()  # (one not completed: a closed chat, an answer cut short)
 
     def stop_reading(self) -> None:
         """Stop the background read of upper layers (a chat put out of memory): no more disk or memory spent on it."""

@@ -40,8 +40,7 @@ from kvchat.errors import KvchatError
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import CODEC as FRAMES_CODEC
-from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, gather_frames
+from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, gather_frames, readable_into
 
 
 # Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.read_frames_of):
@@ -104,10 +103,7 @@ class StoredRows:
         for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-            elif seg["kind"] == SEGMENT_UNIT_ROWS and seg["codec"] == FRAMES_CODEC and \
-                    seg.get("dtype") == str(cache.kv.dtype).removeprefix("torch."):
-                # (version 1's zstd frames, or frames of another precision — a chat answered on a CPU in float32
-                # and reopened on a GPU in bfloat16 — are not read: the round is read whole, then rewritten)
+            elif seg["kind"] == SEGMENT_UNIT_ROWS and readable_into(seg, cache.kv.dtype):  # (else: read whole)
                 self.frames[seg["round_idx"]] = seg
             elif seg["kind"] == SEGMENT_UNITS:
                 units_bytes += seg["byte_size"]

@@ -43,42 +43,45 @@ NEEDS_A_MODEL = {
 }
 
 
+def _stored_or_measured(load: Callable, measure: Callable, save: Callable):
+    """A model's stored calibration (`load()`, None where there is none); on its first use, `measure()` now and
+    `save` it for every later use."""
+    cal = load()
+    if cal is None:
+        cal = measure()
+        save(cal)
+    return cal
+
+
 def ensure_calibration(engine, fingerprint: str, progress: Progress | None = None,
                        chats: int = DEFAULT_CHATS) -> Calibration:
     """The model's stored calibration; on its first use, calibrate now (reporting progress per chat) and store it."""
-    cal = load_calibration(fingerprint, engine.config.n_layers)
-    if cal is None:
-        cal = calibrate(engine, fingerprint, chats=chats, progress=progress)
-        save_calibration(cal)
-    return cal
+    return _stored_or_measured(lambda: load_calibration(fingerprint, engine.config.n_layers),
+                               lambda: calibrate(engine, fingerprint, chats=chats, progress=progress),
+                               save_calibration)
 
 
 def ensure_merge_calibration(engine, fingerprint: str, progress: Progress | None = None,
                              chats: int | None = None) -> MergeCalibration:
     """The model's stored check of its merge pairs; on its first use, checked now (progress per pair) and stored."""
-    cal = load_merge_calibration(fingerprint, engine.config.n_layers)
-    if cal is None:
-        cal = calibrate_merges(engine, fingerprint, chats or default_check_chats(engine), progress=progress)
-        save_merge_calibration(cal)
-    return cal
+    return _stored_or_measured(
+        lambda: load_merge_calibration(fingerprint, engine.config.n_layers),
+        lambda: calibrate_merges(engine, fingerprint, chats or default_check_chats(engine), progress=progress),
+        save_merge_calibration)
 
 
 def ensure_trigger_calibration(engine, fingerprint: str, progress: Progress | None = None) -> TriggerCalibration:
     """The model's stored retrieval-trigger thresholds (LouisKV); on its first use, measured now and stored."""
-    cal = load_trigger_calibration(fingerprint, engine.config.n_layers)
-    if cal is None:
-        cal = calibrate_trigger(engine, fingerprint, progress=progress)
-        save_trigger_calibration(cal)
-    return cal
+    return _stored_or_measured(lambda: load_trigger_calibration(fingerprint, engine.config.n_layers),
+                               lambda: calibrate_trigger(engine, fingerprint, progress=progress),
+                               save_trigger_calibration)
 
 
 def ensure_layer_costs(engine, fingerprint: str, progress: Progress | None = None) -> LayerCostCalibration:
     """The model's stored layer costs for XKV; on its first use of xkv, measured now (progress per run) and stored."""
-    cal = load_layer_costs(fingerprint, engine.config.n_layers)
-    if cal is None:
-        cal = calibrate_layer_costs(engine, fingerprint, progress=progress)
-        save_layer_costs(cal)
-    return cal
+    return _stored_or_measured(lambda: load_layer_costs(fingerprint, engine.config.n_layers),
+                               lambda: calibrate_layer_costs(engine, fingerprint, progress=progress),
+                               save_layer_costs)
 
 
 def _calibrated(option: str, engine, fingerprint: str, progress: Progress | None):

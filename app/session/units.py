@@ -35,8 +35,7 @@ from kvchat.engine.kv.units import Units
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import CODEC as FRAMES_CODEC
-from kvchat.storage.unit_frames import write_unit_frames
+from kvchat.storage.unit_frames import readable_into, write_unit_frames
 
 
 # A member's unit must fit an int16 to be stored in the bfloat16 plane's bits.
@@ -90,9 +89,9 @@ def units_of_packed(packed: list[Tensor], spans: list[tuple[int, int]]) -> list[
     for the device for all of them (each round's member range); None for a round whose members name units its
     segment does not hold. What `stored_units` then `StoredUnits.on` give, without the host's work."""
     members = [_member_plane(p, end - start) for p, (start, end) in zip(packed, spans)]
-    ranges = torch.stack([torch.stack([m.max(), m.min()]).long() if m.numel() else torch.zeros(2, dtype=torch.long,
-                                                                                               device=m.device)
-                          for m in members]).cpu().tolist() if packed else []  # (the one wait)
+    ranges = [torch.stack([m.max(), m.min()]).long() if m.numel() else m.new_zeros(2, dtype=torch.long)
+              for m in members]
+    ranges = torch.stack(ranges).cpu().tolist() if ranges else []  # (the one wait)
     out: list[Units | None] = []
     for p, member, (start, end), (high, low) in zip(packed, members, spans, ranges):
         if high >= p.shape[3] or low < 0:
@@ -212,9 +211,8 @@ class ChatUnits:
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
         if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
-            dtype = str(cache.kv.dtype).removeprefix("torch.")  # (frames of version 1, or of another precision:
-            held = {s["round_idx"] for s in segments  # written again, as a lazy resume reads them)
-                    if s["kind"] == SEGMENT_UNIT_ROWS and s["codec"] == FRAMES_CODEC and s["dtype"] == dtype}
+            held = {s["round_idx"] for s in segments  # (frames a lazy resume cannot read: written again)
+                    if s["kind"] == SEGMENT_UNIT_ROWS and readable_into(s, cache.kv.dtype)}
             for row in rounds:
                 units = cache.units.get((row.token_start, row.token_end))
                 if row.idx not in held and units is not None and row.token_end <= cache.length:
@@ -231,9 +229,9 @@ class ChatUnits:
         them from yet); the rounds whose units could not be read, none handed over then.
 
         On a GPU this is the lazy open's whole cost (~140 ms of a 32k chat's ~100 MB of units at the 8B shape on
-        the H200 host, read and unpacked on the host, 2026-11-29): so there the reader threads only read, check and
-        decompress, their bytes go to the device through the pinned staging buffers, and the planes are merged and
-        the units unpacked there, with one wait for the device for every round's member range."""
+        the H200 host, read and unpacked on the host, 2026-11-29): so the reader threads only read, check and
+        decompress, their bytes go to the device (through the pinned staging buffers), and the planes are merged
+        and the units unpacked there, with one wait for the device for every round's member range."""
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         device = cache.kv.device
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
@@ -241,10 +239,6 @@ class ChatUnits:
         missing = [row.idx for row, (units, _) in zip(rounds, read) if units is None]
         if missing:
             return missing
-        if device.type == "cpu":
-            for row, (units, _) in zip(rounds, read):
-                cache.units[(row.token_start, row.token_end)] = units.on(device)
-            return []
         units = units_of_packed([p for p, _ in read], [(row.token_start, row.token_end) for row in rounds])
         bad = [row.idx for row, u in zip(rounds, units) if u is None]
         if bad:
@@ -256,21 +250,21 @@ class ChatUnits:
     def _read(self, seg: dict | None, row: RoundRow, device: torch.device | None = None
               ) -> tuple[StoredUnits | Tensor | None, str]:
         """A round's units on the CPU, read from its segment (on a reader thread), or None and why not ('' where
-        it has none); with a CUDA `device`, the segment's tensor there as stored (`pack_units`' layout), planes
-        merged on the device, for `load_stored` to unpack."""
+        it has none); with a `device`, the segment's tensor there as stored (`pack_units`' layout; on a GPU its
+        planes merged there), for `units_of_packed` to unpack."""
         if seg is None:
             return None, ""
         if (seg["token_start"], seg["token_end"]) != (row.token_start, row.token_end):
             return None, f"round {row.idx}: units of other tokens"
         try:
-            on = device if device is not None and device.type == "cuda" else "cpu"
-            header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint, device=on)
+            header, packed = read_segment(self.store.kv_dir / seg["file"], fingerprint=self.fingerprint,
+                                          device=device or "cpu")
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
             n = row.token_end - row.token_start
             if n > header.shape[3] * header.shape[4]:
                 raise ValueError(f"a units segment of {header.shape[3]} rows cannot hold {n} tokens' units")
-            if on != "cpu":
+            if device is not None:
                 return packed, ""
             return stored_units(packed, row.token_start, row.token_end), ""
         except (StorageError, ValueError) as exc:
