@@ -38,11 +38,13 @@ def louiskv():
     return make_policy("louiskv", shared_engine(), tau=0.5, tokens=8, buffer=8, unit_tokens=8)
 
 
-def stored_chat(store: Store, unit_rows: bool = False) -> str:
+def stored_chat(store: Store, unit_rows: bool = False, engine=None) -> str:
     """The 12 facts' chat; `unit_rows`: answered by a session with lazy resumes on, which stores each round's unit
-    frames too."""
+    frames too (in `engine`'s precision: frames of another are read as whole rounds)."""
+    engine = engine or shared_engine()
     sid = ChatService(device="cpu").create_chat(DEFAULT_MODEL, SYSTEM)
-    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=unit_rows)
+    session = ChatSession(store, engine, sid, policy=make_policy("louiskv", engine, tau=0.5, tokens=8, buffer=8,
+                                                                 unit_tokens=8), lazy_resume=unit_rows)
     for text in FACTS:
         session.send(text, max_tokens=12, sampling=SamplingParams())
     session.writer.drain()
@@ -160,15 +162,16 @@ def test_a_round_that_cannot_be_read_after_the_first_token_makes_the_rest_a_whol
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole_rounds(kvchat_home, device):
-    """On a GPU the chat's units are laid out, the frames found and their planes merged on the device."""
+    """On a GPU the chat's units are laid out, the frames found and checked on the device (the chat answered there
+    too: its frames in the GPU cache's precision)."""
     store = Store()
-    sid = stored_chat(store, unit_rows=True)
     if device == "cuda":
         from kvchat.engine.engine import Engine
 
         engine = Engine(str(DEFAULT_MODEL), device="cuda")
     else:
         engine = shared_engine()
+    sid = stored_chat(store, unit_rows=True, engine=engine)
 
     def policy():
         return make_policy("louiskv", engine, tau=0.5, tokens=8, buffer=8, unit_tokens=8)
@@ -317,4 +320,23 @@ def test_unit_frames_of_another_precision_are_read_as_whole_rounds_not_misread(k
     chosen = torch.stack([torch.arange(h, session.cache.length, 3)[:40] for h in range(n_heads)])
     rows.ensure(1, chosen)  # round 0 (slot 0 is chosen) whole, the others by frames
     assert 0 in rows.loaded and rows.frames_read > 0
+    session.close()
+
+
+def test_a_slot_outside_the_chat_stops_the_lazy_answer_by_frames_too(kvchat_home):
+    """Every round has unit frames, so a layer's reads do not wait for the device to find its rounds; a slot past
+    the chat's end (or before its start) is still an error, never a read of another slot's rows."""
+    from kvchat.app.session.lazy import LazyResumeFailed
+
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    assert session.restore_lazily()
+    rows, n_heads, length = session.lazy_rows, session.cache.kv.shape[2], session.cache.length
+    assert len(rows.frames) == len(FACTS)
+    for slot in (length, -1):
+        chosen = torch.stack([torch.arange(h, length, 5)[:20] for h in range(n_heads)])
+        chosen[0, 3] = slot
+        with pytest.raises(LazyResumeFailed, match="outside"):
+            rows.ensure(1, chosen)
     session.close()

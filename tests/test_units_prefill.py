@@ -147,6 +147,7 @@ class RowsFromAFullCache:
         self.full, self.cache = full, cache
         self.held = torch.zeros(cfg.n_layers, cfg.n_kv_heads, full.length, dtype=torch.bool)
         self.rows, self.spans, self.completed, self.rows_before_complete = 0, [], 0, None
+        self.verified_before_complete = 0  # the message's checks of what was brought in, before its first token
 
     def _bring(self, layer: int, head: int, slots: torch.Tensor) -> None:
         slots = slots[~self.held[layer, head, slots]]
@@ -166,6 +167,9 @@ class RowsFromAFullCache:
         for layer in range(self.held.shape[0]):
             for head in range(self.held.shape[1]):
                 self._bring(layer, head, torch.arange(start, end))
+
+    def verify(self):
+        self.verified_before_complete += not self.completed
 
     def complete(self):
         self.completed += 1
@@ -212,6 +216,7 @@ def test_a_lazily_resumed_chat_brings_in_only_what_its_message_reads_then_answer
     chat_rows = cfg.n_layers * cfg.n_kv_heads * full.length
     if with_units:
         assert not rows.spans and 0 < rows.rows_before_complete < 0.5 * chat_rows
+        assert rows.verified_before_complete == 1  # once, at the message's last layer
     else:  # both rounds' units made from their keys: both rounds brought in whole first
         assert rows.spans == [(0, starts[1]), (starts[1], full.length)] or \
             sorted(rows.spans) == [(0, starts[1]), (starts[1], full.length)]

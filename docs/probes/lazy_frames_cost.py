@@ -10,8 +10,9 @@ written): warm reads.
 
 Prints the layout's time (the open), the 32 layers' reads (frames, MB, per layer and per frame) and, with
 --profile, where the reads' time went; with --ways, three ways of reading the same layers' frames from the page
-cache, each file opened afresh: gathered from memory mappings on one thread, the same with the files shared among
-16 threads, and a pread a run of frames on one thread (storage.unit_frames.gather_frames, what the code does).
+cache, each file opened afresh: gathered from memory mappings on one thread (a page fault a page touched), the same
+with every file's mapping populated ahead on 16 threads (`MADV_POPULATE_READ`, Linux 5.14+; its time included), and
+a pread a run of frames on one thread (storage.unit_frames.gather_frames).
 """
 
 from __future__ import annotations
@@ -147,39 +148,70 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
         layers.append([frames[r == i] for i in range(len(rounds))])
     pool = ThreadPoolExecutor(16)
 
+    def index_of(hd, f):
+        at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
+        return np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+
+    def mapping(file):
+        m = mmap.mmap(file._fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        hd = file.header
+        data = np.frombuffer(m, dtype=np.uint8, offset=hd.size, count=int(hd.first_row[-1]) * hd.row_bytes)
+        return m, torch.from_numpy(data).view(-1, hd.row_bytes)
+
     def mapped(files, per_round, threads: int) -> None:
         def gather(ks):
             for k in ks:
-                hd, f = files[k].header, per_round[k]
-                at, n = hd.first_row[f], hd.first_row[f + 1] - hd.first_row[f]
-                index = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
                 if k not in maps:  # each file mapped once a way's run (private: torch takes it without a copy)
-                    maps[k] = mmap.mmap(files[k]._fd, 0, flags=mmap.MAP_PRIVATE,
-                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                data = np.frombuffer(maps[k], dtype=np.uint8, offset=hd.size,
-                                     count=int(hd.first_row[-1]) * hd.row_bytes)
-                torch.index_select(torch.from_numpy(data).view(-1, hd.row_bytes), 0, torch.from_numpy(index))
+                    maps[k] = mapping(files[k])
+                torch.index_select(maps[k][1], 0, torch.from_numpy(index_of(files[k].header, per_round[k])))
         ks = list(range(len(files)))
         share = -(-len(ks) // threads)
         list(pool.map(gather, [ks[a : a + share] for a in range(0, len(ks), share)])) if threads > 1 else gather(ks)
 
+    def populated(files, per_round, threads: int) -> None:  # every file mapped and populated ahead, on 16 threads
+        if not maps:
+            def populate(k):
+                maps[k] = mapping(files[k])
+                address = maps[k][1].data_ptr()
+                length = maps[k][1].numel()
+                start = address - address % mmap.PAGESIZE
+                if libc.madvise(ctypes.c_void_p(start), length + address - start, 22):  # MADV_POPULATE_READ
+                    raise OSError(ctypes.get_errno(), "madvise")
+            t = time.perf_counter()
+            list(pool.map(populate, range(len(files))))
+            populate_s.append(time.perf_counter() - t)
+        for k in range(len(files)):
+            torch.index_select(maps[k][1], 0, torch.from_numpy(index_of(files[k].header, per_round[k])))
+
     def preads(files, per_round, threads: int) -> None:  # what the code does (gather_frames), from the page cache
         gather_frames(files, per_round)
 
-    for name, way, threads in [("mapped, one thread", mapped, 1), ("mapped, 16 threads", mapped, 16),
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    populate_s: list[float] = []
+    for name, way, threads in [("mapped, one thread", mapped, 1),
+                               ("mapped and populated ahead on 16 threads (MADV_POPULATE_READ), then one thread",
+                                populated, 1),
                                ("a pread a run of frames, one thread (gather_frames)", preads, 1)] * repeats:
         files = [UnitFramesFile(folder / s["file"], fingerprint=FINGERPRINT) for s in segments]
-        maps: dict[int, mmap.mmap] = {}
+        maps: dict[int, tuple] = {}
+        populate_s.clear()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for per_round in layers:
                 way(files, per_round, threads)
         took = time.perf_counter() - t0
-        for m in maps.values():
-            m.close()
+        for m, _ in maps.values():
+            try:
+                m.close()
+            except BufferError:  # (a tensor still views it: closed when it goes)
+                pass
         for file in files:
             file.close()
-        print(f"{name}: {1000 * took / G:.1f} ms a layer ({sum(len(f) for f in layers[0]):,} frames in layer 0)")
+        ahead = f", of it {1000 * populate_s[0]:.0f} ms populating" if populate_s else ""
+        print(f"{name}: {1000 * took / G:.1f} ms a layer, {1000 * took:.0f} ms in all{ahead} "
+              f"({sum(len(f) for f in layers[0]):,} frames in layer 0)")
 
 
 if __name__ == "__main__":

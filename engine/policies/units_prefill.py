@@ -43,6 +43,10 @@ class LazyChat(Protocol):
         """Make the cache hold every layer's K/V of slots [start, end) (a round whose units must be made from its
         keys)."""
 
+    def verify(self) -> None:
+        """Check every row brought in so far against what was stored (raising where one is not): called once the
+        message's last layer has its rows, before its first token is sampled."""
+
     def complete(self) -> None:
         """Bring in everything not held yet: after the message's first token, so that its reply runs on the chat's
         whole K/V."""
@@ -116,6 +120,8 @@ class UnitsPrefill:
         self.reads[layer] = chat[:, : chat.shape[1] - (start - self.message_start)]
         if self.lazy is not None:  # the rows this layer reads that a lazy resume has not brought in yet
             self.lazy.ensure(layer, self.reads[layer])
+            if layer == self.layers[-1] and start + n_new == self.end:  # the message's last rows: all checked
+                self.lazy.verify()
         index = torch.cat([chat, torch.arange(start, start + n_new, device=device).expand(n_kv, -1)], 1)
         gather = index[:, :, None].expand(-1, -1, head_dim)
         keys, values = kv[0].gather(1, gather), kv[1].gather(1, gather)  # [Hkv, S, D]
