@@ -13,8 +13,6 @@ import mmap
 import os
 from pathlib import Path
 
-import numpy as np
-
 _PAGE = mmap.PAGESIZE
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
 SAMPLES, WINDOW_PAGES = 8, 32
@@ -56,23 +54,6 @@ def resident_fraction(path: Path, samples: int = SAMPLES, window: int = WINDOW_P
                 return _resident_pages(mincore, addr, pages, size, samples, window)
     except (OSError, ValueError, BufferError):
         return 0.0
-
-
-def resident_pages(m: mmap.mmap, size: int) -> np.ndarray | None:
-    """Which pages of a mapping of `size` bytes (a private, writable mapping: ctypes takes its address) the page
-    cache holds: [pages] bool, every page looked up (~16 ns each); None where that cannot be told."""
-    mincore = _mincore()
-    if mincore is None or size <= 0:
-        return None
-    pages = (size + _PAGE - 1) // _PAGE
-    vec = np.zeros(pages, dtype=np.uint8)
-    try:
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    except (TypeError, ValueError, BufferError):
-        return None
-    if mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), ctypes.c_void_p(vec.ctypes.data)) != 0:
-        return None
-    return (vec & 1).astype(bool)
 
 
 def _resident_pages(mincore, addr: int, pages: int, size: int, samples: int, window: int) -> float:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
 import struct
 from concurrent.futures import Executor, wait
@@ -42,7 +41,6 @@ import numpy as np
 import torch
 
 from kvchat.storage.codec import StorageError
-from kvchat.storage.pagecache import resident_pages
 from kvchat.storage.segments import (DTYPES, SUFFIX, SegmentCorrupt, SegmentMissing, SegmentRef, SegmentWrongModel,
                                      _reason, _whole_file_hash, place_content_addressed)
 
@@ -157,9 +155,6 @@ class UnitFramesFile:
     def __init__(self, path: Path, *, fingerprint: str):
         self.path = Path(path)
         self._fd = -1
-        self._map: mmap.mmap | None = None
-        self._rows: torch.Tensor | None = None  # [rows, row bytes] uint8 over the mapping (`map_resident`)
-        self._absent: np.ndarray | None = None  # [pages + 1]: pages not in the page cache before each page
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -173,47 +168,10 @@ class UnitFramesFile:
             raise
         self.bytes_read = self.header.size
 
-    def map_resident(self) -> None:
-        """Map the file and note which of its pages the page cache holds, once: `gather_frames` then copies the
-        frames whose pages were all held straight from the mapping (no system call a frame) and reads the others.
-        Files are content-addressed and never written in place, so the mapping stays what the index describes.
-        Where mapping or asking fails, every frame is read."""
-        if self._map is not None or self._fd < 0:
-            return
-        hd = self.header
-        length = hd.size + int(hd.first_row[-1]) * hd.row_bytes
-        if length <= hd.size:
-            return
-        try:  # private and writable only so that ctypes and torch take its address; nothing is written
-            mapping = mmap.mmap(self._fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):
-            return
-        held = resident_pages(mapping, length)
-        if held is None:
-            mapping.close()
-            return
-        self._absent = np.concatenate([[0], np.cumsum(~held)])
-        data = np.frombuffer(mapping, dtype=np.uint8, offset=hd.size, count=length - hd.size)
-        self._map, self._rows = mapping, torch.from_numpy(data).view(-1, hd.row_bytes)
-
-    def _mapped(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
-        """Whether every page of the byte ranges [start, start + length) was in the page cache when mapped."""
-        if self._absent is None:
-            return False
-        first = starts // mmap.PAGESIZE
-        last = (starts + lengths - 1) // mmap.PAGESIZE
-        return not bool((self._absent[last + 1] - self._absent[first]).any())
-
     def __del__(self) -> None:  # a lazy resume dropped before it completed leaves no descriptor open
         self.close()
 
     def close(self) -> None:
-        if self._map is not None:
-            mapping, self._map, self._rows, self._absent = self._map, None, None, None
-            try:
-                mapping.close()
-            except BufferError:  # (a view of it still lives: unmapped when it goes)
-                pass
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -300,17 +258,14 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     frame's first row in it [F]; each frame's member count [F], as the files' indexes give them). The rows are
     not checked here: `frame_sums` against each file's `header.sums` checks them where they land.
 
-    A layer of a lazy resume reads ~1,000 frames of ~50 files. Where a file was mapped (`UnitFramesFile.
-    map_resident`) and every page of the frames asked of it was in the page cache then, they are copied from the
-    mapping by one `index_select`: no system call a frame, and the page faults, on this kernel's large folios, cost
-    less than the preads they replace (docs/probes/lazy_frames_cost.py --ways on the H200 host, 2026-11-29: 2.3-2.7
-    ms a layer against 3.5-4.5 by preads; populating the mappings ahead gained nothing more). Frames of a file not
-    wholly held are read, a pread a run of consecutive frames: from the page cache one thread reads them fastest
-    (32 took ~10 us a frame on the H200 host where one took ~5, 2026-11-28); from the disk they must be waited for
-    side by side. So each read is first tried on this thread without waiting (`RWF_NOWAIT`: the kernel answers
-    only from the page cache, a short read where it holds only the start); the ones refused or short are then
-    announced to the kernel together (`POSIX_FADV_WILLNEED`, which starts them all) and read by `jobs` threads on
-    `pool` (a pread releases the GIL)."""
+    A layer of a lazy resume reads ~1,000 frames of ~50 files, a pread a run of consecutive frames. From the page
+    cache one thread reads them fastest: more threads only hand the GIL around (32 took ~10 us a frame on the H200
+    host where one took ~5, 2026-11-28), and gathering from memory mappings instead pays a page fault a page touched
+    (on the 2-core CPU 4.9-8.1 ms a layer against 3.1-3.8 by preads, docs/probes/lazy_frames_cost.py --ways,
+    2026-11-29). From the disk they must be waited for side by side. So each read is first tried on this thread
+    without waiting (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the
+    start); the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
+    starts them all) and read by `jobs` threads on `pool` (a pread releases the GIL)."""
     if len(files) != len(frames):
         raise ValueError("one frame list per file")
     row_bytes = {f.header.row_bytes for f in files}
@@ -342,14 +297,8 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
         np.not_equal(f[1:], f[:-1] + 1, out=breaks[1:])
         run_first = np.flatnonzero(breaks)
         run_last = np.append(run_first[1:], f.size) - 1
-        starts = hd.size + at[run_first] * hd.row_bytes
-        lengths = (at[run_last] + n[run_last] - at[run_first]) * hd.row_bytes
-        if file._mapped(starts, lengths):  # every page in the page cache: copied from the mapping in one call
-            rows = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(per_file[k]))
-            torch.index_select(file._rows, 0, torch.from_numpy(rows),
-                               out=out[int(file_at[k]) : int(file_at[k] + per_file[k])])
-            continue
-        starts, lengths = starts.tolist(), lengths.tolist()
+        starts = (hd.size + at[run_first] * hd.row_bytes).tolist()
+        lengths = ((at[run_last] + n[run_last] - at[run_first]) * hd.row_bytes).tolist()
         dests = ((file_at[k] + (np.cumsum(n) - n)[run_first]) * hd.row_bytes).tolist()
         fd = file._fd
         for start, length, dest in zip(starts, lengths, dests):

@@ -3,7 +3,6 @@ StorageError."""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
@@ -167,59 +166,6 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
                 assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))
                 assert [f.bytes_read - b for f, b in zip(files, before)] == [  # each file counts its bytes read
                     sum(4 * D * int(counts.view(-1)[i]) for i in c) for c in chosen]
-    finally:
-        for f in files:
-            f.close()
-
-
-def test_frames_held_by_the_page_cache_are_copied_from_the_mapping_the_others_read(tmp_path, monkeypatch):
-    """A mapped file (`map_resident`) whose asked-for pages were all in the page cache gives its frames by one copy
-    from the mapping, without a read; a file mapped while out of the page cache is read as before; both give each
-    file's own frames in order, and closing unmaps."""
-    from kvchat.storage.unit_frames import gather_frames
-
-    _, _, rows, counts = round_rows()
-    other = torch.flip(rows, dims=[3]).contiguous()
-    paths = [tmp_path / write_unit_frames(tmp_path, r, counts, fingerprint=FP, tokens=range(N)).file
-             for r in (rows, other)]
-    chosen = [np.asarray([0, 1, 2, 7, 9, 10]), np.asarray([3, 4, 11, G * H * U - 1])]
-    with UnitFramesFile(paths[0], fingerprint=FP) as a, UnitFramesFile(paths[1], fingerprint=FP) as b:
-        alone, _, _ = gather_frames([a, b], chosen)  # (not mapped: preads)
-    files = [UnitFramesFile(p, fingerprint=FP) for p in paths]
-    for f in files:
-        f.map_resident()
-    assert all(f._absent is not None and f._absent[-1] == 0 for f in files)  # just written: wholly held
-    preads = os.preadv
-    with monkeypatch.context() as m:
-        m.setattr(os, "preadv", lambda *a: pytest.fail("a frame in the page cache was read, not copied"))
-        mapped, first, members = gather_frames(files, chosen)
-    assert torch.equal(mapped, alone)
-    assert [f.bytes_read for f in files] == [f.header.size + sum(4 * D * int(counts.view(-1)[i]) for i in c)
-                                             for f, c in zip(files, chosen)]
-    mapping = files[0]._map
-    for f in files:
-        f.close()
-    assert mapping.closed
-    # mapped while a page of the second file was out of the page cache (told so, as mincore would: a file this small
-    # comes back whole with its header's read): that file's frames are read, the first's still copied
-    import kvchat.storage.unit_frames as unit_frames
-
-    def one_page_out(m, size):
-        held = np.ones(-(-size // mmap.PAGESIZE), dtype=bool)
-        held[-1] = bool(one_page_out.calls)  # (the first file asked: its last page out)
-        one_page_out.calls += 1
-        return held
-
-    one_page_out.calls = 0
-    monkeypatch.setattr(unit_frames, "resident_pages", one_page_out)
-    files = [UnitFramesFile(p, fingerprint=FP) for p in paths]
-    try:
-        for f in reversed(files):  # (the second file mapped first: its last page told out)
-            f.map_resident()
-        calls = []
-        monkeypatch.setattr(os, "preadv", lambda fd, *a: calls.append(fd) or preads(fd, *a))
-        mixed, _, _ = gather_frames(files, chosen)
-        assert set(calls) == {files[1]._fd} and torch.equal(mixed, alone)
     finally:
         for f in files:
             f.close()

@@ -28,7 +28,7 @@ import bisect
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +130,6 @@ class StoredRows:
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
         self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # cold unit frames, a share each
-        self._opening: dict[int, Future] = {}  # round -> its unit-frames file being opened and mapped
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         # frames read whose checksums are not looked at yet: (each frame's mismatch [F] bool, where each round's
         # frames begin in it, the rounds, their files' names)
@@ -140,11 +139,6 @@ class StoredRows:
         self._chat_member, self._counts_np = None, None
         if tiled and all(r.idx in self._members for r in rounds):
             self._chat_units()
-            # every file opened, checked and mapped on the reader threads while the open and the message's first
-            # layers run: a file's header and index, its mapping and its pages' residency (~0.5 ms a file, 51 at
-            # 32k on the 8B shape) stay off the first layer's reads
-            self._opening = {i: self._pool.submit(self._open_file, i) for i, row in enumerate(rounds)
-                             if row.idx in self.frames}
 
     def _round_of(self, slot: int) -> int:
         return bisect.bisect_right(self.starts, slot) - 1
@@ -225,7 +219,10 @@ class StoredRows:
         # rather than one a layer (~40 ms of a 32k chat's first token on the H200, 2026-11-29)
         first_row, row_frame, row_place = frame_rows(counts, total=2 * members)
         sums = frame_sums(rows, row_frame, row_place, len(frames))
-        bad = (sums != torch.from_numpy(expected).to(device, non_blocking=True)).any(1)  # [F]
+        # (the expected sums pinned: a copy from pageable memory would wait for the device's queue to reach it)
+        pinned = torch.empty(expected.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pinned.numpy()[:] = expected
+        bad = (sums != pinned.to(device, non_blocking=True)).any(1)  # [F]
         self._unchecked.append((bad, first, [self.rounds[i].idx for i in touched], [f.path.name for f in files]))
         t3 = time.perf_counter()
         values = rows.view(stored)  # [2 * members, D]
@@ -286,20 +283,13 @@ class StoredRows:
         self._unit_counts, self._counts_np = counts, None  # [G, Hkv, rounds * most units]
         self._chat_member = member
 
-    def _open_file(self, i: int) -> UnitFramesFile:
-        """Round i's unit frames opened (header and index read and checked) and mapped; on a reader thread."""
-        file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
-                              fingerprint=self.fingerprint)
-        file.map_resident()
-        return file
-
     def _file(self, i: int) -> UnitFramesFile:
         """Round i's unit frames, opened once (its header and index read and checked against the round's units,
         counted as bytes read)."""
         if i not in self._files:
             try:
-                opening = self._opening.pop(i, None)
-                file = opening.result() if opening is not None else self._open_file(i)
+                file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
+                                      fingerprint=self.fingerprint)
                 try:
                     file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
                     if self._counts_np is None:  # (every round's members per unit, on the host: one copy)
@@ -364,10 +354,6 @@ class StoredRows:
         """Let go of the unit-frames files, the reader threads and the callbacks into the session (once complete, or
         when the lazy answer stopped)."""
         self._complete = self._after_complete = None
-        for opening in self._opening.values():  # (files still being opened: waited for, then closed)
-            if not opening.cancel() and opening.exception() is None:
-                opening.result().close()
-        self._opening.clear()
         for file in self._files.values():
             file.close()
         self._files.clear()
