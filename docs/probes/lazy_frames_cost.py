@@ -6,13 +6,15 @@ the last 256 slots (the buffer) and the first 4 (the sinks). The cache is a host
 and the rows written on the CPU (on a GPU both happen on the device). The frames are in the page cache (just
 written): warm reads.
 
-    python docs/probes/lazy_frames_cost.py [--rounds 51] [--dir /tmp/lazy-frames] [--profile] [--ways]
+    python docs/probes/lazy_frames_cost.py [--rounds 51] [--dir /tmp/lazy-frames] [--profile] [--ways] [--cold]
 
 Prints the layout's time (the open), the 32 layers' reads (frames, MB, per layer and per frame) and, with
 --profile, where the reads' time went; with --ways, three ways of reading the same layers' frames from the page
 cache, each file opened afresh: gathered from memory mappings on one thread (a page fault a page touched), the same
-with every file's mapping populated ahead on 16 threads (`MADV_POPULATE_READ`, Linux 5.14+; its time included), and
-a pread a run of frames on one thread (storage.unit_frames.gather_frames).
+with every file's mapping populated ahead on 16 threads (`MADV_POPULATE_READ`, Linux 5.14+; its time included), and a
+pread a run of frames on one thread (storage.unit_frames.gather_frames; the reads the page cache refuses, on 32
+threads). With --cold the preads run again with the files pushed out of the page cache before each (the mapped ways
+are left out: a mapping faults each cold page in on its one thread).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/lazy-frames"))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--ways", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="the ways again, the files out of the page cache first")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -123,10 +126,13 @@ def main() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     if args.ways:
         compare_ways(args.dir, segments, members, rounds, picked)
+    if args.cold:
+        print("cold (each way's files pushed out of the page cache first):")
+        compare_ways(args.dir, segments, members, rounds, picked, cold=True)
 
 
 def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Tensor], rounds: list[RoundRow],
-                 picked: list[torch.Tensor], repeats: int = 3) -> None:
+                 picked: list[torch.Tensor], repeats: int = 3, cold: bool = False) -> None:
     """Each layer's frames (as `StoredRows.ensure` finds them) read three ways from the page cache, mapped afresh."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
@@ -183,17 +189,23 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
         for k in range(len(files)):
             torch.index_select(maps[k][1], 0, torch.from_numpy(index_of(files[k].header, per_round[k])))
 
-    def preads(files, per_round, threads: int) -> None:  # what the code does (gather_frames), from the page cache
-        gather_frames(files, per_round)
+    def preads(files, per_round, threads: int) -> None:  # gather_frames without a ring: preads (refused: threads)
+        gather_frames(files, per_round, pool, 32)
 
     import ctypes
+
+    from kvchat.storage.pagecache import evict
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     populate_s: list[float] = []
-    for name, way, threads in [("mapped, one thread", mapped, 1),
-                               ("mapped and populated ahead on 16 threads (MADV_POPULATE_READ), then one thread",
-                                populated, 1),
-                               ("a pread a run of frames, one thread (gather_frames)", preads, 1)] * repeats:
+    ways = [("a pread a run of frames, one thread (the refused: 32 threads)", preads, 1)]
+    if not cold:  # (a mapping faults a cold page in on the one thread: not a way for the disk)
+        ways = [("mapped, one thread", mapped, 1), ("mapped and populated ahead on 16 threads (MADV_POPULATE_READ), "
+                                                    "then one thread", populated, 1)] + ways
+    for name, way, threads in ways * repeats:
+        if cold:
+            evict([folder / s["file"] for s in segments])
         files = [UnitFramesFile(folder / s["file"], fingerprint=FINGERPRINT) for s in segments]
         maps: dict[int, tuple] = {}
         populate_s.clear()
