@@ -160,10 +160,20 @@ def test_a_round_that_cannot_be_read_after_the_first_token_makes_the_rest_a_whol
     assert session.rounds[-1].assistant_text == probe_session.rounds[-1].assistant_text
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole_rounds(kvchat_home, device):
+@pytest.mark.parametrize("device", ["cpu", "cpu, the kernel's checksums",
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole_rounds(kvchat_home, device,
+                                                                                           monkeypatch):
     """On a GPU the chat's units are laid out, the frames found and checked on the device (the chat answered there
-    too: its frames in the GPU cache's precision)."""
+    too: its frames in the GPU cache's precision), their checksums by one kernel (kernels/frame_checksums.py: on
+    the CPU its torch reference stands in for it, so that the way it is called is checked here, damage included)."""
+    import kvchat.app.session.lazy as lazy_module
+    from kvchat.kernels.frame_checksums import frame_checksums_ref
+
+    if device.startswith("cpu, "):
+        monkeypatch.setattr(lazy_module, "triton_kernel_runs_on", lambda device: True)
+        monkeypatch.setattr(lazy_module, "frame_checksums", frame_checksums_ref)
+        device = "cpu"
     store = Store()
     if device == "cuda":
         from kvchat.engine.engine import Engine
@@ -185,6 +195,7 @@ def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole
     chosen = torch.stack([torch.arange(h, full.length, 7)[:20] for h in range(n_heads)]).to(device)  # [Hkv, 20]
     rows.ensure(layer, chosen)
     assert rows.frames_read > 0 and not rows.loaded  # by frames: no round read whole
+    rows.verify()  # every frame read matches its checksum
     for h in range(n_heads):
         for slot in chosen[h].tolist():
             assert torch.equal(cache.kv[layer, :, h, slot], full.kv[layer, :, h, slot])
@@ -195,6 +206,27 @@ def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole
     before = rows.bytes_read
     rows.ensure(layer, chosen)  # held already: nothing read again
     assert rows.bytes_read == before
+    # a frame damaged in the file is caught by the message's check (`verify`), whichever way the sums are made
+    from kvchat.app.session.lazy import LazyResumeFailed
+
+    damaged = ChatSession(store, engine, store.fork_session(sid, len(FACTS), "damaged"), policy=policy(),
+                          lazy_resume=True)
+    assert damaged.restore_lazily()
+    path = store.kv_dir / damaged.lazy_rows.frames[0]["file"]  # round 0's (slot 0 is chosen, a sink)
+    with UnitFramesFile(path, fingerprint=rows.fingerprint) as frames_file:
+        header = frames_file.header
+    good = path.read_bytes()
+    data = bytearray(good)
+    for a, b in zip(header.first_row, header.first_row[1:]):  # a byte of every frame
+        if b > a:
+            data[header.size + (a + b) // 2 * header.row_bytes] ^= 0x55
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    damaged.lazy_rows.ensure(layer, chosen)  # read, summed, not looked at yet
+    with pytest.raises(LazyResumeFailed, match=f"round 0: unit frames {path.name} are corrupt"):
+        damaged.lazy_rows.verify()
+    damaged.close()
+    path.write_bytes(good)
     # the same choice through whole rounds reads more
     store.drop_segment_rows(sid, [(i, SEGMENT_UNIT_ROWS, 0) for i in unit_rows_of(store, sid)])
     by_rounds = ChatSession(store, engine, sid, policy=policy(), lazy_resume=True)

@@ -171,6 +171,27 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
             f.close()
 
 
+def test_files_with_no_frames_asked_and_frames_out_of_order_in_a_gather(tmp_path):
+    """A file asked for nothing reads nothing (and counts nothing); frames not ascending, or past a file's end, are
+    refused before any read."""
+    from kvchat.storage.unit_frames import gather_frames
+
+    _, _, rows, counts = round_rows()
+    path = tmp_path / write_unit_frames(tmp_path, rows, counts, fingerprint=FP, tokens=range(N)).file
+    with UnitFramesFile(path, fingerprint=FP) as a, UnitFramesFile(path, fingerprint=FP) as b:
+        alone, _, _ = gather_frames([a], [np.asarray([2, 3, 9])])
+        before = b.bytes_read
+        data, first, members = gather_frames([b, a, b], [np.asarray([], dtype=np.int64), np.asarray([2, 3, 9]),
+                                                         np.asarray([], dtype=np.int64)])
+        assert torch.equal(data, alone) and b.bytes_read == before
+        assert members.tolist() == [int(counts.view(-1)[i]) for i in (2, 3, 9)]
+        empty, first, members = gather_frames([a], [np.asarray([], dtype=np.int64)])
+        assert empty.shape == (0, D * 2) and not first.size and not members.size
+        for bad in ([3, 2], [5, 5], [-1], [G * H * U]):
+            with pytest.raises(ValueError):
+                gather_frames([a], [np.asarray(bad)])
+
+
 def test_a_file_cut_short_after_it_was_opened_is_named(tmp_path):
     from kvchat.storage.unit_frames import gather_frames
 
