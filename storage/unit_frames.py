@@ -294,6 +294,8 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     total = int(rows.sum())
     row_size = row_bytes.pop()
     out = torch.empty(total, row_size, dtype=torch.uint8, pin_memory=pin and total > 0)
+    if not total:  # (frames of no members only: no rows to read)
+        return out, first, counts
     per_file = np.bincount(which, weights=rows, minlength=len(files))  # rows read of each file
     for file, n in zip(files, per_file.tolist()):
         file.bytes_read += int(n) * row_size

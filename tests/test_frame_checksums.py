@@ -20,8 +20,9 @@ interpreted = pytest.mark.skipif(not module.INTERPRET,
                                  reason="run by test_the_kernel_in_triton_s_interpreter with TRITON_INTERPRET=1")
 
 # (frames' member counts, words a row, values): a frame holds 2 rows a member (its K rows, then its V rows).
-# "random": any 16-bit words; "extreme": only -32768 and 32767, in a frame long enough (~1,000 members of 64 words)
-# that both sums pass 2^63 and wrap; members 0: a frame of no rows (sums 0).
+# "random": any 16-bit words; "extreme": every word of a frame 32767, of the next -32768, and so on, in frames long
+# enough (1,000 members of 64 words) that the squared sum passes 2^63 and wraps (test_the_extreme_case_wraps);
+# members 0: a frame of no rows (sums 0).
 CASES = [
     ([3, 1, 0, 7, 16], 64, "random"),
     ([1], 8, "random"),
@@ -43,7 +44,8 @@ def inputs(case, device="cpu", seed=0):
     if kind == "random":
         words = torch.randint(-(1 << 15), 1 << 15, (n_rows, width), generator=gen, dtype=torch.int64)
     else:
-        words = torch.where(torch.rand(n_rows, width, generator=gen) < 0.5, -(1 << 15), (1 << 15) - 1)
+        frame_of_row = torch.repeat_interleave(torch.arange(len(counts)), 2 * counts)
+        words = torch.where(frame_of_row % 2 == 0, (1 << 15) - 1, -(1 << 15))[:, None].expand(n_rows, width)
     words = words.to(torch.int16)
     rows = 2 * counts
     first = torch.cumsum(rows, 0) - rows
@@ -55,6 +57,14 @@ def format_sums(words: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     words = words.cpu()
     _, frame, place = frame_rows(counts)
     return frame_sums(words.view(torch.uint8).view(words.shape[0], -1), frame, place, len(counts))
+
+
+def test_the_extreme_case_wraps():
+    """Its first frame's sum of (i + 1)^2 * w_i, exact, is past 2^63: the kernel's int64 must wrap as the format's."""
+    counts, width, _ = CASES[3]
+    n = 2 * counts[0] * width
+    exact = (1 << 15) - 1
+    assert exact * sum((i + 1) ** 2 for i in range(n)) > 1 << 63
 
 
 def test_the_reference_is_the_file_format_s_definition():

@@ -372,3 +372,31 @@ def test_a_slot_outside_the_chat_stops_the_lazy_answer_by_frames_too(kvchat_home
         with pytest.raises(LazyResumeFailed, match="outside"):
             rows.ensure(1, chosen)
     session.close()
+
+
+def test_frames_left_unchecked_until_the_completion_make_it_a_whole_restore_not_an_error(kvchat_home):
+    """The message checks the frames it read before its first token (`verify` at its last layer); frames read and
+    never looked at by then are checked when the rest is brought in, after the first token: a damaged one there is
+    a round that cannot be read (the session's whole restore, which recomputes it), never an error after the token."""
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    assert session.restore_lazily()
+    rows, n_heads, length = session.lazy_rows, session.cache.kv.shape[2], session.cache.length
+    path = store.kv_dir / rows.frames[0]["file"]
+    with UnitFramesFile(path, fingerprint=rows.fingerprint) as frames_file:
+        header = frames_file.header
+    data = bytearray(path.read_bytes())
+    for a, b in zip(header.first_row, header.first_row[1:]):
+        if b > a:
+            data[header.size + (a + b) // 2 * header.row_bytes] ^= 0x55
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    rows.ensure(1, torch.stack([torch.arange(h, length, 7)[:20] for h in range(n_heads)]))  # round 0's, unchecked
+    rows.complete()
+    assert rows.whole_restore_because.startswith(f"round 0: unit frames {path.name} are corrupt")
+    assert "then restored whole (round 0: unit frames" in " ".join(rows.stats.notes)
+    reference = ChatSession(store, shared_engine(), store.fork_session(sid, len(FACTS), "whole"), policy=louiskv())
+    reference.restore()
+    assert torch.equal(session.cache.kv[..., :length, :], reference.cache.kv[..., :length, :])
+    session.close()

@@ -187,6 +187,10 @@ def test_files_with_no_frames_asked_and_frames_out_of_order_in_a_gather(tmp_path
         assert members.tolist() == [int(counts.view(-1)[i]) for i in (2, 3, 9)]
         empty, first, members = gather_frames([a], [np.asarray([], dtype=np.int64)])
         assert empty.shape == (0, D * 2) and not first.size and not members.size
+        no_members = (1 * H + 0) * U + 4  # layer 1, head 0, unit 4: a frame of no rows
+        empty, first, members = gather_frames([a], [np.asarray([no_members])])
+        assert empty.shape == (0, D * 2) and members.tolist() == [0]
+        assert a.read([no_members])[0].shape == (2, 0, D)
         for bad in ([3, 2], [5, 5], [-1], [G * H * U]):
             with pytest.raises(ValueError):
                 gather_frames([a], [np.asarray(bad)])

@@ -110,11 +110,16 @@ class StoredRows:
             elif seg["kind"] == SEGMENT_UNITS:
                 units_bytes += seg["byte_size"]
         self._complete, self._after_complete = restore_whole, after_complete
+        self._all_framed = all(row.idx in self.frames for row in rounds)
         # the chat's K/V on disk: what a whole restore reads (the share read before the first token is the figure)
         self.chat_bytes = sum(seg["byte_size"] for segs in self.segments.values() for seg in segs)
         self.units_bytes = units_bytes  # the units (centroids and members), read when the chat was opened
         self.loaded: set[int] = set()  # rounds brought in whole
         self._whole = torch.zeros(len(rounds), dtype=torch.bool)  # the same, as a mask
+        # (on the device the chat's members are, kept beside it: a copy from pageable memory a layer waits for the
+        # device's queue)
+        self._whole_on: dict[torch.device, Tensor] = {}
+        self._starts_on: dict[torch.device, Tensor] = {}
         self.bytes_read = 0  # compressed bytes of K/V read from the store so far (whole rounds and unit frames)
         self.frames_read = 0
         self.read_s = 0.0
@@ -151,7 +156,7 @@ class StoredRows:
         by_frames = self._chat_member is not None and layer in self._globals
         wanted = slots.long().to(self._chat_member.device if by_frames else "cpu")  # [Hkv, n]
         rounds = torch.bucketize(wanted, self._starts(wanted.device), right=True) - 1
-        if not by_frames or len(self.frames) < len(self.rounds):  # (every round framed: no wait for the device)
+        if not by_frames or not self._all_framed:  # (every round framed: no wait for the device to list its rounds)
             touched = rounds.unique().tolist()
             if touched and (touched[0] < 0 or touched[-1] >= len(self.rounds)):
                 raise LazyResumeFailed("slot outside the chat's rounds")
@@ -162,7 +167,17 @@ class StoredRows:
             self._ensure_units(layer, wanted, rounds)
 
     def _starts(self, device) -> Tensor:
-        return torch.tensor(self.starts, device=device)
+        device = torch.device(device)
+        if device not in self._starts_on:
+            self._starts_on[device] = torch.tensor(self.starts, device=device)
+        return self._starts_on[device]
+
+    def _whole_mask(self, device) -> Tensor:
+        """`_whole` where the chat's members are (copied once, then kept up to date by `_place`)."""
+        device = torch.device(device)
+        if device not in self._whole_on:
+            self._whole_on[device] = self._whole.to(device)
+        return self._whole_on[device]
 
     @torch.inference_mode()
     def _ensure_units(self, layer: int, wanted: Tensor, rounds: Tensor) -> None:
@@ -181,7 +196,7 @@ class StoredRows:
             raise LazyResumeFailed("slot outside the chat's rounds")
         held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool,
                                                     device=on))
-        whole = self._whole.to(on)  # rounds brought in whole
+        whole = self._whole_mask(on)  # rounds brought in whole
         keys = keys[~held[keys] & ~whole[keys // (n_heads * most)]]
         if not keys.numel():
             return
@@ -323,7 +338,6 @@ class StoredRows:
     def complete(self) -> None:
         """The rounds not brought in yet, read on several threads (hashing and zstd release the GIL) and placed in
         order; a round that cannot be read makes it the session's whole restore instead (which recomputes it)."""
-        self.verify()  # (raised here, before any of it is used: the session restores whole and answers again)
         self.completed = True
         # (run once: let go of them, which close over the session and its cache — held, they make a reference cycle
         # session -> these rows -> the session, and a closed chat's cache (4.3 GB at 32k on the 8B shape) stayed on
@@ -336,6 +350,9 @@ class StoredRows:
         rest = [i for i in range(len(self.rounds)) if i not in self.loaded]  # (a round read in part: whole now)
         t0 = time.perf_counter()
         try:
+            # frames not checked yet (the message's prefill checks its own before its first token: this only finds
+            # any read outside it) are a round that cannot be read: the whole restore, which recomputes it
+            self.verify()
             with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rest)))) as pool:
                 reads = [(i, pool.submit(self._read, i)) for i in rest]
                 for i, read in reads:
@@ -399,3 +416,5 @@ class StoredRows:
             self.cache.write(layers, self.rounds[i].token_start, kv)
         self.loaded.add(i)
         self._whole[i] = True
+        for mask in self._whole_on.values():
+            mask[i] = True
