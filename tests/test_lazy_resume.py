@@ -400,3 +400,35 @@ def test_frames_left_unchecked_until_the_completion_make_it_a_whole_restore_not_
     reference.restore()
     assert torch.equal(session.cache.kv[..., :length, :], reference.cache.kv[..., :length, :])
     session.close()
+
+
+def test_a_checksum_kernel_that_cannot_run_here_leaves_the_checks_to_torch(kvchat_home, monkeypatch, caplog):
+    """Where the frame-checksum kernel fails to compile (a triton or driver it never ran on), the log says so once
+    and the checks are torch's: the same rows, still checked (a damaged frame still stops the lazy answer)."""
+    import logging
+
+    import kvchat.app.session.lazy as lazy_module
+
+    def no_kernel(*args):
+        raise RuntimeError("PassManager::run failed\nmore lines")
+
+    monkeypatch.setattr(lazy_module, "triton_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(lazy_module, "frame_checksums", no_kernel)
+    monkeypatch.setattr(lazy_module, "_checksum_kernel_failed", None)
+    store = Store()
+    sid = stored_chat(store, unit_rows=True)
+    reference = ChatSession(store, shared_engine(), store.fork_session(sid, len(FACTS), "whole"), policy=louiskv())
+    reference.restore()
+    session = ChatSession(store, shared_engine(), sid, policy=louiskv(), lazy_resume=True)
+    assert session.restore_lazily()
+    rows, n_heads, length = session.lazy_rows, session.cache.kv.shape[2], session.cache.length
+    chosen = torch.stack([torch.arange(h, length, 7)[:20] for h in range(n_heads)])
+    with caplog.at_level(logging.WARNING, logger=lazy_module.__name__):
+        rows.ensure(1, chosen)
+        rows.ensure(2, chosen)
+    rows.verify()
+    warned = [r for r in caplog.records if "frame checksum kernel unavailable" in r.getMessage()]
+    assert len(warned) == 1 and "RuntimeError: PassManager::run failed)" in warned[0].getMessage()
+    for h in range(n_heads):
+        assert torch.equal(session.cache.kv[1, :, h, chosen[h]], reference.cache.kv[1, :, h, chosen[h]])
+    session.close()

@@ -25,6 +25,7 @@ session restores the chat whole and answers again.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -48,6 +49,28 @@ from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, g
 # Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.read_frames_of):
 # each read waits on the disk, so many more than the cores (a pread releases the GIL).
 FRAME_READERS = min(32, 4 * (os.cpu_count() or 1))
+
+
+_checksum_kernel_failed: str | None = None  # why the checksum kernel could not run here (then the torch way)
+
+
+def _checksums(rows: Tensor, counts: Tensor, members: int) -> tuple[Tensor, Tensor]:
+    """Frames' checksums (storage.unit_frames.frame_sums) of rows [2 * members, row bytes] uint8 holding frames of
+    counts [F] members, where the rows are -> (each frame's first row [F], its sums [F, 2]). Where triton runs, one
+    kernel (kernels/frame_checksums.py) instead of ~14 small ones; if it cannot be compiled here (a triton or a
+    driver it never ran on), the log says so once and the torch way gives the same sums."""
+    global _checksum_kernel_failed
+    per = 2 * counts  # each frame's rows
+    if _checksum_kernel_failed is None and triton_kernel_runs_on(rows.device):
+        try:
+            first_row = torch.cumsum(per, 0) - per
+            return first_row, frame_checksums(rows.view(torch.int16), first_row, per)
+        except Exception as exc:  # (a compile error of this kernel only: the sums below are the same)
+            _checksum_kernel_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logging.getLogger(__name__).warning("frame checksum kernel unavailable (%s): checksums by torch",
+                                                _checksum_kernel_failed)
+    first_row, row_frame, row_place = frame_rows(counts, total=2 * members)
+    return first_row, frame_sums(rows, row_frame, row_place, len(counts))
 
 
 class LazyResumeFailed(KvchatError):
@@ -234,13 +257,7 @@ class StoredRows:
         # each frame checked where its rows landed (storage.unit_frames.frame_sums), queued: the message's layers
         # are checked together once its last layer has its rows (`verify`), one wait for the device a message
         # rather than one a layer (~40 ms of a 32k chat's first token on the H200, 2026-11-29)
-        if triton_kernel_runs_on(device):  # one kernel (kernels/frame_checksums.py), not ~14 small ones
-            per = 2 * counts.to(device)  # each frame's rows
-            first_row = torch.cumsum(per, 0) - per
-            sums = frame_checksums(rows.view(torch.int16), first_row, per)
-        else:
-            first_row, row_frame, row_place = frame_rows(counts, total=2 * members)
-            sums = frame_sums(rows, row_frame, row_place, len(frames))
+        first_row, sums = _checksums(rows, counts.to(device), members)
         # (the expected sums pinned: a copy from pageable memory would wait for the device's queue to reach it)
         pinned = torch.empty(expected.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
         pinned.numpy()[:] = expected
