@@ -33,6 +33,7 @@ import errno
 import hashlib
 import os
 import struct
+import time
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,7 +253,8 @@ class UnitFramesFile:
 
 
 def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
-                  jobs: int = 1, pin: bool = False) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+                  jobs: int = 1, pin: bool = False, detail: dict[str, float] | None = None
+                  ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Frames of several files read together into one host buffer: files[i]'s frames `frames[i]` (ascending
     indices), back to back, file after file. Returns (their rows [R, row bytes] uint8, pinned with `pin`; each
     frame's first row in it [F]; each frame's member count [F], as the files' indexes give them). The rows are
@@ -265,7 +267,8 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     2026-11-29). From the disk they must be waited for side by side. So each read is first tried on this thread
     without waiting (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the
     start); the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
-    starts them all) and read by `jobs` threads on `pool` (a pread releases the GIL)."""
+    starts them all) and read by `jobs` threads on `pool` (a pread releases the GIL). `detail`, where given, adds
+    up the three passes' seconds and the runs read and refused."""
     if len(files) != len(frames):
         raise ValueError("one frame list per file")
     row_bytes = {f.header.row_bytes for f in files}
@@ -311,6 +314,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     lengths = ((at[run_last] + rows[run_last] - at[run_first]) * row_size).tolist()
     dests = (first[run_first] * row_size).tolist()
     view = memoryview(out.numpy()).cast("B")
+    t0 = time.perf_counter()
     nowait = getattr(os, "RWF_NOWAIT", 0)
     waiting = []  # (file, at, length, into): the reads the page cache could not answer at once
     for k, start, length, dest in zip(run_file.tolist(), starts, lengths, dests):
@@ -327,12 +331,14 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
                     raise StorageError(f"cannot read unit frames {files[k].path.name}: {_reason(e)}.") from e
                 nowait = 0  # (a kernel or file system without it: every read waits)
         waiting.append((k, start, length, into))  # (a short read too: the rest was not cached, or the file is
+    t1 = time.perf_counter()
     if waiting and hasattr(os, "posix_fadvise"):  # short: the wait tells)
         try:
             for k, start, length, _ in waiting:
                 os.posix_fadvise(files[k]._fd, start, length, os.POSIX_FADV_WILLNEED)
         except OSError:  # (advice only: the reads below wait either way)
             pass
+    t2 = time.perf_counter()
     if pool is None or jobs <= 1 or len(waiting) <= 1:
         _preads(files, waiting)
     else:
@@ -341,6 +347,10 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
         wait(tasks)  # every share done before any error is raised: no read outlives the call (or its descriptors)
         for task in tasks:
             task.result()
+    if detail is not None:  # where the reads' time went (the bench keeps it for the warm and the cold run)
+        for key, value in (("nowait_s", t1 - t0), ("advise_s", t2 - t1), ("wait_s", time.perf_counter() - t2),
+                           ("runs", len(starts)), ("refused_runs", len(waiting))):
+            detail[key] = detail.get(key, 0) + value
     return out, first, counts
 
 

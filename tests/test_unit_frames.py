@@ -160,7 +160,15 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
                 if cold:  # out of the page cache (where the OS can): refused without waiting, then waited for
                     evict(paths)
                 before = [f.bytes_read for f in files]
-                data, first, members = gather_frames(files, [np.asarray(c) for c in chosen], pool, jobs)
+                detail = {}
+                data, first, members = gather_frames(files, [np.asarray(c) for c in chosen], pool, jobs,
+                                                     detail=detail)
+                assert detail["runs"] == 6  # [0-2], [7], [9-10] of the first file; [3-4], [11], [29] of the second
+                if first_pass == "none":  # every read waited for
+                    assert detail["refused_runs"] == 6
+                elif not cold:  # all in the page cache (the reads before brought them): none refused
+                    assert detail["refused_runs"] == 0
+                assert min(detail[k] for k in ("nowait_s", "advise_s", "wait_s")) >= 0
                 got = [data[a : a + 2 * n].view(torch.bfloat16).view(2, n, D)
                        for a, n in zip(first.tolist(), members.tolist())]
                 assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))

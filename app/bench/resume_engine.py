@@ -403,6 +403,7 @@ def _lazy_figures(session) -> dict:
             "lazy_chat_bytes": rows.chat_bytes, "lazy_units_bytes": rows.units_bytes,
             "lazy_frames_before_first_token": rows.frames_read, "lazy_read_s": rows.read_s,
             **{f"lazy_read_{phase}_s": took for phase, took in rows.phase_s.items()},
+            **{f"lazy_read_io_{part}": value for part, value in rows.io_detail.items()},
             **{f"lazy_open_{phase}_s": took for phase, took in session.lazy_open_s.items()},
             "lazy_complete_s": rows.complete_s,
             "lazy_whole_restore": rows.whole_restore_because}

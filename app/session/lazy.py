@@ -150,6 +150,9 @@ class StoredRows:
         # work queued before it), their reads, their checksums (the copy to the device and a wait for it), and the
         # rows' writes (queued on a GPU)
         self.phase_s = {"index": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
+        # the io phase's own parts (storage.unit_frames.gather_frames' `detail`): the reads tried without waiting,
+        # the refused ones announced, then waited for (s), and the runs read and refused
+        self.io_detail: dict[str, float] = {}
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
@@ -242,7 +245,8 @@ class StoredRows:
         per_file = np.split(frames, first[1:])
         device = self.cache.kv.device
         try:
-            data, _, _ = gather_frames(files, per_file, self._pool, FRAME_READERS, pin=device.type == "cuda")
+            data, _, _ = gather_frames(files, per_file, self._pool, FRAME_READERS, pin=device.type == "cuda",
+                                       detail=self.io_detail)
         except StorageError as exc:
             culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
             raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
