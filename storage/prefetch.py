@@ -38,6 +38,9 @@ class SegmentPrefetcher:
         self._futures: list[Future] = []
         # Items the consumer needs now, each read and decoded on a thread of its own rather than behind the queue.
         self._urgent: dict[int, Future] = {}
+        # Queued reads of items taken before they were done still run (their results dropped): each one's end, so
+        # that `wait` waits for them too (an event, not the future: a dropped result, staged on a GPU, is freed)
+        self._dropped: list[threading.Event] = []
         self._hurried = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kv-urgent")
         # While hurried items are in flight, or while the consumer says it is busy (pause), the background work
         # starts nothing new: the cores and the GIL go to what a message is waiting for.
@@ -131,6 +134,10 @@ class SegmentPrefetcher:
         queued = None
         if i < len(self._futures):
             queued, self._futures[i] = self._futures[i], None
+        if queued is not None and (urgent is not None or not queued.done()):  # its read goes on, unseen
+            ended = threading.Event()
+            queued.add_done_callback(lambda _read, ended=ended: ended.set())
+            self._dropped = [e for e in self._dropped if not e.is_set()] + [ended]
         if urgent is not None:
             return urgent.result()
         if queued is not None and queued.done():
@@ -149,6 +156,8 @@ class SegmentPrefetcher:
         for f in [*self._futures, *self._urgent.values()]:
             if f is not None:
                 f.exception()
+        for ended in self._dropped:
+            ended.wait()
 
     def close(self) -> None:
         """Stop: queued work is dropped, running work finishes in the background; `take` still reads, here."""
