@@ -147,8 +147,8 @@ class StoredRows:
         self.frames_read = 0
         self.read_s = 0.0
         # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
-        # work queued before it), their reads, their checksums (the copy to the device and a wait for it), and the
-        # rows' writes (queued on a GPU)
+        # work queued before it), their reads, their checksums (the copy to the device and the sums, queued; looked
+        # at in `verify`, which adds its wait here too), and the rows' writes (queued on a GPU)
         self.phase_s = {"index": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
         # the io phase's own parts (storage.unit_frames.gather_frames' `detail`): the reads tried without waiting,
         # the refused ones announced, then waited for (s), and the runs read and refused
@@ -217,8 +217,9 @@ class StoredRows:
         total = self._chat_member.shape[2]
         outside = ((wanted < 0) | (wanted >= total)).any()  # (looked at below, after a wait there is anyway)
         units = self._chat_member[g].gather(1, wanted.clamp(0, total - 1))  # [Hkv, n]
-        keys = ((rounds.clamp(0, len(self.rounds) - 1) * n_heads + heads) * most + units).unique()  # ascending: by
-        if bool(outside):                                                                # round, head, unit
+        # ascending: by round, head, unit
+        keys = ((rounds.clamp(0, len(self.rounds) - 1) * n_heads + heads) * most + units).unique()
+        if bool(outside):
             raise LazyResumeFailed("slot outside the chat's rounds")
         held = self._held.setdefault(g, torch.zeros(len(self.rounds) * n_heads * most, dtype=torch.bool,
                                                     device=on))
