@@ -259,10 +259,11 @@ class StoredRows:
         stored = files[0].header.dtype
         members = int(counts_np.sum())
         rows = data.to(device, non_blocking=True)  # [2 * members, row bytes]: each frame's K rows, then its V rows
+        counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
         # each frame checked where its rows landed (storage.unit_frames.frame_sums), queued: the message's layers
         # are checked together once its last layer has its rows (`verify`), one wait for the device a message
         # rather than one a layer (~40 ms of a 32k chat's first token on the H200, 2026-11-29)
-        first_row, sums = _checksums(rows, counts.to(device), members)
+        first_row, sums = _checksums(rows, counts, members)
         # (the expected sums pinned: a copy from pageable memory would wait for the device's queue to reach it)
         pinned = torch.empty(expected.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
         pinned.numpy()[:] = expected
@@ -270,7 +271,6 @@ class StoredRows:
         self._unchecked.append((bad, first, [self.rounds[i].idx for i in touched], [f.path.name for f in files]))
         t3 = time.perf_counter()
         values = rows.view(stored)  # [2 * members, D]
-        counts, begin, key_heads = counts.to(device), begin.to(device), key_heads.to(device)
         frame = torch.repeat_interleave(torch.arange(len(counts), device=device), counts,
                                         output_size=members)  # each member's frame
         row = torch.arange(members, device=device) - (torch.cumsum(counts, 0) - counts)[frame]  # its place there
