@@ -348,8 +348,15 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
         for task in tasks:
             task.result()
     if detail is not None:  # where the reads' time went (the bench keeps it for the warm and the cold run)
-        for key, value in (("nowait_s", t1 - t0), ("advise_s", t2 - t1), ("wait_s", time.perf_counter() - t2),
-                           ("runs", len(starts)), ("refused_runs", len(waiting))):
+        parts = [("nowait_s", t1 - t0), ("advise_s", t2 - t1), ("wait_s", time.perf_counter() - t2),
+                 ("runs", len(starts)), ("refused_runs", len(waiting))]
+        # how far apart a file's runs lie: what reading across the gaps (fewer, longer reads) would cost in bytes
+        ends = np.asarray(starts[:-1], dtype=np.int64) + np.asarray(lengths[:-1], dtype=np.int64)
+        gaps = (np.asarray(starts[1:], dtype=np.int64) - ends)[run_file[1:] == run_file[:-1]]
+        for limit in (4096, 16384, 65536):
+            near = gaps[gaps <= limit]
+            parts += [(f"gaps_within_{limit // 1024}k", near.size), (f"gap_bytes_within_{limit // 1024}k", int(near.sum()))]
+        for key, value in parts:
             detail[key] = detail.get(key, 0) + value
     return out, first, counts
 

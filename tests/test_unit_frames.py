@@ -169,6 +169,12 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
                 elif not cold:  # all in the page cache (the reads before brought them): none refused
                     assert detail["refused_runs"] == 0
                 assert min(detail[k] for k in ("nowait_s", "advise_s", "wait_s")) >= 0
+                frame_bytes = [4 * D * int(c) for c in counts.view(-1).tolist()]
+                gaps = [sum(frame_bytes[a + 1 : b]) for a, b in [(2, 7), (7, 9), (4, 11), (11, G * H * U - 1)]]
+                for limit in (4, 16, 64):  # the gaps between a file's runs, by size (none between two files)
+                    near = [g for g in gaps if g <= limit * 1024]
+                    assert (detail[f"gaps_within_{limit}k"], detail[f"gap_bytes_within_{limit}k"]) == (
+                        len(near), sum(near))
                 got = [data[a : a + 2 * n].view(torch.bfloat16).view(2, n, D)
                        for a, n in zip(first.tolist(), members.tolist())]
                 assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))
