@@ -86,3 +86,17 @@ def evict(paths: list[Path]) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def disk_bytes_read() -> int | None:
+    """Bytes this process (all its threads) has had read from storage so far, the kernel's own count: what reached
+    the disk, whole pages and the kernel's read-ahead included, not what was asked for; page-cache hits count
+    nothing. None where the OS keeps no such count (/proc/self/io: Linux with task I/O accounting)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None

@@ -84,7 +84,11 @@ def stored_kv(store: Store, sid: str, first: int) -> dict[int, list[str]]:
     return out
 
 
-def test_a_chat_reopened_lazily_and_continued_for_20_rounds_stores_what_a_fully_restored_one_does(kvchat_home):
+def test_a_chat_reopened_lazily_and_continued_for_20_rounds_stores_what_a_fully_restored_one_does(kvchat_home,
+                                                                                                    monkeypatch):
+    # (this model's frames are a few hundred bytes: read across gaps of up to 16 KiB, a layer's reads take in most
+    # of each file, and the bytes before the first token below would measure that, not the choice)
+    monkeypatch.setattr("kvchat.storage.unit_frames.READ_ACROSS", 0)
     store = Store()
     sid = stored_chat(store, unit_rows=True)
     assert len(unit_rows_of(store, sid)) == len(FACTS)
@@ -235,7 +239,10 @@ def test_unit_frames_bring_in_exactly_the_chosen_rows_and_fewer_bytes_than_whole
     assert by_rounds.lazy_rows.frames_read == 0 and by_rounds.lazy_rows.bytes_read > 2 * rows.bytes_read
 
 
-def test_damaged_unit_frames_stop_the_lazy_answer_and_the_chat_is_restored_whole(kvchat_home):
+@pytest.mark.parametrize("damage", ["frames", "index"])
+def test_damaged_unit_frames_stop_the_lazy_answer_and_the_chat_is_restored_whole(kvchat_home, damage):
+    """A byte of every frame of a round flipped (found by the frames' checksums), or of its index (found when its
+    file is opened, beside the other rounds' files on the reader threads)."""
     store = Store()
     sid = stored_chat(store, unit_rows=True)
     whole_reply = continued(store, store.fork_session(sid, len(FACTS), "whole"), LATER[:1], lazy=False)
@@ -246,13 +253,16 @@ def test_damaged_unit_frames_stop_the_lazy_answer_and_the_chat_is_restored_whole
         header = file.header
     data = bytearray(path.read_bytes())
     for a, b in zip(header.first_row, header.first_row[1:]):  # a byte of every frame flipped: what a partial read
-        if b > a:                                                # sees (rows, not byte offsets: frames are raw)
+        if b > a and damage == "frames":                          # sees (rows, not byte offsets: frames are raw)
             data[header.size + (a + b) // 2 * header.row_bytes] ^= 0x55
+    if damage == "index":
+        data[100] ^= 0x55  # (a member count of the index)
     path.chmod(0o644)
     path.write_bytes(bytes(data))
     session = continued(store, store.fork_session(sid, len(FACTS), "damaged frames"), LATER[:1], lazy=True)
     notes = " ".join(session.sent_restore.notes)
     assert f"the lazy resume stopped (round {first}: unit frames" in notes and "restored whole" in notes
+    assert ("does not match its checksum" if damage == "frames" else "its index does not match") in notes
     assert session.rounds[-1].assistant_text == whole_reply.rounds[-1].assistant_text
 
 

@@ -131,12 +131,15 @@ def test_rows_that_do_not_make_the_round_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("across", [0, 1000, 1 << 20])
 @pytest.mark.parametrize("first_pass", ["nowait", "none"])
-def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(tmp_path, monkeypatch, first_pass):
+def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(tmp_path, monkeypatch, first_pass,
+                                                                                across):
     """`gather_frames` (a lazy resume's reads of one layer): any frames of several files land back to back in one
     buffer exactly as each file's frames read alone, runs of consecutive frames included — read without waiting
     where the page cache holds them, on reader threads where it does not, and all on reader threads where the OS has
-    no reads that refuse to wait ("none")."""
+    no reads that refuse to wait ("none"); runs of a file read one by one, across the smaller gaps between them
+    (1,000 bytes), or across all (the bytes between counted as read)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvchat.storage.pagecache import evict
@@ -162,15 +165,18 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
                 before = [f.bytes_read for f in files]
                 detail = {}
                 data, first, members = gather_frames(files, [np.asarray(c) for c in chosen], pool, jobs,
-                                                     detail=detail)
+                                                     detail=detail, across=across)
                 assert detail["runs"] == 6  # [0-2], [7], [9-10] of the first file; [3-4], [11], [29] of the second
-                if first_pass == "none":  # every read waited for
-                    assert detail["refused_runs"] == 6
-                elif not cold:  # all in the page cache (the reads before brought them): none refused
-                    assert detail["refused_runs"] == 0
-                assert min(detail[k] for k in ("nowait_s", "advise_s", "wait_s")) >= 0
                 frame_bytes = [4 * D * int(c) for c in counts.view(-1).tolist()]
                 gaps = [sum(frame_bytes[a + 1 : b]) for a, b in [(2, 7), (7, 9), (4, 11), (11, G * H * U - 1)]]
+                assert 0 < min(gaps) <= 1000 < max(gaps)  # (the case: some gaps read across at 1,000 bytes, not all)
+                across_of = [[g for g in gaps[:2] if g <= across], [g for g in gaps[2:] if g <= across]]
+                assert detail["reads"] == 6 - sum(map(len, across_of))
+                if first_pass == "none":  # every read waited for
+                    assert detail["refused_reads"] == detail["reads"]
+                elif not cold:  # all in the page cache (the reads before brought them): none refused
+                    assert detail["refused_reads"] == 0
+                assert min(detail[k] for k in ("nowait_s", "advise_s", "wait_s")) >= 0
                 for limit in (4, 16, 64):  # the gaps between a file's runs, by size (none between two files)
                     near = [g for g in gaps if g <= limit * 1024]
                     assert (detail[f"gaps_within_{limit}k"], detail[f"gap_bytes_within_{limit}k"]) == (
@@ -179,7 +185,7 @@ def test_frames_of_several_files_gathered_together_are_each_files_own_in_order(t
                        for a, n in zip(first.tolist(), members.tolist())]
                 assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))
                 assert [f.bytes_read - b for f, b in zip(files, before)] == [  # each file counts its bytes read
-                    sum(4 * D * int(counts.view(-1)[i]) for i in c) for c in chosen]
+                    sum(frame_bytes[i] for i in c) + sum(g) for c, g in zip(chosen, across_of)]
     finally:
         for f in files:
             f.close()
@@ -221,3 +227,30 @@ def test_a_file_cut_short_after_it_was_opened_is_named(tmp_path):
         os.truncate(cut, b.header.size + 10)
         with pytest.raises(SegmentCorrupt, match=f"{cut.name}.*shorter"):
             gather_frames([a, b], [np.asarray([0, 1]), np.asarray([G * H * U - 1])])
+
+
+def test_the_disk_bytes_a_cold_read_of_frames_costs_are_counted_in_whole_pages(tmp_path):
+    """storage.pagecache.disk_bytes_read, what the bench's lazy figure `lazy_disk_bytes_before_first_token` is made
+    of: frames read from a file out of the page cache count at least their pages; read again, from the cache,
+    nothing."""
+    from kvchat.storage.pagecache import disk_bytes_read, evict, resident_fraction
+    from kvchat.storage.unit_frames import gather_frames
+
+    if disk_bytes_read() is None:
+        pytest.skip("this OS does not count a process's disk reads")
+    _, _, rows, counts = round_rows()
+    big = rows.repeat(1, 1, 1, 64, 1).contiguous()  # [G, H, 2, 64 N, D]: frames of ~1 KB, past a few pages
+    path = tmp_path / write_unit_frames(tmp_path, big, counts * 64, fingerprint=FP, tokens=range(64 * N)).file
+    if not evict([path]) or resident_fraction(path) > 0:
+        pytest.skip("files here cannot be pushed out of the page cache (a memory file system)")
+    with UnitFramesFile(path, fingerprint=FP) as f:
+        before = disk_bytes_read()
+        gather_frames([f], [np.asarray([1, G * H * U - 1])], across=0)
+        cold = disk_bytes_read() - before
+        asked = f.bytes_read
+        before = disk_bytes_read()
+        gather_frames([f], [np.asarray([1, G * H * U - 1])], across=0)
+        warm = disk_bytes_read() - before
+    assert asked > 0
+    assert cold >= asked and cold % 4096 == 0  # whole pages (and whatever the kernel read ahead)
+    assert warm == 0

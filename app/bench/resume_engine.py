@@ -25,6 +25,7 @@ from kvchat.app.bench.resume_common import (
 )
 from kvchat.engine.timing import sync
 from kvchat.errors import KvchatError
+from kvchat.storage.pagecache import disk_bytes_read
 
 MERGE_SHARE = 0.5  # kv-merge: r_l, the share of layers merged (at most)
 
@@ -227,6 +228,7 @@ def _run_engine(spec: dict) -> dict:
     for run in range(1 + spec["repeats"]):
         dropped = evict_files(_chat_files(Path(wl["home"]))) if run == 0 else None
         sync(engine.device)
+        disk_before = disk_bytes_read()
         t0 = time.perf_counter()
         cache, closed, starts = resume()
         t1 = time.perf_counter()
@@ -239,7 +241,7 @@ def _run_engine(spec: dict) -> dict:
                      **(_host_figures(cache) if isinstance(cache, HostResidentKV) else {}),
                      **(_stream_figures(restores[-1]) if method == "kv-split" else {}),
                      **(_retrieval_figures(policy, counted) if counted is not None else {}),
-                     **(_lazy_figures(sessions[-1]) if lazy and sessions else {})})
+                     **(_lazy_figures(sessions[-1], disk_before) if lazy and sessions else {})})
         close_sessions()
         del cache
     if os.environ.get("KVCHAT_BENCH_PROFILE"):  # where a warm and a cold resume's time goes (docs/gpu/)
@@ -260,7 +262,7 @@ def _run_engine(spec: dict) -> dict:
         result.update({k: v for k, v in runs[-1].items() if k.startswith("lazy")})
         if len(runs) > 1:  # and where the cold run's time went (the first, from the disk), beside the warm one's
             result.update({f"cold_{k}": v for k, v in runs[0].items()
-                           if k.startswith(("lazy_read_", "lazy_open_")) or k == "lazy_complete_s"})
+                           if k.startswith(("lazy_read_", "lazy_open_", "lazy_disk_")) or k == "lazy_complete_s"})
     result["ttft_first_use_s"] = first_use_s
     # the cold run's first token in its two parts: the chat opened (resume) and the message answered to its first
     # token, beside the warm runs' medians of the same (resume_warm_s, message_ttft_warm_s)
@@ -393,11 +395,15 @@ def _profile_run(folder: str, method: str, run, cold: bool = False) -> None:
     Path(folder, f"profile-{'cold-' if cold else ''}{name}.txt").write_text(text.getvalue())
 
 
-def _lazy_figures(session) -> dict:
-    """What a lazy resume read before the message's first token: rounds and bytes (None where it was whole)."""
+def _lazy_figures(session, disk_before: int | None = None) -> dict:
+    """What a lazy resume read before the message's first token: rounds and bytes (None where it was whole); and,
+    where the OS counts them, the bytes the disk gave the process from before the open to then (the units, the
+    frames' whole pages, any read-ahead: `lazy_disk_bytes_before_first_token`)."""
     rows = session.lazy_rows
     if rows is None:
         return {"lazy": False}
+    disk = None if disk_before is None or rows.disk_read_by_first_token is None else \
+        rows.disk_read_by_first_token - disk_before
     return {"lazy": True, "lazy_rounds_before_first_token": rows.rounds_before_first_token,
             "lazy_rounds": len(rows.rounds), "lazy_bytes_before_first_token": rows.bytes_before_first_token,
             "lazy_chat_bytes": rows.chat_bytes, "lazy_units_bytes": rows.units_bytes,
@@ -405,7 +411,7 @@ def _lazy_figures(session) -> dict:
             **{f"lazy_read_{phase}_s": took for phase, took in rows.phase_s.items()},
             **{f"lazy_read_io_{part}": value for part, value in rows.io_detail.items()},
             **{f"lazy_open_{phase}_s": took for phase, took in session.lazy_open_s.items()},
-            "lazy_complete_s": rows.complete_s,
+            "lazy_complete_s": rows.complete_s, "lazy_disk_bytes_before_first_token": disk,
             "lazy_whole_restore": rows.whole_restore_because}
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from kvchat.kernels._triton import triton_kernel_runs_on
 from kvchat.kernels.frame_checksums import frame_checksums
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
+from kvchat.storage.pagecache import disk_bytes_read
 from kvchat.storage.segments import read_segment
 from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, gather_frames, readable_into
 
@@ -147,9 +148,10 @@ class StoredRows:
         self.frames_read = 0
         self.read_s = 0.0
         # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
-        # work queued before it), their reads, their checksums (the copy to the device and the sums, queued; looked
-        # at in `verify`, which adds its wait here too), and the rows' writes (queued on a GPU)
-        self.phase_s = {"index": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
+        # work queued before it), the rounds' files opened (by the first layer that touches them), their reads,
+        # their checksums (the copy to the device and the sums, queued; looked at in `verify`, which adds its wait
+        # here too), and the rows' writes (queued on a GPU)
+        self.phase_s = {"index": 0.0, "files": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
         # the io phase's own parts (storage.unit_frames.gather_frames' `detail`): the reads tried without waiting,
         # the refused ones announced, then waited for (s), and the runs read and refused
         self.io_detail: dict[str, float] = {}
@@ -158,6 +160,9 @@ class StoredRows:
         self.complete_s = 0.0
         self.read_before_first_token: set[int] = set()  # the rounds the message's layers read (whole or in part)
         self.bytes_before_first_token = 0  # K/V read before the first token, units not included
+        # the process's bytes read from the disk so far (storage.pagecache.disk_bytes_read: pages and read-ahead
+        # included), when the message's last layer had its rows; None where the OS does not count them
+        self.disk_read_by_first_token: int | None = None
         self._touched: set[int] = set()  # rounds read in part (their unit frames)
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
@@ -241,7 +246,9 @@ class StoredRows:
         touched_np, first = np.unique(key_rounds_np, return_index=True)  # keys are in round order
         touched = touched_np.tolist()
         t1 = time.perf_counter()
-        files = [self._file(i) for i in touched]  # opened (and checked) once, on the main thread: reads, as io
+        self._open_files([i for i in touched if i not in self._files])
+        files = [self._file(i) for i in touched]
+        tf = time.perf_counter()
         before = sum(file.bytes_read for file in files)
         per_file = np.split(frames, first[1:])
         device = self.cache.kv.device
@@ -279,7 +286,7 @@ class StoredRows:
         slots = self._sorted_slots[g].to(device)[key_heads[frame], begin[frame] + row]  # (where the members are)
         self.cache.write_rows(layer, key_heads[frame], slots, kv)
         t4 = time.perf_counter()
-        for phase, took in zip(self.phase_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        for phase, took in zip(self.phase_s, (t1 - t0, tf - t1, t2 - tf, t3 - t2, t4 - t3)):
             self.phase_s[phase] += took
         self.read_s += t4 - t0
 
@@ -287,6 +294,8 @@ class StoredRows:
         """Every frame read so far against its checksum, one wait for the device: LazyResumeFailed naming the
         first round whose frame does not match. The message's prefill calls it once its last layer has its rows,
         before its first token is sampled; `complete` before it reads the rest."""
+        if self.disk_read_by_first_token is None:  # (the message's last layer has its rows: all it reads is in)
+            self.disk_read_by_first_token = disk_bytes_read()
         pending, self._unchecked = self._unchecked, []
         if not pending:
             return
@@ -327,27 +336,48 @@ class StoredRows:
         self._unit_counts, self._counts_np = counts, None  # [G, Hkv, rounds * most units]
         self._chat_member = member
 
+    def _open_files(self, rounds: list[int]) -> None:
+        """Rounds' unit-frames files opened side by side on the reader threads (`_open`): each open reads and
+        hashes a header and an index (~260 KB at 32k on the 8B shape), and a message's first layer opens ~50."""
+        if len(rounds) < 2:
+            return
+        if self._counts_np is None:  # (on this thread: what each file's members are checked against)
+            self._counts_np = self._unit_counts.cpu().numpy()
+        opening = [self._pool.submit(self._open, i) for i in rounds]
+        wait(opening)  # every open done (or failed) before any error is raised: none outlives the lazy resume
+        for i, task in zip(rounds, opening):
+            if task.exception() is None:
+                self._keep(i, task.result())
+        for task in opening:
+            task.result()
+
     def _file(self, i: int) -> UnitFramesFile:
-        """Round i's unit frames, opened once (its header and index read and checked against the round's units,
-        counted as bytes read)."""
+        """Round i's unit frames, opened once (`_open`; the header and index counted as bytes read)."""
         if i not in self._files:
-            try:
-                file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
-                                      fingerprint=self.fingerprint)
-                try:
-                    file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
-                    if self._counts_np is None:  # (every round's members per unit, on the host: one copy)
-                        self._counts_np = self._unit_counts.cpu().numpy()
-                    most = self._most_units
-                    file.check_members(self._counts_np[:, :, i * most : i * most + self._n_units[i]])
-                except StorageError:
-                    file.close()
-                    raise
-            except StorageError as exc:
-                raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
-            self._files[i] = file
-            self.bytes_read += file.header.size
+            self._keep(i, self._open(i))
         return self._files[i]
+
+    def _keep(self, i: int, file: UnitFramesFile) -> None:
+        self._files[i] = file
+        self.bytes_read += file.header.size
+
+    def _open(self, i: int) -> UnitFramesFile:
+        """Round i's unit frames opened, its header and index read and checked against the round's units."""
+        try:
+            file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
+                                  fingerprint=self.fingerprint)
+            try:
+                file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
+                if self._counts_np is None:  # (every round's members per unit, on the host: one copy)
+                    self._counts_np = self._unit_counts.cpu().numpy()
+                most = self._most_units
+                file.check_members(self._counts_np[:, :, i * most : i * most + self._n_units[i]])
+            except StorageError:
+                file.close()
+                raise
+        except StorageError as exc:
+            raise LazyResumeFailed(f"round {self.rounds[i].idx}: {exc}") from None
+        return file
 
     def ensure_span(self, start: int, end: int) -> None:
         if self.completed:
