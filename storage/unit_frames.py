@@ -169,6 +169,16 @@ class UnitFramesFile:
             raise SegmentMissing(f"unit frames {self.path.name} are missing.") from None
         except OSError as e:
             raise StorageError(f"cannot read unit frames {self.path.name}: {_reason(e)}.") from e
+        if hasattr(os, "posix_fadvise"):
+            # No read-ahead on this descriptor: a lazy resume reads a few KB here and there, in ascending order
+            # within a layer, and the kernel took that for a sequential read, reading ahead up to the device's
+            # read_ahead_kb (8 MB on both machines of 2026-11-29). At 32k on the 8B shape the disk gave the
+            # process 1.95 GB before the first token for 0.36 GB of frames and units asked for (H200 host), 944 MB
+            # for 241 MB in the probe (docs/probes/lazy_frames_cost.py --cold, 2-core CPU).
+            try:
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:  # (advice only)
+                pass
         try:
             self.header = self._read_header(fingerprint)
         except BaseException:

@@ -229,28 +229,30 @@ def test_a_file_cut_short_after_it_was_opened_is_named(tmp_path):
             gather_frames([a, b], [np.asarray([0, 1]), np.asarray([G * H * U - 1])])
 
 
-def test_the_disk_bytes_a_cold_read_of_frames_costs_are_counted_in_whole_pages(tmp_path):
-    """storage.pagecache.disk_bytes_read, what the bench's lazy figure `lazy_disk_bytes_before_first_token` is made
-    of: frames read from a file out of the page cache count at least their pages; read again, from the cache,
-    nothing."""
+def test_a_cold_read_of_frames_takes_from_the_disk_their_pages_and_no_read_ahead(tmp_path):
+    """storage.pagecache.disk_bytes_read (the bench's `lazy_disk_bytes_before_first_token`) on frames read as a
+    lazy resume reads a layer's (ascending, with gaps): from a file out of the page cache, their whole pages and not
+    the kernel's read-ahead, which took such reads for a sequential one and read up to 4x the bytes asked for
+    (docs/benchmarks.md); read again, from the cache, nothing."""
     from kvchat.storage.pagecache import disk_bytes_read, evict, resident_fraction
     from kvchat.storage.unit_frames import gather_frames
 
     if disk_bytes_read() is None:
         pytest.skip("this OS does not count a process's disk reads")
     _, _, rows, counts = round_rows()
-    big = rows.repeat(1, 1, 1, 64, 1).contiguous()  # [G, H, 2, 64 N, D]: frames of ~1 KB, past a few pages
-    path = tmp_path / write_unit_frames(tmp_path, big, counts * 64, fingerprint=FP, tokens=range(64 * N)).file
+    big = rows.repeat(1, 1, 1, 512, 1).contiguous()  # [G, H, 2, 512 N, D]: frames of ~130 KB, a file of ~4 MB
+    path = tmp_path / write_unit_frames(tmp_path, big, counts * 512, fingerprint=FP, tokens=range(512 * N)).file
     if not evict([path]) or resident_fraction(path) > 0:
         pytest.skip("files here cannot be pushed out of the page cache (a memory file system)")
+    every_third = np.arange(0, G * H * U, 3)
     with UnitFramesFile(path, fingerprint=FP) as f:
         before = disk_bytes_read()
-        gather_frames([f], [np.asarray([1, G * H * U - 1])], across=0)
+        gather_frames([f], [every_third], across=0)
         cold = disk_bytes_read() - before
-        asked = f.bytes_read
+        asked = f.bytes_read - f.header.size
         before = disk_bytes_read()
-        gather_frames([f], [np.asarray([1, G * H * U - 1])], across=0)
+        gather_frames([f], [every_third], across=0)
         warm = disk_bytes_read() - before
-    assert asked > 0
-    assert cold >= asked and cold % 4096 == 0  # whole pages (and whatever the kernel read ahead)
+    assert path.stat().st_size > 2 * asked > 0
+    assert asked <= cold <= asked + 2 * 4096 * len(every_third)  # each frame's pages, no more
     assert warm == 0

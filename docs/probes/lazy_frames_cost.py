@@ -194,7 +194,7 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
 
     import ctypes
 
-    from kvchat.storage.pagecache import evict
+    from kvchat.storage.pagecache import disk_bytes_read, evict
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -209,11 +209,14 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
         files = [UnitFramesFile(folder / s["file"], fingerprint=FINGERPRINT) for s in segments]
         maps: dict[int, tuple] = {}
         populate_s.clear()
+        disk = disk_bytes_read()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for per_round in layers:
                 way(files, per_round, threads)
         took = time.perf_counter() - t0
+        disk = None if disk is None else disk_bytes_read() - disk
+        asked = sum(file.bytes_read for file in files)
         for m, _ in maps.values():
             try:
                 m.close()
@@ -223,7 +226,8 @@ def compare_ways(folder: Path, segments: list[dict], members: dict[int, torch.Te
             file.close()
         ahead = f", of it {1000 * populate_s[0]:.0f} ms populating" if populate_s else ""
         print(f"{name}: {1000 * took / G:.1f} ms a layer, {1000 * took:.0f} ms in all{ahead} "
-              f"({sum(len(f) for f in layers[0]):,} frames in layer 0)")
+              f"({sum(len(f) for f in layers[0]):,} frames in layer 0; {asked / 1e6:.1f} MB asked for, headers "
+              f"included, {'?' if disk is None else f'{disk / 1e6:.1f}'} MB from the disk)")
 
 
 if __name__ == "__main__":
