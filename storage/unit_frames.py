@@ -283,10 +283,12 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     (on the 2-core CPU 4.9-8.1 ms a layer against 3.1-3.8 by preads, docs/probes/lazy_frames_cost.py --ways,
     2026-11-29). From the disk they must be waited for side by side. So each read is first tried on this thread
     without waiting (`RWF_NOWAIT`: the kernel answers only from the page cache, a short read where it holds only the
-    start); the ones refused or short are then announced to the kernel together (`POSIX_FADV_WILLNEED`, which
-    starts them all) and read by `jobs` threads on `pool` (a pread releases the GIL). `detail`, where given, adds
-    up the plan's and the three passes' seconds, the runs, the reads and the refused reads, and how far apart the
-    runs lie.
+    start); once one read of a file is refused, the rest of that file's are not tried: a refused read has the
+    kernel start it there and then, ~18 us on this thread (on the H200 host 21,303 refused reads took 385 ms of a
+    cold first token, 2026-11-29), where the reader threads start and wait for them side by side. The refused and
+    untried reads go to `jobs` threads on `pool` (a pread releases the GIL). `detail`, where given, adds up the
+    plan's and the two passes' seconds, the runs, the reads and the reads left to the threads, and how far apart
+    the runs lie.
 
     Runs of one file at most `across` bytes apart (default READ_ACROSS) are read by one preadv, the bytes between
     them into a scratch buffer: fewer reads, each costing more than a few KB of copying or of the disk's sequential
@@ -352,6 +354,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     nowait = getattr(os, "RWF_NOWAIT", 0)
     reads = 0
     waiting = []  # (file, at, length, buffers): the reads the page cache could not answer at once
+    refused = set()  # files with a read refused: the rest of theirs go to the reader threads untried
     for a, b, k, start in zip(read_first.tolist(), read_end.tolist(), run_file[read_first].tolist(),
                               run_start[read_first].tolist()):
         buffers = [view[dests[a] : dests[a] + lengths[a]]]  # (most reads: one run)
@@ -360,25 +363,19 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
             buffers += [scratch[: gaps[r]], view[dests[r] : dests[r] + lengths[r]]]
             length += gaps[r] + lengths[r]
         reads += 1
-        if nowait:
+        if nowait and k not in refused:
             try:
                 if os.preadv(fds[k], buffers, start, nowait) == length:
                     continue
+                refused.add(k)
             except BlockingIOError:
-                pass
+                refused.add(k)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise StorageError(f"cannot read unit frames {files[k].path.name}: {_reason(e)}.") from e
                 nowait = 0  # (a kernel or file system without it: every read waits)
         waiting.append((k, start, length, buffers))  # (a short read too: the rest was not cached, or the file is
     t1 = time.perf_counter()
-    if waiting and hasattr(os, "posix_fadvise"):  # short: the wait tells)
-        try:
-            for k, start, length, _ in waiting:
-                os.posix_fadvise(files[k]._fd, start, length, os.POSIX_FADV_WILLNEED)
-        except OSError:  # (advice only: the reads below wait either way)
-            pass
-    t2 = time.perf_counter()
     if pool is None or jobs <= 1 or len(waiting) <= 1:
         _preads(files, waiting)
     else:
@@ -388,8 +385,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
         for task in tasks:
             task.result()
     if detail is not None:  # where the reads' time went (the bench keeps it for the warm and the cold run)
-        parts = [("plan_s", t0 - began), ("nowait_s", t1 - t0), ("advise_s", t2 - t1),
-                 ("wait_s", time.perf_counter() - t2),
+        parts = [("plan_s", t0 - began), ("nowait_s", t1 - t0), ("wait_s", time.perf_counter() - t1),
                  ("runs", len(run_first)), ("reads", reads), ("refused_reads", len(waiting))]
         # how far apart a file's runs lie: what reading across the gaps (fewer, longer reads) would cost in bytes
         gaps = (run_start[1:] - run_start[:-1] - run_length[:-1])[run_file[1:] == run_file[:-1]]

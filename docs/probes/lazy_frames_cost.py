@@ -122,6 +122,9 @@ def main() -> None:
     took = time.perf_counter() - t0
     print(f"{G} layers: {1000 * took:.0f} ms, {rows.frames_read:,} frames, {rows.bytes_read / 1e6:.1f} MB; "
           f"{1000 * took / G:.1f} ms a layer, {1e6 * took / max(rows.frames_read, 1):.0f} us a frame")
+    print("  of it: " + ", ".join(f"{phase} {1000 * s:.0f} ms" for phase, s in rows.phase_s.items()) + "; io: " +
+          ", ".join(f"{k} {1000 * v:.0f} ms" if k.endswith("_s") else f"{k} {v:,}" for k, v in rows.io_detail.items()
+                    if not k.startswith("gap")))
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     if args.ways:
