@@ -269,13 +269,62 @@ class UnitFramesFile:
                 for a, n in zip(first.tolist(), counts.tolist())]
 
 
+class FrameTable:
+    """Open unit-frames files' indexes side by side, so that frames of any of them are looked up by a few numpy
+    calls whatever their number of files (`gather_table_frames`): a lazy resume's layer reads frames of ~50 files,
+    and a few numpy calls a file took ~0.35 ms a layer on the 2-core CPU, ~0.03 ms by one table (2026-11-29)."""
+
+    def __init__(self, files: list[UnitFramesFile]):
+        self.files = list(files)
+        if len({f.header.row_bytes for f in self.files}) > 1:
+            raise ValueError("unit frames of different row sizes cannot be gathered together")
+        n = np.asarray([f.header.frames for f in self.files], dtype=np.int64)
+        self.frames = n  # [files] each file's frames
+        self.row_base = np.cumsum(n + 1) - (n + 1)  # [files] where a file's first rows begin in `first_row`
+        self.sum_base = np.cumsum(n) - n  # [files] where its checksums begin in `sums`
+        self.first_row = np.concatenate([f.header.first_row for f in self.files]) if self.files else \
+            np.zeros(0, np.int64)
+        self.sums = np.concatenate([f.header.sums for f in self.files]) if self.files else np.zeros((0, 2), np.int64)
+        self.sizes = np.asarray([f.header.size for f in self.files], dtype=np.int64)  # [files] bytes before rows
+
+    def place(self, which: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """Frames [F] of files `which` [F] (indices into `files`; ascending by file, then frame) -> where each
+        frame's first row is in `first_row` [F]; ValueError where a frame is not in its file or out of order."""
+        if frames.size and (frames.min() < 0 or bool((frames >= self.frames[which]).any())):
+            raise ValueError("frames past their files' ends")
+        at = self.row_base[which] + frames
+        if at.size > 1 and bool((at[1:] <= at[:-1]).any()):
+            raise ValueError("frames not in ascending order of file and frame")
+        return at
+
+    def expected_sums(self, which: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """The checksums [F, 2] the files' indexes give frames [F] of files `which` [F]."""
+        return self.sums[self.sum_base[which] + frames]
+
+
 def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: Executor | None = None,
                   jobs: int = 1, pin: bool = False, detail: dict[str, float] | None = None,
                   across: int | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Frames of several files read together into one host buffer: files[i]'s frames `frames[i]` (ascending
-    indices), back to back, file after file. Returns (their rows [R, row bytes] uint8, pinned with `pin`; each
-    frame's first row in it [F]; each frame's member count [F], as the files' indexes give them). The rows are
-    not checked here: `frame_sums` against each file's `header.sums` checks them where they land.
+    indices), back to back, file after file (`gather_table_frames` over the files' own table)."""
+    if len(files) != len(frames):
+        raise ValueError("one frame list per file")
+    frames = [np.asarray(f, dtype=np.int64).reshape(-1) for f in frames]
+    for file, f in zip(files, frames):
+        if f.size and (f[0] < 0 or f[-1] >= file.header.frames or bool((f[1:] <= f[:-1]).any())):
+            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {file.header.frames} frames")
+    which = np.repeat(np.arange(len(files), dtype=np.int64), [f.size for f in frames])
+    flat = np.concatenate(frames) if frames else np.zeros(0, np.int64)
+    return gather_table_frames(FrameTable(files), which, flat, pool, jobs, pin, detail, across)
+
+
+def gather_table_frames(table: FrameTable, which: np.ndarray, frames: np.ndarray, pool: Executor | None = None,
+                        jobs: int = 1, pin: bool = False, detail: dict[str, float] | None = None,
+                        across: int | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Frames [F] of the table's files `which` [F] (ascending by file, then frame) read together into one host
+    buffer, back to back. Returns (their rows [R, row bytes] uint8, pinned with `pin`; each frame's first row in it
+    [F]; each frame's member count [F], as the files' indexes give them). The rows are not checked here:
+    `frame_sums` against the table's `expected_sums` checks them where they land.
 
     A layer of a lazy resume reads ~1,000 frames of ~50 files, a pread a run of consecutive frames. From the page
     cache one thread reads them fastest: more threads only hand the GIL around (32 took ~10 us a frame on the H200
@@ -292,37 +341,21 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
 
     Runs of one file at most `across` bytes apart (default READ_ACROSS) are read by one preadv, the bytes between
     them into a scratch buffer: fewer reads, each costing more than a few KB of copying or of the disk's sequential
-    rate. The bytes between count as read (`bytes_read`): they are, from the disk."""
+    rate. The bytes between count as read (`bytes_read`): they are, from the disk. (Where the page cache holds a
+    read's frames but not the pages between them, as after a resume that chose other frames, the read is refused
+    and those pages come from the disk.)"""
     began = time.perf_counter()
-    if len(files) != len(frames):
-        raise ValueError("one frame list per file")
-    row_bytes = {f.header.row_bytes for f in files}
-    if len(row_bytes) > 1:
-        raise ValueError("unit frames of different row sizes cannot be gathered together")
-    at, rows, which = [], [], []  # per file: its frames' first rows in it, their row counts; the file's place
-    for k, (file, f) in enumerate(zip(files, frames)):
-        hd = file.header
-        f = np.asarray(f, dtype=np.int64)
-        if not f.size:
-            continue
-        if f[0] < 0 or f[-1] >= hd.frames or (f.size > 1 and bool((f[1:] <= f[:-1]).any())):
-            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {hd.frames} frames")
-        begin = hd.first_row[f]
-        at.append(begin)
-        rows.append(hd.first_row[f + 1] - begin)
-        which.append(np.full(f.size, k))
-    if not at:
-        return torch.empty(0, row_bytes.pop() if row_bytes else 0, dtype=torch.uint8), np.zeros(0, np.int64), \
-            np.zeros(0, np.int64)
-    # every file's frames together: a layer's ~1,000 frames of ~50 files planned by a few numpy calls, not a few
-    # dozen a file (~50 ms of a 32k chat's first token on the H200 host went to numpy's per-call cost, 2026-11-29)
-    at, rows, which = np.concatenate(at), np.concatenate(rows), np.concatenate(which)
+    files = table.files
+    which, frames = np.asarray(which, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+    row_size = files[0].header.row_bytes if files else 0
+    place = table.place(which, frames)
+    at = table.first_row[place]  # [F] each frame's first row in its file
+    rows = table.first_row[place + 1] - at  # [F] its rows (twice its members)
     counts = rows // 2
     first = np.cumsum(rows) - rows  # each frame's first row in the buffer
     total = int(rows.sum())
-    row_size = row_bytes.pop()
     out = torch.empty(total, row_size, dtype=torch.uint8, pin_memory=pin and total > 0)
-    if not total:  # (frames of no members only: no rows to read)
+    if not total:  # (no frames, or frames of no members only: no rows to read)
         return out, first, counts
     # runs of consecutive frames of one file: one read each
     breaks = np.ones(len(at), dtype=bool)
@@ -330,8 +363,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     run_first = np.flatnonzero(breaks)
     run_last = np.append(run_first[1:], len(at)) - 1
     run_file = which[run_first]
-    sizes = np.asarray([file.header.size for file in files], dtype=np.int64)
-    run_start = sizes[run_file] + at[run_first] * row_size  # [runs] bytes into the file
+    run_start = table.sizes[run_file] + at[run_first] * row_size  # [runs] bytes into the file
     run_length = (at[run_last] + rows[run_last] - at[run_first]) * row_size
     run_gap = np.zeros(len(run_first), dtype=np.int64)  # [runs] bytes since the file's run before (0: a read's first)
     run_gap[1:] = run_start[1:] - run_start[:-1] - run_length[:-1]

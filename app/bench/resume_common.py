@@ -27,10 +27,11 @@ def load_workload(path: str):
 
 
 def evict_files(paths: list[Path]) -> bool:
-    """Push the chat's files out of the OS page cache, so the next read comes from the disk: the cold run."""
-    from kvchat.storage.pagecache import evict
+    """Push the chat's files out of the OS page cache, so the next read comes from the disk: the cold run. False
+    where they stay (no such call, or a memory file system, whose pages are the files)."""
+    from kvchat.storage.pagecache import evict, resident_fraction
 
-    return evict(paths)
+    return evict(paths) and not any(resident_fraction(p) > 0 for p in paths if p.exists())
 
 
 def recall_ok(got: str, expected: str) -> bool:

@@ -44,11 +44,12 @@ from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.pagecache import disk_bytes_read
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import UnitFramesFile, frame_rows, frame_sums, gather_frames, readable_into
+from kvchat.storage.unit_frames import (FrameTable, UnitFramesFile, frame_rows, frame_sums, gather_table_frames,
+                                        readable_into)
 
 
-# Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.read_frames_of):
-# each read waits on the disk, so many more than the cores (a pread releases the GIL).
+# Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.gather_table_frames),
+# and opening the rounds' files: each read waits on the disk, so many more than the cores (a pread releases the GIL).
 FRAME_READERS = min(32, 4 * (os.cpu_count() or 1))
 
 
@@ -144,7 +145,9 @@ class StoredRows:
         # device's queue)
         self._whole_on: dict[torch.device, Tensor] = {}
         self._starts_on: dict[torch.device, Tensor] = {}
-        self.bytes_read = 0  # compressed bytes of K/V read from the store so far (whole rounds and unit frames)
+        # bytes of K/V read from the store so far: whole rounds' compressed segments, unit frames' indexes and rows
+        # (the bytes between runs read across included)
+        self.bytes_read = 0
         self.frames_read = 0
         self.read_s = 0.0
         # where read_s went, on the host's clock: the frames' indices (the copy to the host waits for the layer's
@@ -152,14 +155,15 @@ class StoredRows:
         # their checksums (the copy to the device and the sums, queued; looked at in `verify`, which adds its wait
         # here too), and the rows' writes (queued on a GPU)
         self.phase_s = {"index": 0.0, "files": 0.0, "io": 0.0, "check": 0.0, "place": 0.0}
-        # the io phase's own parts (storage.unit_frames.gather_frames' `detail`): the reads tried without waiting,
-        # the refused ones announced, then waited for (s), and the runs read and refused
+        # the io phase's own parts (storage.unit_frames.gather_table_frames' `detail`): the plan, the reads tried
+        # without waiting, the wait for the reader threads (s); the runs, the reads, those left to the threads
+        # (refused or not tried), and the gaps between a file's runs by size
         self.io_detail: dict[str, float] = {}
         self.completed = False
         self.whole_restore_because: str | None = None  # why the completion became the session's whole restore
         self.complete_s = 0.0
         self.read_before_first_token: set[int] = set()  # the rounds the message's layers read (whole or in part)
-        self.bytes_before_first_token = 0  # K/V read before the first token, units not included
+        self.bytes_before_first_token = 0  # K/V read before the first token (as bytes_read), units not included
         # the process's bytes read from the disk so far (storage.pagecache.disk_bytes_read: pages and read-ahead
         # included), when the message's last layer had its rows; None where the OS does not count them
         self.disk_read_by_first_token: int | None = None
@@ -167,6 +171,10 @@ class StoredRows:
         self._globals = {layer: g for g, layer in enumerate(global_layers or [])}
         self._members = members or {}
         self._files: dict[int, UnitFramesFile] = {}
+        # the open files' indexes side by side (storage.unit_frames.FrameTable: a layer's frames of ~50 files
+        # planned by a few numpy calls), and each round's place in it (-1: not opened)
+        self._table: FrameTable | None = None
+        self._table_of = np.full(len(rounds), -1, dtype=np.int64)
         self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # cold unit frames, a share each
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         # frames read whose checksums are not looked at yet: (each frame's mismatch [F] bool, where each round's
@@ -239,7 +247,7 @@ class StoredRows:
         begin = self._unit_begin[g].view(-1)[place]
         counts = self._unit_begin[g].view(-1)[place + 1] - begin  # [F] each frame's members
         # the frames' indices on the host, in one copy; from here on the per-frame work is numpy's (storage.
-        # unit_frames.read_frames_of): Python work per frame is what a layer's ~1,000 frames cannot afford
+        # unit_frames.gather_table_frames): Python work per frame is what a layer's ~1,000 frames cannot afford
         key_rounds_np, key_heads_np, key_units_np, counts_np = torch.stack(
             [key_rounds, key_heads, key_units, counts]).cpu().numpy()
         frames = (g * n_heads + key_heads_np) * self._n_units_np[key_rounds_np] + key_units_np
@@ -248,18 +256,23 @@ class StoredRows:
         t1 = time.perf_counter()
         self._open_files([i for i in touched if i not in self._files])
         files = [self._file(i) for i in touched]
+        if self._table is None or bool((self._table_of[touched_np] < 0).any()):  # (files opened since: a new table)
+            opened = sorted(self._files)
+            self._table = FrameTable([self._files[i] for i in opened])
+            self._table_of = np.full(len(self.rounds), -1, dtype=np.int64)
+            self._table_of[opened] = np.arange(len(opened))
+        which = self._table_of[key_rounds_np]  # [F] each frame's file in the table (ascending: keys are)
         tf = time.perf_counter()
         before = sum(file.bytes_read for file in files)
-        per_file = np.split(frames, first[1:])
         device = self.cache.kv.device
         try:
-            data, _, _ = gather_frames(files, per_file, self._pool, FRAME_READERS, pin=device.type == "cuda",
-                                       detail=self.io_detail)
+            data, _, _ = gather_table_frames(self._table, which, frames, self._pool, FRAME_READERS,
+                                             pin=device.type == "cuda", detail=self.io_detail)
         except StorageError as exc:
             culprit = next((i for i, file in zip(touched, files) if file.path.name in str(exc)), touched[0])
             raise LazyResumeFailed(f"round {self.rounds[culprit].idx}: {exc}") from None
         self.bytes_read += sum(file.bytes_read for file in files) - before
-        expected = np.concatenate([file.header.sums[f] for file, f in zip(files, per_file)])
+        expected = self._table.expected_sums(which, frames)
         t2 = time.perf_counter()
         self.frames_read += len(frames)
         self._touched.update(touched)
