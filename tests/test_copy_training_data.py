@@ -67,12 +67,14 @@ def test_the_trainer_asks_for_no_mix_unless_told():
     from kvchat.engine.train.trainer import TrainConfig, corpus_chunks
 
     chunk = corpus_chunks(TrainConfig())[0]
-    # `mix or None`, no grammar's small talk or requests, no facts about anything: as every run before
-    assert chunk[-5:] == ("", 0.5, 0.0, 0.0, 0.0)
-    assert corpus_chunks(TrainConfig(mix="copy", mix_share=0.3))[0][-5:-3] == ("copy", 0.3)
-    assert corpus_chunks(TrainConfig(talk=0.7))[0][-3] == 0.7
-    assert corpus_chunks(TrainConfig(mix="copy", subjects=0.4))[0][-1] == 0.4
-    assert corpus_chunks(TrainConfig(requests=0.6))[0][-2] == 0.6
+    # `mix or None`, no grammar's small talk or requests, no facts about anything, no word-like random strings: as
+    # every run before
+    assert chunk[-6:] == ("", 0.5, 0.0, 0.0, 0.0, 0.0)
+    assert corpus_chunks(TrainConfig(mix="copy", mix_share=0.3))[0][-6:-4] == ("copy", 0.3)
+    assert corpus_chunks(TrainConfig(talk=0.7))[0][-4] == 0.7
+    assert corpus_chunks(TrainConfig(mix="copy", subjects=0.4))[0][-2] == 0.4
+    assert corpus_chunks(TrainConfig(requests=0.6))[0][-3] == 0.6
+    assert corpus_chunks(TrainConfig(mix="copy", words=0.5))[0][-1] == 0.5
     with pytest.raises(ValueError, match="unknown mix"):
         dialogues("train", 1, 0, 4, 8, mix="paste")
 
@@ -368,3 +370,37 @@ def test_a_tiny_model_trains_on_the_copy_mix(tmp_path, monkeypatch):
     losses = [h["loss"] for h in state["history"]]
     assert losses and all(math.isfinite(x) for x in losses) and losses[0] > 0
     assert any("loss" in line for line in log)
+
+
+def test_word_like_random_strings_are_drawn_for_training_chats_alone_and_only_when_asked(monkeypatch):
+    """`words` (issue 45's next run): a share of the copy mix's random strings drawn as lower-case words or several
+    words, the kinds G copied least. Without it the chats are the ones before (the digests above); held-out and
+    dev chats never have it."""
+    from kvchat.engine.data import dialogues as d
+
+    real_random_code = d.random_code
+    drawn = []  # (drawn as words, the value)
+
+    def random_code(rng, held=False, styles=None):
+        drawn.append((styles is not None, value := real_random_code(rng, held, styles)))
+        return value
+
+    monkeypatch.setattr(d, "random_code", random_code)
+
+    def chats(phrasing, words, seed=5):
+        drawn.clear()
+        split = "train" if phrasing == "train" else "heldout"
+        return d.dialogues(split, 12, seed, 30, 40, phrasing=phrasing, mix="copy", mix_share=0.5, words=words)
+
+    chats("train", 0.0)
+    assert drawn and not any(as_words for as_words, _ in drawn)
+    chats("train", 0.5)
+    as_words = [v for w, v in drawn if w]
+    # (the copy mix's codes and attributes draw random strings of every kind too: a part of the draws is asked for)
+    assert 0.1 < len(as_words) / len(drawn) < 0.5
+    assert all(re.fullmatch(r"[a-z]{2,16}", v) or re.fullmatch(r"\S{2,}( \S{2,}){1,2}", v) for v in as_words)
+    assert 0.2 < sum(" " in v for v in as_words) / len(as_words) < 0.8  # both kinds
+    for phrasing in ("heldout", "dev"):
+        assert chats(phrasing, 1.0) == chats(phrasing, 0.0)
+    with pytest.raises(ValueError, match="words"):
+        d.dialogues("train", 1, 0, 4, 8, mix="copy", words=1.5)

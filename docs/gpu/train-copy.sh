@@ -8,6 +8,7 @@
 #   TALK=0.7 ... bash docs/gpu/train-copy.sh train   # small talk written by engine/data/small_talk.py's grammar too
 #   REQUESTS=0.7 ... bash docs/gpu/train-copy.sh train   # requests written by its request grammar too
 #   SUBJECTS=0.4 ... bash docs/gpu/train-copy.sh train   # a share of the copy mix's facts about anything (open_facts.py)
+#   WORDS=0.5 ... bash docs/gpu/train-copy.sh train   # a share of its random strings lower-case words or several words
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
 #                                           # (GATE=1: and held-out sets 0-3, the gate before the report sets)
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
@@ -59,7 +60,7 @@ case "${1:-train}" in
   train)
     LONG="--set noise=6 --set never_told=50 --set lr=0.001 --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
           --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0} --set requests=${REQUESTS:-0}
-          --set subjects=${SUBJECTS:-0}"
+          --set subjects=${SUBJECTS:-0} --set words=${WORDS:-0}"
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
       --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
       2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8

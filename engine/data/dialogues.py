@@ -842,6 +842,10 @@ _ALNUM = {"lower": "abcdefghijklmnopqrstuvwxyz", "upper": "ABCDEFGHIJKLMNOPQRSTU
 _ALNUM["mixed"] = _ALNUM["lower"] + _ALNUM["upper"] + _ALNUM["digits"]
 _CODE_STYLES = ("lower", "capitalised", "upper", "digits", "mixed", "code", "several words")
 _CODE_WEIGHTS = (12, 12, 8, 10, 30, 18, 10)
+# What `words` (training only) draws a share of the copy mix's random strings from: the kinds G copied least on the
+# development set of random values, lower case 9 of 21 and several words 12 of 21, where a value looks like any word
+# of the sentence around it (docs/embedded-model.md, "What G misses")
+_WORD_STYLES = ("lower", "several words")
 _NUMBER_WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 _DAYS_IN_MONTH = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
 # The value fields the copy mix draws its own way (`copy_value`), beside the pools' and breeds.
@@ -886,13 +890,13 @@ def _cuts(rng: random.Random, length: int, parts: int, gap: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, room])]
 
 
-def random_code(rng: random.Random, held: bool = False) -> str:
+def random_code(rng: random.Random, held: bool = False, styles: tuple[str, ...] | None = None) -> str:
     """A random string of 2-16 characters: lower case, a capitalised word, capitals, digits, letters of both cases
     and digits mixed, a code of such pieces joined by '-' or '_' ("X7k-22Qa", "bq9_T"), or two or three words;
     no word of it a word of the generator's sentences or a held-out value (`_HELD_OUT_WORDS`); of `held`'s split
-    (`held_out_value`)."""
+    (`held_out_value`). `styles` (of _CODE_STYLES): drawn from those alone, each as often."""
     while True:
-        style = rng.choices(_CODE_STYLES, weights=_CODE_WEIGHTS)[0]
+        style = rng.choices(_CODE_STYLES, weights=_CODE_WEIGHTS)[0] if styles is None else rng.choice(styles)
         length = rng.randint(2, 16)
         if style == "code" and length >= 5:
             parts = rng.choice((2, 2, 3)) if length >= 8 else 2
@@ -1084,7 +1088,7 @@ class _Writer:
 
     def __init__(self, rng: random.Random, p: Pools, phrasing: str, dlg: Dialogue, noise: int = 0,
                  never_told: int = 25, wide: bool = False, mix: str | None = None, mix_share: float = 0.0,
-                 talk: float = 0.0, requests: float = 0.0, subjects: float = 0.0):
+                 talk: float = 0.0, requests: float = 0.0, subjects: float = 0.0, words: float = 0.0):
         self.rng, self.p, self.phrasing, self.dlg, self.noise = rng, p, phrasing, dlg, noise
         self.mix, self.mix_share = mix, mix_share  # the copy mix (issue 45): see `copy_statement`
         self.entities: dict[str, tuple[str, tuple[str, str]]] = {}  # the copy mix's things: "my dog": kind, he/his
@@ -1097,6 +1101,8 @@ class _Writer:
         self.requests = requests if phrasing == "train" else 0.0
         # training chats with the copy mix only: the share of its facts about anything (`open_fact`)
         self.subjects = subjects if phrasing == "train" and mix and p.synthetic else 0.0
+        # training chats with the copy mix only: the share of its random strings that look like words (_WORD_STYLES)
+        self.words = words if phrasing == "train" and mix and p.synthetic else 0.0
         self.known: dict[str, _Known] = {}
         self.last_single: str | None = None  # the key the previous round told alone (for "actually, it's ...")
 
@@ -1597,6 +1603,8 @@ class _Writer:
                     continue
             elif slot.key.startswith("attr:") or not (random_string or rng.random() < 0.5):
                 value = self.p.pick(slot.field, rng)
+            elif self.words and rng.random() < self.words:  # (drawn only where there is a share: without one,
+                value = random_code(rng, held, _WORD_STYLES)    # the chats of before byte for byte)
             else:
                 value = random_code(rng, held)
             if value not in taken:
@@ -1691,7 +1699,7 @@ def _ask(question: str, position: str, small_talk: Callable[[int], list[str]]) -
 def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool = True,
                   phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
                   mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
-                  requests: float = 0.0, subjects: float = 0.0) -> Dialogue:
+                  requests: float = 0.0, subjects: float = 0.0, words: float = 0.0) -> Dialogue:
     """A chat of n_rounds: facts, corrections, questions placed after what they ask about, out-of-scope prompts and
     small talk. `noise` (training only): 1 adds spare words to facts and questions and made-up words to the rest;
     2 also puts made-up words into, and leaves words out of, the frames of facts and questions (`with_frame_noise`)
@@ -1703,9 +1711,10 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
     `mix_share` of the facts told the copy mix's (`_Writer.copy_statement`); None leaves the chat as it always was.
     `talk` (training only) is the share of small-talk sentences written by engine/data/small_talk.py's grammar,
     `requests` (training only) the share of requests written by its request grammar, `subjects` (training with the
-    copy mix only) the share of the mix's facts that are about anything (engine.data.open_facts)."""
+    copy mix only) the share of the mix's facts that are about anything (engine.data.open_facts), `words` (the
+    same) the share of its random strings drawn as lower-case words or several words (_WORD_STYLES)."""
     dlg = Dialogue(SYSTEM_PROMPT if with_system else None, phrasing)
-    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk, requests, subjects)
+    w = _Writer(rng, p, phrasing, dlg, noise, never_told, wide, mix, mix_share, talk, requests, subjects, words)
     for i in range(n_rounds):
         dlg.known_before.append({k: v.value for k, v in w.known.items()})
         roll = rng.random()
@@ -1728,7 +1737,7 @@ def make_dialogue(rng: random.Random, p: Pools, n_rounds: int, with_system: bool
 def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: int,
               phrasing: str = "train", noise: int = 0, never_told: int = 25, wide: bool = False,
               mix: str | None = None, mix_share: float = COPY_SHARE, talk: float = 0.0,
-              requests: float = 0.0, subjects: float = 0.0) -> list[Dialogue]:
+              requests: float = 0.0, subjects: float = 0.0, words: float = 0.0) -> list[Dialogue]:
     """`count` chats: values from `split`'s pools ("train" or "heldout"), sentences from `phrasing`'s templates
     (PHRASINGS). The benchmarks and calibrations use held-out values in trained phrasings; `kvchat eval` any.
     `mix` (MIXES; None: none) adds a mix of other facts (`make_dialogue`), drawn from a stream of its own for each
@@ -1739,7 +1748,7 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         raise ValueError(f"unknown mix {mix!r} (accepted: {', '.join(MIXES)})")
     if mix is not None and not 0 <= mix_share <= 1:
         raise ValueError(f"mix_share must be within 0-1, not {mix_share}")
-    for share, what in ((talk, "talk"), (requests, "requests"), (subjects, "subjects")):
+    for share, what in ((talk, "talk"), (requests, "requests"), (subjects, "subjects"), (words, "words")):
         if not 0 <= share <= 1:
             raise ValueError(f"{what} must be within 0-1, not {share}")
     if mix is None:
@@ -1748,4 +1757,4 @@ def dialogues(split: str, count: int, seed: int, min_rounds: int, max_rounds: in
         rng = random.Random(f"{split}:{phrasing}:{mix}:{seed}")
     p = pools(split)
     return [make_dialogue(rng, p, rng.randint(min_rounds, max_rounds), rng.random() < 0.8, phrasing, noise,
-                          never_told, wide, mix, mix_share, talk, requests, subjects) for _ in range(count)]
+                          never_told, wide, mix, mix_share, talk, requests, subjects, words) for _ in range(count)]

@@ -96,6 +96,10 @@ class TrainConfig:
     # vocabulary or made up, found later by its words; G copied values in the generator's own subjects and few in
     # sentences no template wrote (docs/embedded-model.md, "The seventh run"). 0: the chats of before.
     subjects: float = 0.0
+    # The share of the copy mix's random strings drawn as lower-case words or several words (dialogues._WORD_STYLES):
+    # the kinds G copied least on the development set (docs/embedded-model.md, "What G misses"). 0: the chats of
+    # before.
+    words: float = 0.0
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         hd = self.d_model // self.n_heads
@@ -155,17 +159,18 @@ def encode_dialogue(tok, dlg: Dialogue, oos_weight: int = 1) -> tuple[np.ndarray
 
 
 def _encode_chunk(args) -> list[tuple[np.ndarray, np.ndarray]]:
-    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk, requests, subjects = args
+    split, count, seed, lo, hi, noise, oos_weight, never_told, wide, mix, mix_share, talk, requests, subjects, \
+        words = args
     return [encode_dialogue(_worker_tok, d, oos_weight)
             for d in dialogues(split, count, seed, lo, hi, noise=noise, never_told=never_told, wide=bool(wide),
                                mix=mix or None, mix_share=mix_share, talk=talk, requests=requests,
-                               subjects=subjects)]
+                               subjects=subjects, words=words)]
 
 
 def corpus_chunks(cfg: TrainConfig) -> list[tuple]:
     """The training chats as `_encode_chunk` arguments: 500 chats a chunk, each chunk its own seed."""
     return [("train", 500, cfg.seed * 100_000 + i, cfg.min_rounds, cfg.max_rounds, cfg.noise, cfg.oos_weight,
-             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk, cfg.requests, cfg.subjects)
+             cfg.never_told, cfg.wide, cfg.mix, cfg.mix_share, cfg.talk, cfg.requests, cfg.subjects, cfg.words)
             for i in range(math.ceil(cfg.n_dialogues / 500))]
 
 
