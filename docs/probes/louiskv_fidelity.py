@@ -17,9 +17,26 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from kvchat.app.bench.fidelity import text_fidelity
 from kvchat.app.session.policies import build_policy
 from xkv_fidelity import probe_engine  # this folder's: the probes run as scripts from it
+
+
+def centroids_in_fp8(centroids: torch.Tensor) -> torch.Tensor:
+    """Centroids [..., D] as 8-bit storage would keep them: each scaled into e4m3's range by a bfloat16 scale of its
+    own, rounded to float8_e4m3fn, and back (float32)."""
+    scale = (centroids.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12).to(torch.bfloat16).float()
+    return (centroids / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def keep_centroids_in_fp8() -> None:
+    """Every unit built from here on in this process keeps its centroids as `centroids_in_fp8` (in place of
+    bfloat16's rounding, engine.kv.units.in_stored_precision)."""
+    from kvchat.engine.kv import units
+
+    units.in_stored_precision = centroids_in_fp8
 
 
 def main() -> None:
@@ -34,9 +51,15 @@ def main() -> None:
                         help="comma-separated; options after colons: louiskv:tau=1.0:unit_tokens=8")
     parser.add_argument("--share", type=float, default=None,
                         help="louiskv's thresholds at this quantile of the model's r (default: its calibration's)")
+    parser.add_argument("--centroids", choices=("bf16", "fp8"), default="bf16",
+                        help="the precision louiskv's centroids are kept in: bf16 as a chat stores them, or fp8 "
+                             "(e4m3 with a bfloat16 scale per unit, layer and KV head): what storing them in half "
+                             "the bytes would cost the choice (issue 44's bytes before the first token)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.centroids == "fp8":
+        keep_centroids_in_fp8()
     path, engine = probe_engine(args.model, args.device)
     tau = None
     if args.share is not None:
