@@ -384,7 +384,6 @@ def gather_table_frames(table: FrameTable, which: np.ndarray, frames: np.ndarray
     lengths, gaps = run_length.tolist(), run_gap.tolist()
     t0 = time.perf_counter()
     nowait = getattr(os, "RWF_NOWAIT", 0)
-    reads = 0
     waiting = []  # (file, at, length, buffers): the reads the page cache could not answer at once
     refused = set()  # files with a read refused: the rest of theirs go to the reader threads untried
     for a, b, k, start in zip(read_first.tolist(), read_end.tolist(), run_file[read_first].tolist(),
@@ -394,7 +393,6 @@ def gather_table_frames(table: FrameTable, which: np.ndarray, frames: np.ndarray
         for r in range(a + 1, b):
             buffers += [scratch[: gaps[r]], view[dests[r] : dests[r] + lengths[r]]]
             length += gaps[r] + lengths[r]
-        reads += 1
         if nowait and k not in refused:
             try:
                 if os.preadv(fds[k], buffers, start, nowait) == length:
@@ -418,11 +416,12 @@ def gather_table_frames(table: FrameTable, which: np.ndarray, frames: np.ndarray
             task.result()
     if detail is not None:  # where the reads' time went (the bench keeps it for the warm and the cold run)
         parts = [("plan_s", t0 - began), ("nowait_s", t1 - t0), ("wait_s", time.perf_counter() - t1),
-                 ("runs", len(run_first)), ("reads", reads), ("refused_reads", len(waiting))]
+                 ("runs", len(run_first)), ("reads", len(read_first)),
+                 ("refused_reads", len(waiting))]
         # how far apart a file's runs lie: what reading across the gaps (fewer, longer reads) would cost in bytes
-        gaps = (run_start[1:] - run_start[:-1] - run_length[:-1])[run_file[1:] == run_file[:-1]]
+        apart = (run_start[1:] - run_start[:-1] - run_length[:-1])[run_file[1:] == run_file[:-1]]
         for limit in (4096, 16384, 65536):
-            near = gaps[gaps <= limit]
+            near = apart[apart <= limit]
             parts += [(f"gaps_within_{limit // 1024}k", near.size),
                       (f"gap_bytes_within_{limit // 1024}k", int(near.sum()))]
         for key, value in parts:

@@ -173,7 +173,7 @@ class StoredRows:
         self._files: dict[int, UnitFramesFile] = {}
         # the open files' indexes side by side (storage.unit_frames.FrameTable: a layer's frames of ~50 files
         # planned by a few numpy calls), and each round's place in it (-1: not opened)
-        self._table: FrameTable | None = None
+        self._table = FrameTable([])
         self._table_of = np.full(len(rounds), -1, dtype=np.int64)
         self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # cold unit frames, a share each
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
@@ -256,7 +256,7 @@ class StoredRows:
         t1 = time.perf_counter()
         self._open_files([i for i in touched if i not in self._files])
         files = [self._file(i) for i in touched]
-        if self._table is None or bool((self._table_of[touched_np] < 0).any()):  # (files opened since: a new table)
+        if bool((self._table_of[touched_np] < 0).any()):  # files opened since the table was made: a new one
             opened = sorted(self._files)
             self._table = FrameTable([self._files[i] for i in opened])
             self._table_of = np.full(len(self.rounds), -1, dtype=np.int64)
