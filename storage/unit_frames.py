@@ -309,10 +309,7 @@ def gather_frames(files: list[UnitFramesFile], frames: list[np.ndarray], pool: E
     indices), back to back, file after file (`gather_table_frames` over the files' own table)."""
     if len(files) != len(frames):
         raise ValueError("one frame list per file")
-    frames = [np.asarray(f, dtype=np.int64).reshape(-1) for f in frames]
-    for file, f in zip(files, frames):
-        if f.size and (f[0] < 0 or f[-1] >= file.header.frames or bool((f[1:] <= f[:-1]).any())):
-            raise ValueError(f"frames {f[:4].tolist()}... are not ascending indices of {file.header.frames} frames")
+    frames = [np.asarray(f, dtype=np.int64).reshape(-1) for f in frames]  # (checked by the table's `place`)
     which = np.repeat(np.arange(len(files), dtype=np.int64), [f.size for f in frames])
     flat = np.concatenate(frames) if frames else np.zeros(0, np.int64)
     return gather_table_frames(FrameTable(files), which, flat, pool, jobs, pin, detail, across)
