@@ -12,8 +12,9 @@ way of reading it wrong is reported as a StorageError subclass, and the caller r
 
 A segment of kind "key-bounds" holds a round's key bounds instead of its K/V, in the same format with blocks of tokens
 in place of tokens ([layers, 2 (min, max), Hkv, blocks, D]); the header does not record the kind, the database row does.
-A segment of kind "units" holds a round's retrieval units (storage.db.SEGMENT_UNITS: float32 [global layers, 2,
-Hkv, rows, D] within the model's layer range, 1 <= rows <= tokens).
+A segment of kind "units" holds a round's retrieval units (storage.db.SEGMENT_UNITS: [global layers, 2, Hkv, rows, D]
+within the model's layer range, 1 <= rows <= tokens; uint8 since 2026-11-29, bfloat16 or float32 before:
+app/session/units.py).
 A segment of kind "merged" holds two layers' K/V merged (engine.kv.cross_layer: [2, 2, Hkv, tokens + retained, D]); its
 layer range runs from the lower layer to the higher one.
 """
@@ -51,7 +52,7 @@ TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".kvs.part"
 
 # Index = the code stored in the file; never reorder, only append.
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)  # uint8: units alone (8-bit centroids' bytes)
 # numpy has no bfloat16: its bits travel as int16. Explicit little-endian so files mean the same on every host.
 
 _PREFIX = struct.Struct("<4sHH32sBBB")  # magic .. ndim
@@ -182,9 +183,12 @@ def _check_kv(kv: torch.Tensor, layers: range, tokens: range, kind: str) -> None
     for what, r in (("layers", layers), ("tokens", tokens)):
         if r.step != 1 or not 0 <= r.start <= r.stop <= _U32_MAX:
             raise ValueError(f"{what} {r} must be a contiguous range of non-negative 32-bit indices")
-    if kind == SEGMENT_UNITS and kv.dtype not in (torch.bfloat16, torch.float32):
-        # bfloat16 (a token's unit in the bits of an int16), or float32 as chats saved before 2026-11-28 hold
-        raise ValueError(f"units are bfloat16 or float32 (a token's unit is a number in them), not {kv.dtype}")
+    if kind == SEGMENT_UNITS and kv.dtype not in (torch.uint8, torch.bfloat16, torch.float32):
+        # uint8 (8-bit centroids and int16 members as bytes), bfloat16 (a token's unit in the bits of an int16) as
+        # chats saved before 2026-11-29 hold, or float32 as those before 2026-11-28
+        raise ValueError(f"units are uint8, bfloat16 or float32 (a token's unit is a number in them), not {kv.dtype}")
+    if kind != SEGMENT_UNITS and kv.dtype == torch.uint8:
+        raise ValueError(f"{name} of dtype {kv.dtype} cannot be saved: bytes are units' alone")
     if not layer_rows_fit(kind, kv.shape[0], len(layers)):
         raise ValueError(f"{name} for layers {layers} must hold {len(layers)} layers, not {kv.shape[0]}")
     if not token_rows_fit(kind, kv.shape[3], len(tokens)):

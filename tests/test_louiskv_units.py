@@ -19,7 +19,7 @@ from kvchat.app.session.chat import ChatSession
 from kvchat.app.session.service import ChatService
 from kvchat.app.session.units import pack_units, unpack_units
 from kvchat.assets import DEFAULT_MODEL
-from kvchat.engine.kv.units import Units, round_units, segment_units, sliced
+from kvchat.engine.kv.units import Units, in_stored_precision, round_units, segment_units, sliced
 from kvchat.engine.policies import make_policy
 from kvchat.engine.sampling import SamplingParams
 from kvchat.storage.db import SEGMENT_UNITS, Store
@@ -46,10 +46,11 @@ def test_a_reply_is_cut_where_each_layers_trigger_fired_and_no_segment_runs_long
     want1 = [0] * 16 + [1] * 16 + [2] * 8
     assert units.member[0, 0].tolist() == want0 and units.member[1, 1].tolist() == want1
     assert torch.equal(units.member[0, 0], units.member[0, 1])  # a layer's KV heads share its boundaries
-    for layer, head, unit in ((0, 1, 1), (0, 0, 3), (1, 0, 2)):  # each summary is the mean of its keys (in bf16)
+    for layer, head, unit in ((0, 1, 1), (0, 0, 3), (1, 0, 2)):  # each summary: the mean of its keys (as stored)
         mask = units.member[layer, head] == unit
         mean = k[layer, head, mask].mean(0)
-        assert torch.equal(units.summary[layer, head, unit, 0], mean.to(torch.bfloat16).float())
+        assert torch.allclose(units.summary[layer, head, unit, 0], in_stored_precision(mean), rtol=0, atol=1e-6)
+        assert torch.allclose(units.summary[layer, head, unit, 0], mean, rtol=0.07, atol=mean.abs().max() / 16)
     assert units.member[1].max() == 2  # layer 1's fourth centroid is unused: no slot points to it
     plain = segment_units(k, 0, None, longest=16)  # no trigger watched: segments of `longest`
     assert plain.member[0, 0].tolist() == want1
@@ -68,48 +69,85 @@ def test_a_rounds_units_are_its_messages_clusters_then_its_replys_segments():
 
 
 def test_units_pack_into_a_segment_and_back_exactly():
-    # centroids are made in bfloat16's precision, so the bfloat16 segment gives back exactly what the session read
+    # centroids are made in the 8-bit format's precision, so the segment gives back exactly what the session read
     units = round_units(keys(2, n=37), 3, 20, None, tokens_per_cluster=4, longest=6)
-    assert torch.equal(units.summary, units.summary.to(torch.bfloat16).float())
+    assert torch.equal(units.summary, in_stored_precision(units.summary))
     packed = pack_units(units)
-    assert packed.dtype == torch.bfloat16 and packed.shape[1] == 2
-    assert packed.numel() * 2 * 2 == pack_units_float32(units).numel() * 4  # half the bytes of the format before
+    assert packed.dtype == torch.uint8 and packed.shape[1] == 2
+    # at a real head size (128) about half the bytes of the format before: its centroids took them
+    wide = round_units(keys(4, n=600, d=128), 0, 400, None)
+    assert 0.45 < pack_units(wide).numel() / (pack_units_bfloat16(wide).numel() * 2) < 0.55
     back = unpack_units(packed, 3, 40)
     assert torch.equal(back.member, units.member) and back.summary.dtype == torch.float32
-    assert torch.equal(back.summary[:, :, : units.n_units], units.summary[:, :, : back.n_units])
-    # a segment of the float32 format (chats saved before) reads back the same
-    old = unpack_units(pack_units_float32(units), 3, 40)
-    assert torch.equal(old.member, units.member) and torch.equal(old.summary, back.summary)
+    assert torch.equal(back.summary, units.summary[:, :, : back.n_units])
+    assert back.n_units == int(units.member.max()) + 1  # the units no member names are not stored
+    # segments of the formats before (chats saved before) read back the centroids they hold
+    for old_format, precision in ((pack_units_bfloat16, torch.bfloat16), (pack_units_float32, torch.float32)):
+        old = unpack_units(old_format(units), 3, 40)
+        want = units.summary[:, :, : old.n_units].to(precision).float()
+        assert torch.equal(old.member, units.member) and torch.equal(old.summary, want)
     # more units than a member's int16 holds: refused, not stored wrong
     many = Units(0, 1, torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, (1 << 15) + 1, 1, 8))
     with pytest.raises(ValueError, match="more than a units segment holds"):
         pack_units(many)
-    # a token naming a unit the segment does not hold, in either format
-    packed[0, 1, 0, 0].view(torch.int16)[0] = 10_000
+    # a token naming a unit the segment does not hold, in each format
+    g, _, h, rows, d = packed.shape
+    packed[0, 1].reshape(h, rows * d)[0, :2].view(torch.int16)[0] = 10_000
+    bf16 = pack_units_bfloat16(units)
+    bf16[0, 1, 0, 0].view(torch.int16)[0] = 10_000
     before = pack_units_float32(units)
     before[0, 1, 0, 0, 0] = 10_000
-    for bad in (packed, before):
+    for bad in (packed, bf16, before):
         with pytest.raises(ValueError, match="does not hold"):
             unpack_units(bad, 3, 40)
 
 
+def test_an_8_bit_units_segment_whose_scales_do_not_fit_is_refused_not_read_past():
+    """The scales follow the members in plane 1: a segment cut short (its rows too few for the units its members
+    name) is refused, never read into the zeros or past the end."""
+    units = round_units(keys(3, n=64, d=4), 0, 40, None, tokens_per_cluster=4, longest=6)
+    packed = pack_units(units)
+    named = int(units.member.max()) + 1
+    rows = packed.shape[3]
+    assert rows == max(named, -(-(2 * 64 + 2 * named) // 4))  # d = 4: the members and scales need more than U rows
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_units(packed[:, :, :, : rows - 1].contiguous(), 0, 64)
+    with pytest.raises(ValueError, match="head size"):
+        pack_units(round_units(keys(3, n=8, d=3), 0, 4, None, tokens_per_cluster=4))
+
+
 def test_units_unpacked_where_their_segments_are_match_the_hosts_and_flag_the_bad_ones():
     """`units_of_packed` (a lazy open on a GPU unpacks there, with one wait for every round) gives what the host's
-    `unpack_units` gives, for both formats, and None for a segment naming units it does not hold (run here on the
+    `unpack_units` gives, for every format, and None for a segment naming units it does not hold (run here on the
     CPU: the same torch ops)."""
     from kvchat.app.session.units import units_of_packed
 
     units = round_units(keys(2, n=37), 3, 20, None, tokens_per_cluster=4, longest=6)
     other = round_units(keys(2, n=37).flip(2), 3, 20, None, tokens_per_cluster=4, longest=6)
     damaged = pack_units(other)
-    damaged[1, 1, 0, 0].view(torch.int16)[3] = 10_000
-    packed = [pack_units(units), pack_units_float32(units), damaged]
-    got = units_of_packed(packed, [(3, 40)] * 3)
-    for want, back in zip([unpack_units(p, 3, 40) for p in packed[:2]], got[:2]):
+    damaged[1, 1, 0, 0, 6:8].view(torch.int16)[0] = 10_000
+    packed = [pack_units(units), pack_units_bfloat16(units), pack_units_float32(units), damaged]
+    got = units_of_packed(packed, [(3, 40)] * 4)
+    for p, back in zip(packed[:3], got[:3]):
+        want = unpack_units(p, 3, 40)
         assert torch.equal(back.member, want.member) and torch.equal(back.summary, want.summary)
         assert back.summary.is_contiguous() and back.summary.untyped_storage().data_ptr() != \
-            packed[1].untyped_storage().data_ptr()  # (its own copy, not a view holding the whole segment)
-    assert got[2] is None and units_of_packed([], []) == []
+            p.untyped_storage().data_ptr()  # (its own copy, not a view holding the whole segment)
+    assert got[3] is None and units_of_packed([], []) == []
+
+
+def pack_units_bfloat16(units: Units) -> Tensor:
+    """The units segment's format from 2026-11-28 to 11-29: bfloat16, plane 0 the centroids, plane 1 the members'
+    int16 bits."""
+    g, h, u, _, d = units.summary.shape
+    n = units.member.shape[2]
+    rows = max(u, -(-n // d), 1)
+    packed = torch.zeros(g, 2, h, rows, d, dtype=torch.bfloat16)
+    packed[:, 0, :, :u] = units.summary[:, :, :, 0].to(torch.bfloat16)
+    members = torch.zeros(g, h, rows * d, dtype=torch.int16)
+    members[:, :, :n] = units.member.to(torch.int16)
+    packed[:, 1] = members.view(g, h, rows, d).view(torch.bfloat16)
+    return packed
 
 
 def pack_units_float32(units: Units) -> Tensor:

@@ -13,11 +13,13 @@ round again.
   missing file, another model's) gets them built from its K/V — clustered whole: no trigger was watched for its
   reply — and stored, with one restore note saying how many and why.
 
-A segment holds the units of one round in one bfloat16 tensor [G, 2, Hkv, rows, D] (G global layers): plane 0 rows
-[0, U) the centroids (made in bfloat16's precision: engine.kv.units.in_stored_precision); plane 1, flattened, each
-token's unit as an int16 whose bits the bfloat16 plane holds as they are (a round has fewer than 2^15 units per
-layer and KV head at any context kvchat runs). Chats saved before 2026-11-28 hold float32 segments (members exact
-in float32 up to 2^24), read as they are.
+A segment holds the units of one round in one uint8 tensor [G, 2, Hkv, rows, D] (G global layers), per layer and KV
+head: plane 0 rows [0, U) the centroids' e4m3 bits (engine.kv.units.centroids_in_8_bits; U the highest unit its
+members name + 1); plane 1, flattened, each of the n tokens' unit as a little-endian int16 (2n bytes: a round has
+fewer than 2^15 units per layer and KV head at any context kvchat runs), then each centroid's bfloat16 scale (2U
+bytes), then zeros. Since 2026-11-29: half the bytes of the bfloat16 format before, which a lazy resume reads before
+its first token. Chats saved before hold bfloat16 segments (plane 0 the centroids, plane 1 the int16 members' bits)
+or, before 2026-11-28, float32 ones (members exact in float32 up to 2^24); both are read as they are.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from kvchat.app.session.writer import KVWriter
-from kvchat.engine.kv.units import Units
+from kvchat.engine.kv.units import Units, centroids_in_8_bits, centroids_of_8_bits
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
@@ -43,77 +45,113 @@ MOST_UNITS = 1 << 15
 
 
 def pack_units(units: Units) -> Tensor:
-    """Units (one centroid per unit) as a units segment's tensor [G, 2, Hkv, rows, D] bfloat16 on the CPU."""
+    """Units (one centroid per unit) as a units segment's tensor [G, 2, Hkv, rows, D] uint8 on the CPU (the module's
+    docstring). Centroids made by engine.kv.units come back from it bit for bit (they are made in its precision)."""
     g, h, u, s, d = units.summary.shape
     if s != 1:
         raise ValueError("only units summarized by one centroid are stored")
     if u > MOST_UNITS:
         raise ValueError(f"a round of {u} units per layer and KV head is more than a units segment holds")
-    n = units.member.shape[2]
-    rows = max(u, math.ceil(n / d), 1)
-    packed = torch.zeros(g, 2, h, rows, d, dtype=torch.bfloat16)
-    packed[:, 0, :, :u] = units.summary[:, :, :, 0].cpu().to(torch.bfloat16)
-    members = torch.zeros(g, h, rows * d, dtype=torch.int16)
-    members[:, :, :n] = units.member.cpu().to(torch.int16)
-    packed[:, 1] = members.view(g, h, rows, d).view(torch.bfloat16)
+    if d < 4 or d % 2:
+        raise ValueError(f"a head size of {d} cannot hold a units segment's members (an even size of 4 or more can)")
+    member = units.member.cpu().to(torch.int16)  # [G, Hkv, n]
+    n = member.shape[2]
+    named = int(member.max()) + 1 if n else 1  # the units the members name: the rest are never read
+    if named > u:
+        raise ValueError(f"members name unit {named - 1} of {u}")
+    bits, scale = centroids_in_8_bits(units.summary[:, :, :named, 0].cpu())  # [G, Hkv, U, D], [G, Hkv, U]
+    rows = max(named, math.ceil((2 * n + 2 * named) / d), 1)
+    packed = torch.zeros(g, 2, h, rows, d, dtype=torch.uint8)
+    packed[:, 0, :, :named] = bits
+    tail = torch.zeros(g, h, rows * d, dtype=torch.uint8)
+    tail[:, :, : 2 * n] = member.contiguous().view(torch.uint8)
+    tail[:, :, 2 * n : 2 * n + 2 * named] = scale.contiguous().view(torch.uint8)
+    packed[:, 1] = tail.view(g, h, rows, d)
     return packed
 
 
 @dataclass(frozen=True)
 class StoredUnits:
     """A round's units as its segment holds them, on the host: the members as int16 (float32 segments: int64) and
-    the centroids in their stored precision. `on` makes them Units on a device, converting there: the copy moves
-    ~half the bytes of float32 centroids and int64 members (the lazy open copies a 32k chat's units, ~150 MB at the
-    8B shape, before its first token)."""
+    the centroids in their stored precision (8-bit segments: the e4m3 bits and their scales). `on` makes them Units
+    on a device, converting there: the copy moves the stored bytes, not float32 centroids and int64 members (the
+    lazy open copies a 32k chat's units before its first token)."""
 
     start: int
     end: int
     member: Tensor  # [G, Hkv, n]
     centroid: Tensor  # [G, Hkv, U, D]
+    scale: Tensor | None = None  # [G, Hkv, U] bfloat16: the 8-bit centroids' scales
 
     def on(self, device: torch.device | str) -> Units:
-        return Units(self.start, self.end, self.member.to(device).long(),
-                     self.centroid.to(device)[:, :, :, None].to(torch.float32))
+        centroid = self.centroid.to(device)
+        centroid = (centroids_of_8_bits(centroid, self.scale.to(device)) if self.scale is not None
+                    else centroid.to(torch.float32))
+        return Units(self.start, self.end, self.member.to(device).long(), centroid[:, :, :, None])
 
 
 def _member_plane(packed: Tensor, n: int) -> Tensor:
-    """The members of a round of n slots as a units segment's tensor holds them [G, Hkv, n] (int16 bits of the
-    bfloat16 plane; float32 segments, before 2026-11-28: the floats), on its device, not yet checked."""
+    """The members of a round of n slots as a units segment's tensor holds them [G, Hkv, n] (the int16s of plane 1's
+    bytes or of its bfloat16 bits; float32 segments, before 2026-11-28: the floats), on its device, not yet
+    checked."""
     g, _, h, rows, d = packed.shape
-    plane = packed[:, 1].reshape(g, h, rows * d)[:, :, :n]
+    plane = packed[:, 1].reshape(g, h, rows * d)
+    if packed.dtype == torch.uint8:
+        return plane[:, :, : 2 * n].view(torch.int16)
+    plane = plane[:, :, :n]
     return plane.view(torch.int16) if packed.dtype == torch.bfloat16 else plane.long()
 
 
+def _holds(packed: Tensor, n: int, named: int) -> bool:
+    """Whether a units segment's tensor of a round of n slots holds `named` units' centroids (and their scales)."""
+    _, _, _, rows, d = packed.shape
+    return named <= rows and (packed.dtype != torch.uint8 or 2 * n + 2 * named <= rows * d)
+
+
+def _centroids(packed: Tensor, n: int, named: int) -> tuple[Tensor, Tensor | None]:
+    """The first `named` centroids of a units segment's tensor of a round of n slots, as stored ([G, Hkv, U, D]),
+    and their scales [G, Hkv, U] in an 8-bit segment (else None), as views of it."""
+    g, _, h, rows, d = packed.shape
+    stored = packed[:, 0, :, :named]
+    if packed.dtype != torch.uint8:
+        return stored, None
+    return stored, packed[:, 1].reshape(g, h, rows * d)[:, :, 2 * n : 2 * n + 2 * named].view(torch.bfloat16)
+
+
 def units_of_packed(packed: list[Tensor], spans: list[tuple[int, int]]) -> list[Units | None]:
-    """Rounds' units segments' tensors (`pack_units`' layout, on any device) unpacked where they are, with one wait
-    for the device for all of them (each round's member range); None for a round whose members name units its
-    segment does not hold. What `stored_units` then `StoredUnits.on` give, without the host's work."""
+    """Rounds' units segments' tensors (`pack_units`' layout or an older one, on any device) unpacked where they are,
+    with one wait for the device for all of them (each round's member range); None for a round whose members name
+    units its segment does not hold. What `stored_units` then `StoredUnits.on` give, without the host's work."""
     members = [_member_plane(p, end - start) for p, (start, end) in zip(packed, spans)]
     ranges = [torch.stack([m.max(), m.min()]).long() if m.numel() else m.new_zeros(2, dtype=torch.long)
               for m in members]
     ranges = torch.stack(ranges).cpu().tolist() if ranges else []  # (the one wait)
     out: list[Units | None] = []
     for p, member, (start, end), (high, low) in zip(packed, members, spans, ranges):
-        if high >= p.shape[3] or low < 0:
+        named = int(high) + 1 if member.numel() else 1
+        if low < 0 or not _holds(p, end - start, named):
             out.append(None)
             continue
-        u = int(high) + 1 if member.numel() else 1
-        out.append(Units(start, end, member.long(),
-                         p[:, 0, :, :u, None].to(torch.float32).contiguous()))  # (a copy: float32 segments too)
+        centroid, scale = _centroids(p, end - start, named)
+        # (a copy either way: not a view holding the whole segment)
+        centroid = centroids_of_8_bits(centroid, scale) if scale is not None else centroid.to(torch.float32)
+        out.append(Units(start, end, member.long(), centroid[:, :, :, None].contiguous()))
     return out
 
 
 def stored_units(packed: Tensor, start: int, end: int) -> StoredUnits:
-    """`pack_units`' inverse for a round of slots [start, end), still on the host (`StoredUnits.on`)."""
+    """`pack_units`' inverse (or an older format's) for a round of slots [start, end), still on the host
+    (`StoredUnits.on`)."""
     g, _, h, rows, d = packed.shape
     n = end - start
-    if n > rows * d:
+    if n > rows * d // (2 if packed.dtype == torch.uint8 else 1):
         raise ValueError(f"a units segment of {rows} rows cannot hold {n} tokens' units")
     member = _member_plane(packed, n).contiguous()
-    u = int(member.max()) + 1 if n else 1
-    if u > rows or bool((member < 0).any()):
+    named = int(member.max()) + 1 if n else 1
+    if bool((member < 0).any()) or not _holds(packed, n, named):
         raise ValueError("a units segment names units it does not hold")
-    return StoredUnits(start, end, member, packed[:, 0, :, :u].contiguous())
+    centroid, scale = _centroids(packed, n, named)
+    return StoredUnits(start, end, member, centroid.contiguous(), None if scale is None else scale.contiguous())
 
 
 def unpack_units(packed: Tensor, start: int, end: int, device: torch.device | str = "cpu") -> Units:
@@ -262,7 +300,7 @@ class ChatUnits:
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
             n = row.token_end - row.token_start
-            if n > header.shape[3] * header.shape[4]:
+            if n > header.shape[3] * header.shape[4] // (2 if header.dtype == torch.uint8 else 1):
                 raise ValueError(f"a units segment of {header.shape[3]} rows cannot hold {n} tokens' units")
             if device is not None:
                 return packed, ""

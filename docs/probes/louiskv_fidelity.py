@@ -24,19 +24,17 @@ from kvchat.app.session.policies import build_policy
 from xkv_fidelity import probe_engine  # this folder's: the probes run as scripts from it
 
 
-def centroids_in_fp8(centroids: torch.Tensor) -> torch.Tensor:
-    """Centroids [..., D] as 8-bit storage would keep them: each scaled into e4m3's range by a bfloat16 scale of its
-    own, rounded to float8_e4m3fn, and back (float32)."""
-    scale = (centroids.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12).to(torch.bfloat16).float()
-    return (centroids / scale).to(torch.float8_e4m3fn).float() * scale
+def centroids_in_bf16(centroids: torch.Tensor) -> torch.Tensor:
+    """Centroids [..., D] as chats stored them before 2026-11-29: rounded to bfloat16, kept as float32."""
+    return centroids.to(torch.bfloat16).float()
 
 
-def keep_centroids_in_fp8() -> None:
-    """Every unit built from here on in this process keeps its centroids as `centroids_in_fp8` (in place of
-    bfloat16's rounding, engine.kv.units.in_stored_precision)."""
+def keep_centroids_in_bf16() -> None:
+    """Every unit built from here on in this process keeps its centroids as `centroids_in_bf16` (in place of the
+    8-bit rounding a chat stores them in now, engine.kv.units.in_stored_precision)."""
     from kvchat.engine.kv import units
 
-    units.in_stored_precision = centroids_in_fp8
+    units.in_stored_precision = centroids_in_bf16
 
 
 def main() -> None:
@@ -51,15 +49,15 @@ def main() -> None:
                         help="comma-separated; options after colons: louiskv:tau=1.0:unit_tokens=8")
     parser.add_argument("--share", type=float, default=None,
                         help="louiskv's thresholds at this quantile of the model's r (default: its calibration's)")
-    parser.add_argument("--centroids", choices=("bf16", "fp8"), default="bf16",
-                        help="the precision louiskv's centroids are kept in: bf16 as a chat stores them, or fp8 "
-                             "(e4m3 with a bfloat16 scale per unit, layer and KV head): what storing them in half "
-                             "the bytes would cost the choice (issue 44's bytes before the first token)")
+    parser.add_argument("--centroids", choices=("bf16", "fp8"), default="fp8",
+                        help="the precision louiskv's centroids are kept in: fp8 as a chat stores them, or bf16 as "
+                             "chats stored them before 2026-11-29 (fp8: e4m3 with a bfloat16 scale per unit, layer "
+                             "and KV head; what storing them in half the bytes costs the choice, issue 44)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.centroids == "fp8":
-        keep_centroids_in_fp8()
+    if args.centroids == "bf16":
+        keep_centroids_in_bf16()
     path, engine = probe_engine(args.model, args.device)
     tau = None
     if args.share is not None:
