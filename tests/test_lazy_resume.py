@@ -442,3 +442,24 @@ def test_a_checksum_kernel_that_cannot_run_here_leaves_the_checks_to_torch(kvcha
     for h in range(n_heads):
         assert torch.equal(session.cache.kv[1, :, h, chosen[h]], reference.cache.kv[1, :, h, chosen[h]])
     session.close()
+
+
+def test_a_chat_whose_units_were_stored_in_bfloat16_opens_lazily_from_them(kvchat_home, monkeypatch):
+    """Chats saved before 2026-11-29 hold bfloat16 units segments (the 8-bit format came after): a lazy open reads
+    them as they are, rebuilds none, answers, and stores the new round's units in 8 bits beside them."""
+    import kvchat.app.session.units as units_module
+    from test_louiskv_units import pack_units_bfloat16
+
+    store = Store()
+    monkeypatch.setattr(units_module, "pack_units", pack_units_bfloat16)
+    sid = stored_chat(store)
+    monkeypatch.undo()
+    before = {s["round_idx"]: (s["file"], s["dtype"]) for s in store.segments(sid) if s["kind"] == SEGMENT_UNITS}
+    assert len(before) == len(FACTS) and {dtype for _, dtype in before.values()} == {"bfloat16"}
+    session = continued(store, sid, LATER[:1], lazy=True)
+    assert session.lazy_rows is not None and session.lazy_rows.completed
+    assert not [n for n in session.sent_restore.notes if "retrieval units" in n or "not opened lazily" in n]
+    assert session.rounds[-1].assistant_text
+    after = {s["round_idx"]: (s["file"], s["dtype"]) for s in store.segments(sid) if s["kind"] == SEGMENT_UNITS}
+    assert {i: after[i] for i in before} == before and after[len(FACTS)][1] == "uint8"
+    session.close()
