@@ -9,6 +9,7 @@
 #   REQUESTS=0.7 ... bash docs/gpu/train-copy.sh train   # requests written by its request grammar too
 #   SUBJECTS=0.4 ... bash docs/gpu/train-copy.sh train   # a share of the copy mix's facts about anything (open_facts.py)
 #   WORDS=0.5 ... bash docs/gpu/train-copy.sh train   # a share of its random strings lower-case words or several words
+#   LR=0.0003 ... bash docs/gpu/train-copy.sh train   # the peak learning rate (default 0.001, every run's before)
 #   EVAL=1 ... bash docs/gpu/train-copy.sh train   # then the development evals below, on the CPU cores beside
 #                                           # (GATE=1: and held-out sets 0-3, the gate before the report sets)
 #   bash docs/gpu/train-copy.sh eval A.gguf B.gguf  # each model's development evals, all at once on the CPU cores
@@ -58,7 +59,7 @@ case "${1:-train}" in
     timeout "${PROBE_LIMIT:-90}" python3 docs/probes/unit_choice_cost.py > "$OUT/unit-choice-cost.txt" 2> "$OUT/unit-choice-cost.log"
     echo "unit choice probe: exit status $?"; tail -25 "$OUT/unit-choice-cost.txt" ;;
   train)
-    LONG="--set noise=6 --set never_told=50 --set lr=0.001 --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
+    LONG="--set noise=6 --set never_told=50 --set lr=${LR:-0.001} --set steps=${STEPS:-3500} --set n_dialogues=${DIALOGUES:-100000}
           --set compile=1 --set wide=1 --set user_lm=1.0 --set min_rounds=32 --set max_rounds=60 --set talk=${TALK:-0} --set requests=${REQUESTS:-0}
           --set subjects=${SUBJECTS:-0} --set words=${WORDS:-0}"
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
@@ -67,7 +68,9 @@ case "${1:-train}" in
     cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/"
     if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained
       if [ -n "${GATE:-}" ]; then gate_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; fi
-      wait; summary; summary "$OUT" "*-heldout-seed*.json"; fi ;;
+      wait; summary; summary "$OUT" "*-heldout-seed*.json"
+      # in one archive: the device hands back at most 8 files of a call
+      (cd "$OUT" && tar czf evals.tgz -- *-dev-* *-heldout-seed* 2>/dev/null && rm -f -- *-dev-* *-heldout-seed*); fi ;;
   eval)
     shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
   report)  # held-out phrasings on each report set (40 chats, as 2026-11-26's figures), random strings on each (10
@@ -110,6 +113,8 @@ case "${1:-train}" in
       python3 -m kvchat.engine.train.trainer --out "/tmp/$name" --average "${files[@]}" > "$OUT/$name-average.log" \
         && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name" \
         && if [ -n "${GATE:-}" ]; then gate_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"; fi
-    done; wait; summary; summary "$OUT" "*-heldout-seed*.json" ;;
+    done; wait; summary; summary "$OUT" "*-heldout-seed*.json"
+    (cd "$OUT" && tar czf evals.tgz -- *-dev-* *-heldout-seed* *-average.log 2>/dev/null \
+      && rm -f -- *-dev-* *-heldout-seed* *-average.log) ;;
   *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL|ship MODEL" >&2; exit 2 ;;
 esac
