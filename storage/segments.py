@@ -393,7 +393,7 @@ def tensor_on(header: SegmentHeader, raw: bytes, device: torch.device | str = "c
 def merge_planes(header: SegmentHeader, flat: torch.Tensor) -> torch.Tensor:
     """The segment's tensor from its decoded bytes (a uint8 tensor on any device): byte planes merged back into
     values (a byte transpose: on the GPU it costs nothing next to the disk read), then shaped."""
-    if header.codec == "planes+zstd" and flat.numel():
+    if header.codec == "planes+zstd" and flat.numel() and header.dtype.itemsize > 1:  # (bytes: one plane)
         flat = flat.view(header.dtype.itemsize, -1).t().contiguous().reshape(-1)
     return flat.view(header.dtype).reshape(header.shape)
 

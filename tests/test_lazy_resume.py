@@ -308,6 +308,7 @@ def test_a_closed_chat_lets_go_of_its_unit_frames_before_its_resume_completed(kv
     (the bench's peak GPU memory of 14.5-19.0 GiB against kv-split's 10.4, H200, 2026-11-29)."""
     import gc
     import os
+    import time
     import weakref
     from pathlib import Path
 
@@ -329,10 +330,16 @@ def test_a_closed_chat_lets_go_of_its_unit_frames_before_its_resume_completed(kv
     policy = louiskv()  # (it outlives the session, as the bench's and the app's policies do)
     session = ChatSession(store, shared_engine(), sid, policy=policy, lazy_resume=True)
     assert session.restore_lazily()
+    # every round's file is opened from the open on (beside the units' reads), before any layer asks for it
+    deadline = time.monotonic() + 10
+    while opened() != files and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert opened() == files
     rows, n_heads = session.lazy_rows, session.cache.kv.shape[2]
     chosen = torch.stack([torch.arange(h, session.cache.length, 5)[:20] for h in range(n_heads)])
     rows.ensure(1, chosen)
-    assert rows.frames_read > 0 and opened() and policy.lazy is rows
+    assert rows.frames_read > 0 and policy.lazy is rows
+    assert 0 < len(rows._files) < len(files)  # the rounds the layer touched taken; the rest closed with the chat
     held = weakref.ref(session.cache.kv)
     session.close()
     assert not opened() and not rows._files

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from kvchat.app.session.lazy import LazyResumeFailed, StoredRows, lazily_loadable
+from kvchat.app.session.lazy import FrameFilesOpening, LazyResumeFailed, StoredRows, lazily_loadable
 from kvchat.app.session.layout import Planner, chat_groups
 from kvchat.app.session.merges import ChatMerges
 from kvchat.app.session.restore import RestoreCancelled, RestoreProgress, RestoreRun, RestoreStats
@@ -223,16 +223,25 @@ class ChatSession:
         total = self.rounds[-1].token_end
         cache = None
         opened = time.perf_counter()
+        opening = None
         if why is None:  # (the device's full cache: a policy over it makes no cache of its own)
             cache = self._new_cache(total + self.room)
             made = time.perf_counter()
+            # the unit-frames files opened on reader threads while the units are read (the first layer needs both)
+            opening = FrameFilesOpening(self.store, segments, self.rounds, self.fingerprint, cache.kv.dtype)
             stored_units = self._units_of_policy()
-            missing = stored_units.load_stored(cache, self.rounds)
+            try:
+                missing = stored_units.load_stored(cache, self.rounds)
+            except BaseException:
+                opening.close()
+                raise
             self.lazy_open_s = {"checks": opened - started, "cache": made - opened,
                                 "units": time.perf_counter() - made}
             if missing:
                 why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
         if why is not None:
+            if opening is not None:
+                opening.close()
             self.restore_notes = [*self.restore_notes, f"not opened lazily: {why}"]
             return False
         cache.length = total
@@ -244,7 +253,7 @@ class ChatSession:
                           restore_whole=lambda: self._restore_whole_into(cache, stats),
                           members={r.idx: cache.units[(r.token_start, r.token_end)].member for r in self.rounds},
                           global_layers=model.cfg.global_layers,
-                          after_complete=lambda: stored_units.load(cache, self.rounds))
+                          after_complete=lambda: stored_units.load(cache, self.rounds), opening=opening)
         policy.lazy = self.lazy_rows = rows
         self.lazy_open_s["layout"] = time.perf_counter() - laid_out
         self.cache, self.restored = cache, stats

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +107,40 @@ def _tiles(segs: list[dict], n_layers: int) -> bool:
     return at == n_layers
 
 
+class FrameFilesOpening:
+    """A lazily opened chat's unit-frames files being opened on reader threads from the open's start, beside the read
+    of its units: each open reads and hashes a header and an index (~260 KB at 32k on the 8B shape), and the
+    message's first layer, which touched all 51 rounds of the bench's chat, waited ~42 ms for them on the H200 host
+    (2026-11-29) after the units' ~78 ms. `StoredRows` takes each as its layers reach the round and checks it then
+    against the round's units (known only once they are read); what it never takes is closed with it."""
+
+    def __init__(self, store: Store, segments: list[dict], rounds: list[RoundRow], fingerprint: str,
+                 dtype: torch.dtype):
+        framed = {seg["round_idx"]: seg for seg in segments
+                  if seg["kind"] == SEGMENT_UNIT_ROWS and readable_into(seg, dtype)}
+        self.pool = ThreadPoolExecutor(max_workers=FRAME_READERS)
+        self._opening: dict[int, Future] = {
+            i: self.pool.submit(UnitFramesFile, store.kv_dir / framed[row.idx]["file"], fingerprint=fingerprint)
+            for i, row in enumerate(rounds) if row.idx in framed}
+
+    def take(self, i: int) -> Future | None:
+        """Round i's file being opened (its result the open UnitFramesFile, or the StorageError that stopped it), or
+        None where it was taken or the round has no frames of the cache's precision."""
+        return self._opening.pop(i, None)
+
+    def close(self) -> None:
+        """The files nobody took closed, now or once their opens end."""
+        for opening in self._opening.values():
+            opening.add_done_callback(_close_opened)
+        self._opening.clear()
+        self.pool.shutdown(wait=False)
+
+
+def _close_opened(opening: Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
 class StoredRows:
     """engine.policies.units_prefill.LazyChat over a chat's store: the rows a layer's heads choose brought in by their
     units' frames where the round has unit frames, else the round whole (every layer) the first time any row of it
@@ -115,12 +149,14 @@ class StoredRows:
 
     def __init__(self, store: Store, segments: list[dict], fingerprint: str, rounds: list[RoundRow], cache, stats,
                  restore_whole: Callable[[], None], members: dict[int, Tensor] | None = None,
-                 global_layers: list[int] | None = None, after_complete: Callable[[], None] | None = None):
+                 global_layers: list[int] | None = None, after_complete: Callable[[], None] | None = None,
+                 opening: FrameFilesOpening | None = None):
         """`segments`: the chat's segment rows; `stats`: the session's RestoreStats of this open, which the
         completion fills in; `members`: each round's units' members [G, Hkv, n] on the CPU, as read from its units
         segment, on the device the cache's units are (without them, or without `global_layers`, every round is
-        read whole); `after_complete`: run once
-        the cache holds the whole chat (the session stores the unit frames of rounds saved without them)."""
+        read whole); `after_complete`: run once the cache holds the whole chat (the session stores the unit frames
+        of rounds saved without them); `opening`: the rounds' unit-frames files being opened since the chat was
+        opened (its reader threads become these rows'; closed with them)."""
         self.store, self.fingerprint, self.cache, self.stats = store, fingerprint, cache, stats
         self.rounds = rounds
         self.starts = [r.token_start for r in rounds]
@@ -175,7 +211,9 @@ class StoredRows:
         # planned by a few numpy calls), and each round's place in it (-1: not opened)
         self._table = FrameTable([])
         self._table_of = np.full(len(rounds), -1, dtype=np.int64)
-        self._pool = ThreadPoolExecutor(max_workers=FRAME_READERS)  # cold unit frames, a share each
+        self._opening = opening
+        # cold unit frames, a share each
+        self._pool = opening.pool if opening is not None else ThreadPoolExecutor(max_workers=FRAME_READERS)
         self._held: dict[int, Tensor] = {}  # global layer -> [rounds, Hkv, most units] bool: unit frames read
         # frames read whose checksums are not looked at yet: (each frame's mismatch [F] bool, where each round's
         # frames begin in it, the rounds, their files' names)
@@ -351,34 +389,47 @@ class StoredRows:
 
     def _open_files(self, rounds: list[int]) -> None:
         """Rounds' unit-frames files opened side by side on the reader threads (`_open`): each open reads and
-        hashes a header and an index (~260 KB at 32k on the 8B shape), and a message's first layer opens ~50."""
-        if len(rounds) < 2:
+        hashes a header and an index (~260 KB at 32k on the 8B shape), and a message's first layer opens ~50. Those
+        opening since the chat was opened (`FrameFilesOpening`) are waited for and checked on this thread."""
+        early = {i: self._opening.take(i) for i in rounds} if self._opening is not None else {}
+        early = {i: opening for i, opening in early.items() if opening is not None}
+        rest = [i for i in rounds if i not in early]
+        if not early and len(rest) < 2:
             return
         if self._counts_np is None:  # (on this thread: what each file's members are checked against)
             self._counts_np = self._unit_counts.cpu().numpy()
-        opening = [self._pool.submit(self._open, i) for i in rounds]
+        opening = [self._pool.submit(self._open, i) for i in rest]
+        failed: list[LazyResumeFailed] = []
+        for i, opened in early.items():
+            try:
+                self._keep(i, self._open(i, opened))
+            except LazyResumeFailed as exc:
+                failed.append(exc)
         wait(opening)  # every open done (or failed) before any error is raised: none outlives the lazy resume
-        for i, task in zip(rounds, opening):
+        for i, task in zip(rest, opening):
             if task.exception() is None:
                 self._keep(i, task.result())
+        if failed:
+            raise failed[0]
         for task in opening:
             task.result()
 
     def _file(self, i: int) -> UnitFramesFile:
         """Round i's unit frames, opened once (`_open`; the header and index counted as bytes read)."""
         if i not in self._files:
-            self._keep(i, self._open(i))
+            self._keep(i, self._open(i, self._opening.take(i) if self._opening is not None else None))
         return self._files[i]
 
     def _keep(self, i: int, file: UnitFramesFile) -> None:
         self._files[i] = file
         self.bytes_read += file.header.size
 
-    def _open(self, i: int) -> UnitFramesFile:
-        """Round i's unit frames opened, its header and index read and checked against the round's units."""
+    def _open(self, i: int, opened: Future | None = None) -> UnitFramesFile:
+        """Round i's unit frames opened (or `opened`'s, being opened), its header and index read and checked
+        against the round's units."""
         try:
-            file = UnitFramesFile(self.store.kv_dir / self.frames[self.rounds[i].idx]["file"],
-                                  fingerprint=self.fingerprint)
+            file = opened.result() if opened is not None else UnitFramesFile(
+                self.store.kv_dir / self.frames[self.rounds[i].idx]["file"], fingerprint=self.fingerprint)
             try:
                 file.frame_index(0, 0, 0, self._n_units[i])  # it holds a frame for each of this round's units
                 if self._counts_np is None:  # (every round's members per unit, on the host: one copy)
@@ -443,6 +494,8 @@ class StoredRows:
         """Let go of the unit-frames files, the reader threads and the callbacks into the session (once complete, or
         when the lazy answer stopped)."""
         self._complete = self._after_complete = None
+        if self._opening is not None:
+            self._opening.close()
         for file in self._files.values():
             file.close()
         self._files.clear()
