@@ -34,6 +34,13 @@ def evict_files(paths: list[Path]) -> bool:
     return evict(paths) and not any(resident_fraction(p) > 0 for p in paths if p.exists())
 
 
+def left_resident(paths: list[Path]) -> list[str]:
+    """The files that still have pages in the page cache (sampled, as `evict_files` looks): why a cold run was not."""
+    from kvchat.storage.pagecache import resident_fraction
+
+    return [p.name for p in paths if p.exists() and resident_fraction(p) > 0]
+
+
 def recall_ok(got: str, expected: str) -> bool:
     """Whether an answer to a recall question holds the stated value, judged as `kvchat eval` judges it."""
     from kvchat.app.bench.evaluate import reply_matches
@@ -52,4 +59,5 @@ def summarize(runs: list[dict], wl: dict, device) -> dict:
             # between the first token and the decode (capturing its graphs), in neither figure above
             **({"decode_setup_warm_s": statistics.median(r["decode_setup_s"] for r in warm)}
                if "decode_setup_s" in runs[0] else {}),
-            "cold_files_evicted": bool(runs[0]["page_cache_dropped"])}
+            "cold_files_evicted": bool(runs[0]["page_cache_dropped"]),
+            **({"cold_files_left_resident": runs[0]["left_resident"]} if runs[0].get("left_resident") else {})}

@@ -19,6 +19,7 @@ from kvchat.app.bench.resume_common import (
     RECALL_TOKENS,
     REPLY_TOKENS,
     evict_files,
+    left_resident,
     load_workload,
     recall_ok,
     summarize,
@@ -105,8 +106,11 @@ def _setup(spec: dict) -> dict:
 
 
 def _chat_files(home: Path) -> list[Path]:
-    """The store's database and segment files: what resuming a chat reads."""
-    return [p for p in home.rglob("*") if p.is_file()]
+    """The store's database and segment files: what resuming a chat reads. Not SQLite's WAL index (`-shm`): shared
+    memory that each open connection maps, which no eviction drops while it is mapped and a resume never reads from
+    the disk. (A run of 2026-11-29 on the H200 said its cold runs' files were not all evicted, while the lazy run's
+    reads were all refused by the page cache: the runs record which files stayed, `cold_files_left_resident`.)"""
+    return [p for p in home.rglob("*") if p.is_file() and not p.name.endswith("-shm")]
 
 
 def _warm_up(engine) -> None:
@@ -226,7 +230,9 @@ def _run_engine(spec: dict) -> dict:
         del cache
     runs = []
     for run in range(1 + spec["repeats"]):
-        dropped = evict_files(_chat_files(Path(wl["home"]))) if run == 0 else None
+        files = _chat_files(Path(wl["home"]))
+        dropped = evict_files(files) if run == 0 else None
+        resident = left_resident(files)[:5] if run == 0 and not dropped else []  # (what kept the cold run warm)
         sync(engine.device)
         disk_before = disk_bytes_read()
         t0 = time.perf_counter()
@@ -237,6 +243,7 @@ def _run_engine(spec: dict) -> dict:
         runs.append({"ttft_s": t1 - t0 + out.first_token_seconds, "resume_s": t1 - t0, "tokens": out.tokens,
                      "message_ttft_s": out.first_token_seconds, "decode_setup_s": out.decode_setup_seconds,
                      "decode_tok_s": out.decode_tokens_per_second, "text": out.text, "page_cache_dropped": dropped,
+                     "left_resident": resident,
                      **(_tiered_figures(cache, out) if isinstance(cache, TieredKV) else {}),
                      **(_host_figures(cache) if isinstance(cache, HostResidentKV) else {}),
                      **(_stream_figures(restores[-1]) if method == "kv-split" else {}),

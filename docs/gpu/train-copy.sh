@@ -65,7 +65,9 @@ case "${1:-train}" in
     timeout "${LIMIT:-430}" python3 -m kvchat.engine.train.trainer --out /tmp/copy-run --init "${INIT:-assets/kvchat-memory-demo.gguf}" \
       --workers 15 --seed "${SEED:-5}" --minutes "${MINUTES:-6.3}" $LONG --mix copy --mix-share "${SHARE:-0.5}" \
       2>&1 | tee "$OUT/train-copy.log" | grep -v "^step [0-9]*[1-9]00/" | tail -8
-    cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/"
+    # (the trainer stopped by LIMIT before it saved: LIMIT covers making the chats too, 71-99 s of 100,000 on the
+    # H200 hosts of 2026-11-29, and their speed varied 1.2-1.7M tokens a second; one such run wrote no model)
+    cp /tmp/copy-run/kvchat-memory-demo.gguf "$OUT/" || { echo "no model: the trainer did not finish within LIMIT=${LIMIT:-430} s" >&2; exit 1; }
     if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained
       if [ -n "${GATE:-}" ]; then gate_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; fi
       wait; summary; summary "$OUT" "*-heldout-seed*.json"
