@@ -116,23 +116,27 @@ def test_an_8_bit_units_segment_whose_scales_do_not_fit_is_refused_not_read_past
         pack_units(round_units(keys(3, n=8, d=3), 0, 4, None, tokens_per_cluster=4))
 
 
-def test_units_unpacked_where_their_segments_are_match_the_hosts_and_flag_the_bad_ones():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_units_unpacked_where_their_segments_are_match_the_hosts_and_flag_the_bad_ones(device):
     """`units_of_packed` (a lazy open on a GPU unpacks there, with one wait for every round) gives what the host's
-    `unpack_units` gives, for every format, and None for a segment naming units it does not hold (run here on the
-    CPU: the same torch ops)."""
+    `unpack_units` gives, for every format, and None for a segment naming units it does not hold."""
     from kvchat.app.session.units import units_of_packed
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     units = round_units(keys(2, n=37), 3, 20, None, tokens_per_cluster=4, longest=6)
     other = round_units(keys(2, n=37).flip(2), 3, 20, None, tokens_per_cluster=4, longest=6)
     damaged = pack_units(other)
     damaged[1, 1, 0, 0, 6:8].view(torch.int16)[0] = 10_000
     packed = [pack_units(units), pack_units_bfloat16(units), pack_units_float32(units), damaged]
-    got = units_of_packed(packed, [(3, 40)] * 4)
+    got = units_of_packed([p.to(device) for p in packed], [(3, 40)] * 4)
     for p, back in zip(packed[:3], got[:3]):
         want = unpack_units(p, 3, 40)
-        assert torch.equal(back.member, want.member) and torch.equal(back.summary, want.summary)
+        assert back.summary.device.type == device
+        assert torch.equal(back.member.cpu(), want.member) and torch.equal(back.summary.cpu(), want.summary)
         assert back.summary.is_contiguous() and back.summary.untyped_storage().data_ptr() != \
             p.untyped_storage().data_ptr()  # (its own copy, not a view holding the whole segment)
+    assert torch.equal(got[0].summary.cpu(), units.summary[:, :, : got[0].n_units])  # as the session read them
     assert got[3] is None and units_of_packed([], []) == []
 
 

@@ -236,7 +236,8 @@ class ChatSession:
                 opening.close()
                 raise
             self.lazy_open_s = {"checks": opened - started, "cache": made - opened,
-                                "units": time.perf_counter() - made}
+                                "units": time.perf_counter() - made,
+                                **{f"units_{part}": took for part, took in stored_units.load_stored_s.items()}}
             if missing:
                 why = f"{len(missing)} of {len(self.rounds)} rounds have no stored retrieval units"
         if why is not None:

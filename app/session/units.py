@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -202,6 +203,7 @@ class ChatUnits:
         self.store, self.writer, self.sid, self.fingerprint = store, writer, sid, fingerprint
         self.model, self.policy, self.unit_rows = model, policy, unit_rows
         self.layers = model.cfg.global_layers
+        self.load_stored_s: dict[str, float] = {}  # the last `load_stored`'s parts (s)
 
     def save(self, cache, row: RoundRow, reply_at: int) -> None:
         """Build the units of a round just answered (its reply's cuts are the policy's latest) and store them."""
@@ -270,14 +272,18 @@ class ChatUnits:
         the H200 host, read and unpacked on the host, 2026-11-29): so the reader threads only read, check and
         decompress, their bytes go to the device (through the pinned staging buffers), and the planes are merged
         and the units unpacked there, with one wait for the device for every round's member range."""
+        t0 = time.perf_counter()
         rows = {s["round_idx"]: s for s in self.store.segments(self.sid) if s["kind"] == SEGMENT_UNITS}
         device = cache.kv.device
         with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(rounds)))) as pool:
             read = list(pool.map(lambda row: self._read(rows.get(row.idx), row, device), rounds))
+        t1 = time.perf_counter()
         missing = [row.idx for row, (units, _) in zip(rounds, read) if units is None]
         if missing:
             return missing
         units = units_of_packed([p for p, _ in read], [(row.token_start, row.token_end) for row in rounds])
+        # where the open's time went: the files read, checked, decompressed and sent; the units unpacked there
+        self.load_stored_s = {"read": t1 - t0, "unpack": time.perf_counter() - t1}
         bad = [row.idx for row, u in zip(rounds, units) if u is None]
         if bad:
             return bad
