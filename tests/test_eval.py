@@ -96,11 +96,12 @@ def test_the_demo_model_is_scored_on_held_out_phrasings_and_out_of_scope_prompts
     chats = heldout_chats(3, 4, 16, 20, phrasing="heldout")
     assert {c.phrasing for c in chats} == {"heldout"}
     result = evaluate(engine, make_policy("full"), chats, mode="compare")
-    # pinned (2026-11-28, CPU, the model G shipped that day): polite to 12 of its 13 out-of-scope prompts; its recall
-    # on these short held-out chats is 6 of 13 (the model before: 2; held-out small talk around a question defeated
-    # it: docs/embedded-model.md), pinned under each chat policy in tests/test_recall_pinned.py
+    # pinned (2026-11-29, CPU, the model B2 shipped that day): polite to 12 of its 13 out-of-scope prompts; its
+    # recall on these short held-out chats is 8 of 13 (G, shipped before it: 6; the model before G: 2, held-out
+    # small talk around a question defeated it: docs/embedded-model.md), pinned under each chat policy in
+    # tests/test_recall_pinned.py
     assert (result.out_of_scope.questions, result.out_of_scope.correct) == (13, 12)
-    assert (result.overall.questions, result.overall.correct) == (13, 6) and result.longest_reply <= 40
+    assert (result.overall.questions, result.overall.correct) == (13, 8) and result.longest_reply <= 40
     assert sum(result.stop_reasons.values()) == result.overall.questions + result.out_of_scope.questions
     samples = sample_replies(engine, chats, 12, temperature=0.8)
     assert samples.replies == 12 and samples.reply_cap == 40 and samples.longest <= 80

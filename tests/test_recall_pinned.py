@@ -23,9 +23,10 @@ from kvchat.engine.policies import make_policy
 
 # A development set (seed 0; never a report set): held-out values and phrasings, chats as long as `kvchat eval`'s.
 PINNED_CHATS = dict(count=2, seed=0, min_rounds=44, max_rounds=52, min_tokens=2000, phrasing="heldout")
-# policy: (questions, correct), measured 2026-11-28 on the 2-core x86-64 CPU (fp32), app mode, on the model shipped
-# that day (G; the model before answered 10 / 9 / 10).
-PINNED = {"full": (27, 18), "round": (27, 17), "loopserve": (27, 18)}
+# policy: (questions, correct), measured 2026-11-29 on the 2-core x86-64 CPU (fp32), app mode, on the model shipped
+# that day (B2; G, shipped before it, answered 18 / 17 / 18 of these 27, and 1,013 of the report sets' 2,012
+# questions against B2's 1,023: docs/embedded-model.md, "The eighth run"; the model before G 10 / 9 / 10).
+PINNED = {"full": (27, 16), "round": (27, 17), "loopserve": (27, 16)}
 
 
 def recall_floor(questions: int, correct: int) -> int:
@@ -59,9 +60,9 @@ def test_recall_stays_at_its_pinned_floor(engine, chats, name):
 
 def test_a_two_point_drop_fails_the_floor(chats):
     """The same eval on the shipped model with its attention's q/k/v weights perturbed (seeded noise of a fifth of
-    each matrix's spread; measured 2026-11-28: 14 of 27 against 18, 14.8 points lower) falls below the floor the
-    test above keeps. (Milder noise, on one matrix or a tenth of the spread, moved no answer or one of 54 on the
-    model shipped before: the model is robust.)"""
+    each matrix's spread; measured 2026-11-29: 14 of 27 against 16, 7.4 points lower; on G, 14 against 18) falls
+    below the floor the test above keeps. (Milder noise, on one matrix or a tenth of the spread, moved no answer or
+    one of 54 on an earlier model: the model is robust.)"""
     engine = Engine(DEFAULT_MODEL, device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -78,11 +78,12 @@ def fresh_prefill(engine, session: ChatSession, n: int | None = None):
 
 def assert_fresh(cache, engine, session, layers: slice, span: int, first: int) -> None:
     """The recomputed K/V of `layers` for the first `span` tokens (of `first` recomputed at the lowest layers) is a
-    fresh prefill's: bit for bit that of the same `first` tokens, and within fp32 rounding (1e-4 of the largest
-    value, after 8 layers) of a prefill of the whole chat, whose larger matrix products sum in another order."""
+    fresh prefill's: bit for bit that of the same `first` tokens, and within fp32 rounding (2e-4 of the largest
+    value, after 8 layers) of a prefill of the whole chat, whose larger matrix products sum in another order (on
+    the embedded model shipped 2026-11-29 up to 1.1e-4; under 1e-4 on the models before)."""
     alone, whole = fresh_prefill(engine, session, first), fresh_prefill(engine, session)
     assert torch.equal(cache.kv[layers, :, :, :span], alone.kv[layers, :, :, :span])
-    assert relative_error(cache.kv[layers, :, :, :span], whole.kv[layers, :, :, :span]) < 1e-4
+    assert relative_error(cache.kv[layers, :, :, :span], whole.kv[layers, :, :, :span]) < 2e-4
 
 
 def answer_and_forget(session: ChatSession) -> str:
