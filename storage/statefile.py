@@ -23,9 +23,11 @@ from kvchat.storage.segments import SUFFIX, layer_rows_fit, parse_segment, store
 
 FORMAT = "kvchat-state"
 # 2: segments of kind "merged" and the `merged` column (cross-layer merging); 3: segments of kind "units" (a round's
-# retrieval units, LouisKV). Each is written only when used, so a chat without them stays readable by an older kvchat.
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# retrieval units, LouisKV); 4: units segments of bytes (uint8: 8-bit centroids, since 2026-11-29), a dtype a kvchat
+# reading 3 at most does not know. Each is written only when used, so a chat without them stays readable by an older
+# kvchat, which refuses a newer file by its version rather than calling its segments corrupt.
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 32 << 20
 MAX_BLOB_BYTES = 4 << 30
@@ -86,7 +88,10 @@ def export_session(store: Store, sid: str, out: Path, *, text_only: bool = False
 
 
 def state_version(segments: list[dict]) -> int:
-    """The oldest version that can hold `segments`: 3 with units, 2 with merged layers, else 1."""
+    """The oldest version that can hold `segments`: 4 with units of bytes, 3 with units, 2 with merged layers, else
+    1."""
+    if any(s["kind"] == SEGMENT_UNITS and s.get("dtype") == "uint8" for s in segments):
+        return 4
     if any(s["kind"] == SEGMENT_UNITS for s in segments):
         return 3
     return 2 if any(s.get("merged") or s["kind"] == SEGMENT_MERGED for s in segments) else 1

@@ -313,3 +313,27 @@ def test_a_state_file_carries_the_units(kvchat_home, tmp_path):
     for s in stored_units(store, new_sid).values():
         assert (store.kv_dir / s["file"]).exists() and s["layer_end"] - s["layer_start"] >= len(layers)
     assert Path(out).stat().st_size > 0
+
+
+def test_a_state_file_with_8_bit_units_says_version_4_and_one_of_bfloat16_units_version_3(kvchat_home, tmp_path,
+                                                                                          monkeypatch):
+    """Units of bytes are a dtype a kvchat reading version 3 at most does not know: such a file says version 4, so
+    an older kvchat refuses it by its version (rather than calling its segments corrupt); a chat whose units are
+    all bfloat16 stays version 3."""
+    import json
+    import zipfile
+
+    def version(sid: str) -> int:
+        out = tmp_path / f"{sid}.kvstate"
+        export_session(store, sid, out, model_name="embedded")
+        with zipfile.ZipFile(out) as zf:
+            return json.loads(zf.read("manifest.json"))["version"]
+
+    store = Store()
+    sid = new_chat(store)
+    run_chat(store, sid, louiskv(), MESSAGES[:1]).close()
+    assert {s["dtype"] for s in stored_units(store, sid).values()} == {"uint8"} and version(sid) == 4
+    monkeypatch.setattr(units_module, "pack_units", pack_units_bfloat16)
+    older = new_chat(store)
+    run_chat(store, older, louiskv(), MESSAGES[:1]).close()
+    assert {s["dtype"] for s in stored_units(store, older).values()} == {"bfloat16"} and version(older) == 3

@@ -250,11 +250,15 @@ class ChatSession:
         stats.plan = "lazy: units read; rounds brought in as the message's layers choose them, the rest after its " \
                      "first token"
         laid_out = time.perf_counter()
-        rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
-                          restore_whole=lambda: self._restore_whole_into(cache, stats),
-                          members={r.idx: cache.units[(r.token_start, r.token_end)].member for r in self.rounds},
-                          global_layers=model.cfg.global_layers,
-                          after_complete=lambda: stored_units.load(cache, self.rounds), opening=opening)
+        try:
+            rows = StoredRows(self.store, segments, self.fingerprint, self.rounds, cache, stats,
+                              restore_whole=lambda: self._restore_whole_into(cache, stats),
+                              members={r.idx: cache.units[(r.token_start, r.token_end)].member for r in self.rounds},
+                              global_layers=model.cfg.global_layers,
+                              after_complete=lambda: stored_units.load(cache, self.rounds), opening=opening)
+        except BaseException:  # (the files being opened are closed, not left to the collector)
+            opening.close()
+            raise
         policy.lazy = self.lazy_rows = rows
         self.lazy_open_s["layout"] = time.perf_counter() - laid_out
         self.cache, self.restored = cache, stats

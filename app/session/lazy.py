@@ -133,7 +133,7 @@ class FrameFilesOpening:
         for opening in self._opening.values():
             opening.add_done_callback(_close_opened)
         self._opening.clear()
-        self.pool.shutdown(wait=False)
+        self.pool.shutdown(wait=False, cancel_futures=True)  # (opens not begun are not begun)
 
 
 def _close_opened(opening: Future) -> None:
@@ -399,16 +399,23 @@ class StoredRows:
         if self._counts_np is None:  # (on this thread: what each file's members are checked against)
             self._counts_np = self._unit_counts.cpu().numpy()
         opening = [self._pool.submit(self._open, i) for i in rest]
-        failed: list[LazyResumeFailed] = []
-        for i, opened in early.items():
-            try:
-                self._keep(i, self._open(i, opened))
-            except LazyResumeFailed as exc:
-                failed.append(exc)
-        wait(opening)  # every open done (or failed) before any error is raised: none outlives the lazy resume
-        for i, task in zip(rest, opening):
-            if task.exception() is None:
-                self._keep(i, task.result())
+        failed: list[BaseException] = []
+        try:
+            for i, opened in early.items():
+                try:
+                    self._keep(i, self._open(i, opened))
+                except LazyResumeFailed as exc:
+                    failed.append(exc)
+        except BaseException:  # (an interrupt: the early opens not waited for yet are closed once they end)
+            for i, opened in early.items():
+                if i not in self._files:
+                    opened.add_done_callback(_close_opened)
+            raise
+        finally:
+            wait(opening)  # every open done (or failed) before any error is raised: none outlives the lazy resume
+            for i, task in zip(rest, opening):
+                if task.exception() is None:
+                    self._keep(i, task.result())  # (kept: closed with the rest)
         if failed:
             raise failed[0]
         for task in opening:

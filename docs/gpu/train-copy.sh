@@ -52,6 +52,10 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob(sys.argv[2])):
           f"polite {d['out_of_scope']['polite_rate']:.3f}", f"longest reply {d['longest_reply']}")
 PY
 }
+archive_evals() {  # $OUT's eval files (and blends' logs) in one archive: the device hands back at most 8 files a call
+  (cd "$OUT" && shopt -s nullglob && files=(*-dev-* *-heldout-seed* *-average.log) \
+    && if [ ${#files[@]} -gt 0 ]; then tar czf evals.tgz -- "${files[@]}" && rm -f -- "${files[@]}"; fi)
+}
 case "${1:-train}" in
   kernel)
     timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" -m gpu tests/test_unit_choice_kernel.py 2>&1 | tail -15 \
@@ -71,8 +75,7 @@ case "${1:-train}" in
     if [ -n "${EVAL:-}" ]; then dev_evals /tmp/copy-run/kvchat-memory-demo.gguf trained
       if [ -n "${GATE:-}" ]; then gate_evals /tmp/copy-run/kvchat-memory-demo.gguf trained; fi
       wait; summary; summary "$OUT" "*-heldout-seed*.json"
-      # in one archive: the device hands back at most 8 files of a call
-      (cd "$OUT" && tar czf evals.tgz -- *-dev-* *-heldout-seed* 2>/dev/null && rm -f -- *-dev-* *-heldout-seed*); fi ;;
+      archive_evals; fi ;;
   eval)
     shift; for model in "$@"; do dev_evals "$model" "$(basename "$model" .gguf)"; done; wait; summary ;;
   report)  # held-out phrasings on each report set (40 chats, as 2026-11-26's figures), random strings on each (10
@@ -116,7 +119,6 @@ case "${1:-train}" in
         && dev_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name" \
         && if [ -n "${GATE:-}" ]; then gate_evals "/tmp/$name/kvchat-memory-demo.gguf" "$name"; fi
     done; wait; summary; summary "$OUT" "*-heldout-seed*.json"
-    (cd "$OUT" && tar czf evals.tgz -- *-dev-* *-heldout-seed* *-average.log 2>/dev/null \
-      && rm -f -- *-dev-* *-heldout-seed* *-average.log) ;;
+    archive_evals ;;
   *) echo "usage: $0 kernel|train|eval MODEL...|blends COUNTS...|report MODEL|ship MODEL" >&2; exit 2 ;;
 esac
