@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kvchat.storage.codec import StorageError
+from kvchat.storage.db import SEGMENT_UNIT_ROWS
 from kvchat.storage.segments import (DTYPES, SUFFIX, SegmentCorrupt, SegmentMissing, SegmentRef, SegmentWrongModel,
                                      _reason, _whole_file_hash, place_content_addressed)
 
@@ -155,6 +156,11 @@ def readable_into(segment: dict, dtype: torch.dtype) -> bool:
     version 1's zstd frames, or frames of another precision (a chat answered on a CPU in float32 and reopened on a GPU
     in bfloat16), are not (their rounds are read whole, and their frames written again)."""
     return segment.get("codec") == CODEC and segment.get("dtype") == str(dtype).removeprefix("torch.")
+
+
+def readable_frames(segments: list[dict], dtype: torch.dtype) -> dict[int, dict]:
+    """A chat's segment rows -> each round's unit-rows segment that a cache of `dtype` reads (`readable_into`)."""
+    return {s["round_idx"]: s for s in segments if s["kind"] == SEGMENT_UNIT_ROWS and readable_into(s, dtype)}
 
 
 class UnitFramesFile:

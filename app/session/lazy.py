@@ -41,11 +41,11 @@ from kvchat.errors import KvchatError
 from kvchat.kernels._triton import triton_kernel_runs_on
 from kvchat.kernels.frame_checksums import frame_checksums
 from kvchat.storage.codec import StorageError
-from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
+from kvchat.storage.db import SEGMENT_KV, SEGMENT_MERGED, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.pagecache import disk_bytes_read
 from kvchat.storage.segments import read_segment
 from kvchat.storage.unit_frames import (FrameTable, UnitFramesFile, frame_rows, frame_sums, gather_table_frames,
-                                        readable_into)
+                                        readable_frames)
 
 
 # Threads reading the unit frames of a layer that are not in the page cache (storage.unit_frames.gather_table_frames),
@@ -116,8 +116,7 @@ class FrameFilesOpening:
 
     def __init__(self, store: Store, segments: list[dict], rounds: list[RoundRow], fingerprint: str,
                  dtype: torch.dtype):
-        framed = {seg["round_idx"]: seg for seg in segments
-                  if seg["kind"] == SEGMENT_UNIT_ROWS and readable_into(seg, dtype)}
+        framed = readable_frames(segments, dtype)
         self.pool = ThreadPoolExecutor(max_workers=FRAME_READERS)
         self._opening: dict[int, Future] = {
             i: self.pool.submit(UnitFramesFile, store.kv_dir / framed[row.idx]["file"], fingerprint=fingerprint)
@@ -161,13 +160,11 @@ class StoredRows:
         self.rounds = rounds
         self.starts = [r.token_start for r in rounds]
         self.segments: dict[int, list[dict]] = {}
-        self.frames: dict[int, dict] = {}  # round -> its unit-rows segment
+        self.frames = readable_frames(segments, cache.kv.dtype)  # round -> its unit-rows segment (else: read whole)
         units_bytes = 0
         for seg in segments:
             if seg["kind"] == SEGMENT_KV:
                 self.segments.setdefault(seg["round_idx"], []).append(seg)
-            elif seg["kind"] == SEGMENT_UNIT_ROWS and readable_into(seg, cache.kv.dtype):  # (else: read whole)
-                self.frames[seg["round_idx"]] = seg
             elif seg["kind"] == SEGMENT_UNITS:
                 units_bytes += seg["byte_size"]
         self._complete, self._after_complete = restore_whole, after_complete

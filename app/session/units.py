@@ -38,7 +38,7 @@ from kvchat.engine.kv.units import Units, centroids_in_8_bits, centroids_of_8_bi
 from kvchat.storage.codec import StorageError
 from kvchat.storage.db import SEGMENT_UNIT_ROWS, SEGMENT_UNITS, RoundRow, Store
 from kvchat.storage.segments import read_segment
-from kvchat.storage.unit_frames import readable_into, write_unit_frames
+from kvchat.storage.unit_frames import readable_frames, write_unit_frames
 
 
 # A member's unit must fit an int16 to be stored in the bfloat16 plane's bits.
@@ -89,6 +89,12 @@ class StoredUnits:
         centroid = (centroids_of_8_bits(centroid, self.scale.to(device)) if self.scale is not None
                     else centroid.to(torch.float32))
         return Units(self.start, self.end, self.member.to(device).long(), centroid[:, :, :, None])
+
+
+def _tokens_held(rows: int, d: int, dtype: torch.dtype) -> int:
+    """The most tokens whose units a units segment of `rows` rows of `d` holds: a member is 2 bytes of a uint8 plane,
+    one value of an older format's."""
+    return rows * d // (2 if dtype == torch.uint8 else 1)
 
 
 def _member_plane(packed: Tensor, n: int) -> Tensor:
@@ -145,7 +151,7 @@ def stored_units(packed: Tensor, start: int, end: int) -> StoredUnits:
     (`StoredUnits.on`)."""
     g, _, h, rows, d = packed.shape
     n = end - start
-    if n > rows * d // (2 if packed.dtype == torch.uint8 else 1):
+    if n > _tokens_held(rows, d, packed.dtype):
         raise ValueError(f"a units segment of {rows} rows cannot hold {n} tokens' units")
     member = _member_plane(packed, n).contiguous()
     named = int(member.max()) + 1 if n else 1
@@ -251,8 +257,7 @@ class ChatUnits:
                 built.append(row.idx)
             cache.units[(row.token_start, row.token_end)] = units
         if self.unit_rows:  # a chat stored before, or without them: its rounds' unit rows from the K/V just restored
-            held = {s["round_idx"] for s in segments  # (frames a lazy resume cannot read: written again)
-                    if s["kind"] == SEGMENT_UNIT_ROWS and readable_into(s, cache.kv.dtype)}
+            held = set(readable_frames(segments, cache.kv.dtype))  # (frames a lazy resume cannot read: written again)
             for row in rounds:
                 units = cache.units.get((row.token_start, row.token_end))
                 if row.idx not in held and units is not None and row.token_end <= cache.length:
@@ -306,7 +311,7 @@ class ChatUnits:
             if header.shape[0] != len(self.layers) or header.shape[4] != self.model.cfg.head_dim:
                 raise ValueError("units of another model's shape")
             n = row.token_end - row.token_start
-            if n > header.shape[3] * header.shape[4] // (2 if header.dtype == torch.uint8 else 1):
+            if n > _tokens_held(header.shape[3], header.shape[4], header.dtype):
                 raise ValueError(f"a units segment of {header.shape[3]} rows cannot hold {n} tokens' units")
             if device is not None:
                 return packed, ""
